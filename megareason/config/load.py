@@ -1,0 +1,175 @@
+"""Compose a config with hydra from ``configs/`` and turn it into the typed dataclasses.
+
+Hydra does the composition (defaults lists, ``key=value`` overrides); the conversion here is strict:
+an unknown key names the valid keys, a wrong type names the field and the expected type, and value
+checks name the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from megareason.config.schema import Config
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+DEFAULTS_NODE = "megareason_defaults"
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message names the field."""
+
+
+def _check_override_key(override: str) -> None:
+    """Reject ``key=value`` overrides whose key is not a schema field, listing the valid keys."""
+    key = override.split("=", 1)[0].lstrip("+~")
+    cls: Any = Config
+    for depth, part in enumerate(key.split(".")):
+        names = {f.name for f in dataclasses.fields(cls)}
+        if part not in names:
+            where = ".".join(key.split(".")[:depth]) or "the config"
+            raise ConfigError(f"unknown key '{key}' in override '{override}'; valid keys of {where}: "
+                              f"{', '.join(sorted(names))}")
+        cls = typing.get_type_hints(cls)[part]
+        if not dataclasses.is_dataclass(cls):
+            return  # lists and mappings: their items are checked after composition
+
+
+def load_config(
+    name: str = "eval", overrides: list[str] | None = None, config_dir: str | Path | None = None
+) -> Config:
+    """Compose ``<config_dir>/<name>.yaml`` with ``overrides`` and return a validated :class:`Config`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir = Path(config_dir or CONFIG_DIR).resolve()
+    if not (config_dir / f"{name}.yaml").is_file():
+        names = sorted(p.stem for p in config_dir.glob("*.yaml"))
+        raise ConfigError(f"no config '{name}' in {config_dir}; available: {', '.join(names)}")
+    for override in overrides or []:
+        _check_override_key(override)
+    # Every YAML starts its defaults list with this node: all schema fields exist before the YAML
+    # and the overrides are applied, so `key=value` works for fields the YAML does not mention.
+    ConfigStore.instance().store(name=DEFAULTS_NODE, node=OmegaConf.create(dataclasses.asdict(Config())))
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            composed = compose(config_name=name, overrides=list(overrides or []))
+        raw = OmegaConf.to_container(composed, resolve=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(f"config '{name}' with overrides {overrides or []}: {e}") from e
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    cfg = _build(Config, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_show(raw)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"unknown key '{where}{unknown[0]}'; valid keys of {path or 'the config'}: {', '.join(fields)}"
+        )
+    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {_show(value)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(arm, value, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {_show(value)}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
+        _, item = typing.get_args(tp)
+        return {k: _coerce(item, v, f"{path}.{k}") for k, v in value.items()}
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{path}: expected null, got {_show(value)}")
+        return None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{path}: expected int, got {_show(value)}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _show(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the types cannot express. Raises :class:`ConfigError` naming the field."""
+    r, d = cfg.rollout, cfg.data
+    _check(r.n >= 1, "rollout.n", "must be >= 1", r.n)
+    _check(r.temperature >= 0, "rollout.temperature", "must be >= 0", r.temperature)
+    _check(r.temperature > 0 or r.n == 1, "rollout.n", "must be 1 when rollout.temperature=0", r.n)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
+    _check(r.max_tokens >= 1, "rollout.max_tokens", "must be >= 1", r.max_tokens)
+    _check(r.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0", r.kv_cache_gib)
+    _check(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must be in (0, 1]",
+           r.gpu_memory_utilization)
+    _check(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", "must be >= 1",
+           r.tensor_parallel_size)
+    _check(d.max_prompt_length >= 1, "data.max_prompt_length", "must be >= 1", d.max_prompt_length)
+    _check(
+        d.max_prompt_length + r.max_tokens <= r.max_model_len,
+        "rollout.max_model_len",
+        f"must be >= data.max_prompt_length + rollout.max_tokens = {d.max_prompt_length + r.max_tokens}",
+        r.max_model_len,
+    )
+    _check(bool(d.sources), "data.sources", "must list at least one source", d.sources)
+    for i, s in enumerate(d.sources):
+        p = f"data.sources[{i}]"
+        if s.kind == "file":
+            _check(bool(s.path), f"{p}.path", "is required when kind=file", s.path)
+            _check(s.size >= 0, f"{p}.size", "must be >= 0 (0 keeps every row)", s.size)
+        else:
+            _check(bool(s.name), f"{p}.name", "is required when kind=reasoning_gym", s.name)
+            _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=reasoning_gym", s.size)
+    for k in cfg.eval.pass_k:
+        _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
+
+
+def _check(ok: bool, path: str, what: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{path} {what}, got {value!r}")

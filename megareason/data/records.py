@@ -1,0 +1,32 @@
+"""Typed records that cross module boundaries (data -> rollout -> rewards -> evaluation/trainer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PromptRecord:
+    """One prompt, in the verl convention.
+
+    prompt:       chat messages ``[{"role": ..., "content": ...}]`` without the assistant's answer.
+    data_source:  selects the reward function (see ``megareason.rewards``).
+    ground_truth: the reference final answer, as text.
+    extra_info:   JSON-safe per-row details: ``index``, ``question``, ``solution`` (the expert's
+                  reasoning, when known) and whatever a reward needs (e.g. countdown's ``numbers``).
+    """
+
+    prompt: list[dict[str, str]]
+    data_source: str
+    ground_truth: str
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TokenizedPrompt:
+    """A record with its chat template applied: ``token_ids`` is what the engine is given."""
+
+    record: PromptRecord
+    text: str
+    token_ids: list[int]

@@ -1,0 +1,1 @@
+"""Evaluation: ``megareason eval`` (generate, score, summarize) and its metrics."""

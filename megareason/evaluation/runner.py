@@ -1,0 +1,209 @@
+"""``megareason eval``: generate k samples per prompt, score them, report per data_source.
+
+Outputs go to ``<eval.output_dir>/<timestamp>/``: ``samples.jsonl`` (one line per sample) and
+``summary.json``, each written to a temporary file and renamed, so a crash never leaves half a file
+and earlier runs are never overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megareason.config.schema import Config
+from megareason.data import TokenizedPrompt, load_records, tokenize_prompts
+from megareason.evaluation.metrics import pass_at_k
+from megareason.models.hub import resolve_model_path
+from megareason.rewards import compute_score
+from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleResult:
+    index: int
+    sample: int
+    data_source: str
+    question: str
+    ground_truth: str
+    response: str
+    reward: float
+    correct: bool
+    response_tokens: int
+    truncated: bool
+    score_error: str = ""
+
+
+@dataclass
+class SourceSummary:
+    data_source: str
+    prompts: int
+    samples: int
+    accuracy: float
+    mean_reward: float
+    pass_at: dict[int, float]
+    mean_response_tokens: float
+    max_response_tokens: int
+    clip_ratio: float  # fraction of responses cut at rollout.max_tokens
+    score_errors: int
+
+
+@dataclass
+class EvalReport:
+    summaries: list[SourceSummary]
+    samples: list[SampleResult] = field(repr=False)
+    output_dir: Path | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def engine_settings(cfg: Config) -> EngineSettings:
+    r = cfg.rollout
+    return EngineSettings(
+        model_path=str(resolve_model_path(cfg.model.path)),
+        tokenizer=str(resolve_model_path(cfg.model.tokenizer)) if cfg.model.tokenizer else "",
+        dtype=r.dtype,
+        max_model_len=r.max_model_len,
+        kv_cache_gib=r.kv_cache_gib,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        tensor_parallel_size=r.tensor_parallel_size,
+        enforce_eager=r.enforce_eager,
+        seed=r.seed,
+    )
+
+
+def sampling_from(cfg: Config) -> Sampling:
+    r = cfg.rollout
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens,
+                    stop=tuple(r.stop))
+
+
+def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = True) -> EvalReport:
+    """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given."""
+    t0 = time.perf_counter()
+    records = load_records(cfg.data)  # data errors surface before the engine starts
+    own_engine = engine is None
+    if own_engine:
+        engine = VLLMEngine(engine_settings(cfg))
+    try:
+        t1 = time.perf_counter()
+        prompts = tokenize_prompts(records, engine.tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
+        log.info("generating %d x %d samples", len(prompts), cfg.rollout.n)
+        groups = engine.generate([p.token_ids for p in prompts], sampling_from(cfg))
+        t2 = time.perf_counter()
+    finally:
+        if own_engine:
+            engine.shutdown()
+    samples = score(prompts, groups)
+    t3 = time.perf_counter()
+    report = EvalReport(
+        summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k),
+        samples=samples,
+        seconds={"setup": t1 - t0, "generate": t2 - t1, "score": t3 - t2},
+    )
+    if write:
+        report.output_dir = write_report(report, cfg)
+    return report
+
+
+def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]]) -> list[SampleResult]:
+    """Score every completion with the reward of its prompt's data_source.
+
+    A scorer that raises is counted in ``score_error`` (reward 0), never silently; the first
+    failure per data_source is logged.
+    """
+    results, warned = [], set()
+    pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
+    for p, j, c in tqdm(pairs, desc="scoring", unit="sample", leave=False):
+        rec, error = p.record, ""
+        try:
+            out = compute_score(rec.data_source, c.text, rec.ground_truth, rec.extra_info)
+            reward, correct = out.score, out.correct
+        except Exception as e:  # a broken scorer must not lose the run; it is counted instead
+            reward, correct, error = 0.0, False, f"{type(e).__name__}: {e}"
+            if rec.data_source not in warned:
+                warned.add(rec.data_source)
+                log.warning("reward for data_source '%s' failed: %s", rec.data_source, error)
+        results.append(SampleResult(
+            index=rec.extra_info.get("index", -1), sample=j, data_source=rec.data_source,
+            question=rec.prompt[-1]["content"], ground_truth=rec.ground_truth, response=c.text,
+            reward=reward, correct=correct, response_tokens=len(c.token_ids), truncated=c.truncated,
+            score_error=error,
+        ))
+    return results
+
+
+def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int]) -> list[SourceSummary]:
+    by_source: dict[str, list[SampleResult]] = defaultdict(list)
+    for s in samples:
+        by_source[s.data_source].append(s)
+    ks = sorted(k for k in set(pass_k) if k <= n)
+    out = []
+    for source in sorted(by_source):
+        rows = by_source[source]
+        by_prompt: dict[int, list[SampleResult]] = defaultdict(list)
+        for s in rows:
+            by_prompt[s.index].append(s)
+        out.append(SourceSummary(
+            data_source=source,
+            prompts=len(by_prompt),
+            samples=len(rows),
+            accuracy=sum(s.correct for s in rows) / len(rows),
+            mean_reward=sum(s.reward for s in rows) / len(rows),
+            pass_at={k: sum(pass_at_k(len(g), sum(s.correct for s in g), k) for g in by_prompt.values())
+                     / len(by_prompt) for k in ks},
+            mean_response_tokens=sum(s.response_tokens for s in rows) / len(rows),
+            max_response_tokens=max(s.response_tokens for s in rows),
+            clip_ratio=sum(s.truncated for s in rows) / len(rows),
+            score_errors=sum(bool(s.score_error) for s in rows),
+        ))
+    return out
+
+
+def format_table(summaries: list[SourceSummary]) -> str:
+    ks = sorted({k for s in summaries for k in s.pass_at})
+    header = ["data_source", "prompts", "samples", "accuracy", *[f"pass@{k}" for k in ks],
+              "reward", "resp_len", "clipped", "errors"]
+    rows = [[s.data_source, str(s.prompts), str(s.samples), f"{s.accuracy:.3f}",
+             *[f"{s.pass_at[k]:.3f}" for k in ks], f"{s.mean_reward:.3f}",
+             f"{s.mean_response_tokens:.0f}", f"{s.clip_ratio:.2f}", str(s.score_errors)]
+            for s in summaries]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def write_report(report: EvalReport, cfg: Config) -> Path:
+    out = Path(cfg.eval.output_dir) / time.strftime("%Y%m%d-%H%M%S")
+    while out.exists():  # two runs in the same second
+        out = out.with_name(out.name + "_")
+    out.mkdir(parents=True)
+    atomic_write(out / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in report.samples))
+    summary = {"summaries": [asdict(s) for s in report.summaries], "seconds": report.seconds,
+               "config": asdict(cfg)}
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,1 @@
+"""Models: offline provisioning of named checkpoints and tiny random checkpoints for tests."""
