@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import asdict
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     msub.add_parser("list", help="known models and whether they are provisioned")
 
     args = parser.parse_args(argv)
+    # Models and data come from local files only; never let a library reach for a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from megareason.config import ConfigError

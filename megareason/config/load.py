@@ -32,8 +32,10 @@ def _check_override_key(override: str) -> None:
     for depth, part in enumerate(key.split(".")):
         names = {f.name for f in dataclasses.fields(cls)}
         if part not in names:
-            where = ".".join(key.split(".")[:depth]) or "the config"
-            raise ConfigError(f"unknown key '{key}' in override '{override}'; valid keys of {where}: "
+            parts = key.split(".")
+            where = ".".join(parts[:depth]) or "the config"
+            bad = ".".join(parts[: depth + 1])
+            raise ConfigError(f"unknown key '{bad}' in override '{override}'; valid keys of {where}: "
                               f"{', '.join(sorted(names))}")
         cls = typing.get_type_hints(cls)[part]
         if not dataclasses.is_dataclass(cls):

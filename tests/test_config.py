@@ -1,0 +1,108 @@
+"""Config: every YAML loads, overrides apply, bad input gets an error naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megareason.config import CONFIG_DIR, Config, ConfigError, from_dict, load_config
+from megareason.config.schema import RolloutConfig
+
+ALL_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+SOURCE = {"kind": "reasoning_gym", "name": "basic_arithmetic", "size": 4}
+
+
+def test_there_are_configs():
+    assert "eval" in ALL_CONFIGS
+
+
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_every_yaml_loads(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, Config) and cfg.data.sources
+
+
+def test_defaults_come_from_the_schema_and_yaml_overrides_them():
+    cfg = load_config("eval")
+    assert cfg.rollout.top_p == RolloutConfig().top_p  # not in eval.yaml
+    assert cfg.rollout.max_model_len == 640  # set in eval.yaml
+    assert cfg.data.sources[0].options["max_terms"] == 2
+
+
+def test_command_line_overrides():
+    cfg = load_config("eval", ["rollout.temperature=0.9", "data.max_prompt_length=128", "rollout.top_p=1"])
+    assert cfg.rollout.temperature == 0.9
+    assert cfg.data.max_prompt_length == 128
+    assert cfg.rollout.top_p == 1.0 and isinstance(cfg.rollout.top_p, float)
+
+
+def test_sources_override_as_a_list():
+    cfg = load_config("eval", ["data.sources=[{kind: file, path: a.jsonl, data_source: math}]"])
+    (src,) = cfg.data.sources
+    assert (src.kind, src.path, src.data_source, src.size) == ("file", "a.jsonl", "math", 0)
+
+
+def test_unknown_override_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        load_config("eval", ["rollout.temperatur=0.5"])
+    msg = str(e.value)
+    assert "rollout.temperatur" in msg and "temperature" in msg and "top_p" in msg
+
+
+def test_unknown_top_level_key():
+    with pytest.raises(ConfigError, match="unknown key 'trainer'.*valid keys of the config: data, eval"):
+        load_config("eval", ["trainer.steps=3"])
+
+
+def test_wrong_type_names_field_and_expected_type():
+    with pytest.raises(ConfigError, match=r"rollout\.n: expected int, got str 'many'"):
+        load_config("eval", ["rollout.n=many"])
+    with pytest.raises(ConfigError, match=r"rollout\.enforce_eager: expected bool"):
+        load_config("eval", ["rollout.enforce_eager=3"])
+
+
+def test_literal_field():
+    with pytest.raises(ConfigError, match=r"data\.truncation: expected one of \['filter', 'error'\]"):
+        load_config("eval", ["data.truncation=cut"])
+
+
+def test_unknown_key_in_yaml_file(tmp_path: Path):
+    (tmp_path / "bad.yaml").write_text(
+        "defaults:\n  - megareason_defaults\n  - _self_\n"
+        "data:\n  sources:\n    - {kind: reasoning_gym, name: countdown, size: 2, sead: 1}\n"
+    )
+    with pytest.raises(ConfigError, match=r"unknown key 'data\.sources\[0\]\.sead'.*seed"):
+        load_config("bad", config_dir=tmp_path)
+
+
+def test_missing_config_name_lists_available():
+    with pytest.raises(ConfigError, match="no config 'nope'.*eval"):
+        load_config("nope")
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"rollout": {"n": 0}}, "rollout.n"),
+        ({"rollout": {"top_p": 1.5}}, "rollout.top_p"),
+        ({"rollout": {"temperature": 0.0, "n": 4}}, "rollout.n"),
+        ({"rollout": {"max_model_len": 100}}, "rollout.max_model_len"),
+        ({"data": {"sources": []}}, "data.sources"),
+        ({"data": {"sources": [{"kind": "file"}]}}, r"data.sources\[0\].path"),
+        ({"data": {"sources": [{"kind": "reasoning_gym", "name": "countdown"}]}}, r"data.sources\[0\].size"),
+    ],
+)
+def test_value_checks_name_the_field(patch, field):
+    raw = {"data": {"sources": [SOURCE]}}
+    for section, values in patch.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=field):
+        from_dict(raw)
+
+
+def test_ints_accepted_for_floats_but_bools_not_for_ints():
+    cfg = from_dict({"data": {"sources": [SOURCE]}, "rollout": {"temperature": 1}})
+    assert cfg.rollout.temperature == 1.0
+    with pytest.raises(ConfigError, match="rollout.max_tokens: expected int, got bool"):
+        from_dict({"data": {"sources": [SOURCE]}, "rollout": {"max_tokens": True}})

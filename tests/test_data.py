@@ -1,0 +1,136 @@
+"""Data loaders against hand-made files; errors name the file, the row and the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megareason.config import DataConfig, DataSourceConfig
+from megareason.data import DataError, PromptRecord, load_file, load_records, tokenize_prompts
+from megareason.models.tiny import build_tokenizer
+
+VERL_ROW = {
+    "prompt": [{"role": "user", "content": "What is 2 + 2?"}],
+    "data_source": "math",
+    "reward_model": {"ground_truth": "4"},
+    "extra_info": {"split": "test"},
+}
+SEED_ROW = {"question": "What is 3 * 3?", "answer": 9, "solution": "3 * 3 = 9", "data_source": "arithmetic"}
+
+
+def _jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_verl_jsonl(tmp_path):
+    (rec,) = load_file(_jsonl(tmp_path / "d.jsonl", [VERL_ROW]))
+    assert rec == PromptRecord(prompt=VERL_ROW["prompt"], data_source="math", ground_truth="4",
+                               extra_info={"split": "test"})
+
+
+def test_seed_json_list_and_number_answers(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([SEED_ROW, {**SEED_ROW, "answer": "10", "question": "3 * 3 + 1?"}]))
+    recs = load_file(path)
+    assert [r.ground_truth for r in recs] == ["9", "10"]
+    assert recs[0].prompt == [{"role": "user", "content": "What is 3 * 3?"}]
+    assert recs[0].extra_info == {"question": "What is 3 * 3?", "solution": "3 * 3 = 9"}
+
+
+def test_parquet(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "d.parquet"
+    pd.DataFrame([{"question": "1 + 1?", "answer": "2"}, {"question": "2 + 2?", "answer": "4"}]).to_parquet(path)
+    recs = load_file(path, data_source="gsm8k")
+    assert [(r.data_source, r.ground_truth) for r in recs] == [("gsm8k", "2"), ("gsm8k", "4")]
+
+
+def test_missing_field_names_file_row_and_field(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [SEED_ROW, SEED_ROW, {"question": "no answer here", "data_source": "m"}])
+    with pytest.raises(DataError, match=rf"{path} row 3: missing field 'answer'"):
+        load_file(path)
+
+
+def test_missing_data_source(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}])
+    with pytest.raises(DataError, match=r"row 1: missing field 'data_source'"):
+        load_file(path)
+
+
+def test_bad_messages(tmp_path):
+    bad = {**VERL_ROW, "prompt": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}]}
+    path = _jsonl(tmp_path / "d.jsonl", [VERL_ROW, bad])
+    with pytest.raises(DataError, match=r"row 2: prompt\[1\] must be"):
+        load_file(path)
+
+
+def test_neither_prompt_nor_question(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [{"text": "hello", "data_source": "math"}])
+    with pytest.raises(DataError, match=r"row 1: expected a 'prompt' .* or a 'question' field; found: data_source, text"):
+        load_file(path)
+
+
+def test_invalid_json_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(SEED_ROW) + "\n" + json.dumps(SEED_ROW) + "\n{not json\n")
+    with pytest.raises(DataError, match=rf"{path} line 3: invalid JSON"):
+        load_file(path)
+
+
+def test_unsupported_extension_and_missing_file(tmp_path):
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    with pytest.raises(DataError, match=r"unsupported extension '\.csv'"):
+        load_file(tmp_path / "d.csv")
+    with pytest.raises(DataError, match="no such file"):
+        load_file(tmp_path / "missing.jsonl")
+
+
+def test_reasoning_gym_countdown_carries_numbers_and_target():
+    import reasoning_gym
+
+    cfg = DataConfig(system_prompt="", sources=[DataSourceConfig(kind="reasoning_gym", name="countdown", size=3,
+                                                                 seed=5, options={"min_numbers": 3, "max_numbers": 3})])
+    recs = load_records(cfg)
+    expected = reasoning_gym.create_dataset("countdown", size=3, seed=5, min_numbers=3, max_numbers=3)
+    assert len(recs) == 3
+    for i, (rec, item) in enumerate(zip(recs, expected, strict=True)):
+        assert rec.data_source == "countdown"
+        assert rec.ground_truth == str(item["metadata"]["target"])
+        assert rec.extra_info["numbers"] == item["metadata"]["numbers"]
+        assert rec.extra_info["index"] == i
+        assert rec.prompt == [{"role": "user", "content": item["question"]}]
+
+
+def test_reasoning_gym_unknown_generator():
+    cfg = DataConfig(sources=[DataSourceConfig(kind="reasoning_gym", name="no_such_task", size=2)])
+    with pytest.raises(DataError, match="no_such_task"):
+        load_records(cfg)
+
+
+def test_load_records_system_prompt_size_and_override(tmp_path):
+    path = _jsonl(tmp_path / "d.jsonl", [SEED_ROW] * 5)
+    cfg = DataConfig(system_prompt="Be brief.", sources=[
+        DataSourceConfig(kind="file", path=str(path), size=2, data_source="math"),
+        DataSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=1),
+    ])
+    recs = load_records(cfg)
+    assert [r.data_source for r in recs] == ["math", "math", "basic_arithmetic"]
+    assert all(r.prompt[0] == {"role": "system", "content": "Be brief."} for r in recs)
+    assert [r.extra_info["index"] for r in recs] == [0, 1, 2]
+
+
+def test_tokenize_filters_or_rejects_long_prompts():
+    tok = build_tokenizer()
+    short = PromptRecord(prompt=[{"role": "user", "content": "2+2?"}], data_source="math", ground_truth="4")
+    long = PromptRecord(prompt=[{"role": "user", "content": "word " * 200}], data_source="math",
+                        ground_truth="4", extra_info={"index": 7})
+    out = tokenize_prompts([short, long], tok, max_prompt_length=64)
+    assert [p.record for p in out] == [short]
+    assert out[0].text == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(out[0].token_ids) == out[0].text
+    with pytest.raises(DataError, match=r"prompt 7 \(math\) has \d+ tokens, more than data.max_prompt_length=64"):
+        tokenize_prompts([short, long], tok, max_prompt_length=64, truncation="error")

@@ -1,0 +1,63 @@
+"""The vLLM engine against transformers on the same tiny weights (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+
+QUESTIONS = ["What is 12 + 7 * 3?", "Using 3, 5, 7 make 22.", "Natalia sold 48 clips.", "Hello there"]
+MAX_TOKENS = 24
+
+pytestmark = pytest.mark.slow
+
+
+def _prompt_ids(tokenizer):
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for q in QUESTIONS
+    ]
+
+
+def _hf_greedy(model_dir, prompts):
+    """transformers' greedy continuation and the log-prob of each chosen token, one prompt at a time."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+            new = gen[0, len(ids):].tolist()
+            logits = model(gen).logits[0, len(ids) - 1 : len(ids) - 1 + len(new)]
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(new)[:, None])[:, 0]
+            out.append((new, logp.tolist()))
+    return out
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
+def test_greedy_matches_transformers(family, request):
+    model_dir = request.getfixturevalue(family)
+    prompts = _prompt_ids(AutoTokenizer.from_pretrained(model_dir))
+    expected = _hf_greedy(model_dir, prompts)
+    assert sum(len(t) for t, _ in expected) > 2 * len(prompts)  # long enough to be a real comparison
+    engine = VLLMEngine(EngineSettings(model_path=str(model_dir), dtype="float32", max_model_len=256))
+    try:
+        got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        sampled = engine.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=8), use_tqdm=False)
+    finally:
+        engine.shutdown()
+    for (hf_tokens, hf_logp), (completion,) in zip(expected, got, strict=True):
+        assert completion.token_ids == hf_tokens
+        assert len(completion.logprobs_T) == len(hf_tokens)
+        assert max(abs(a - b) for a, b in zip(completion.logprobs_T, hf_logp, strict=True)) < 1e-4
+    assert [len(group) for group in sampled] == [3] * len(prompts)
+    for group in sampled:
+        for c in group:
+            assert 1 <= len(c.token_ids) <= 8 and len(c.logprobs_T) == len(c.token_ids)
+            assert c.finish_reason in ("stop", "length")
+            assert c.truncated == (c.finish_reason == "length")
+            assert all(lp <= 0 for lp in c.logprobs_T)
