@@ -1,0 +1,101 @@
+"""Build this rank's megatron-core GPTModel and fill it from an HF checkpoint.
+
+``build_gpt`` uses the parallel groups that ``parallel.init_parallel`` created (it reads nothing else
+about the layout); ``load_hf_weights`` reads only the HF tensors this rank needs, through the
+declarative map in ``weight_map``. Missing tensors are reported before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megareason.models import weight_map
+from megareason.models.arch import ArchError, ModelArch, transformer_config
+from megareason.models.parallel import current_layout
+
+
+def layer_spec():
+    """TransformerEngine layers on GPU, megatron-core's local (pure torch) layers on CPU."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if torch.cuda.is_available():
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32):
+    """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits."""
+    from megatron.core.models.gpt import GPTModel
+
+    layout = current_layout()
+    arch.check_parallelism(layout.tp, layout.pp)
+    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=arch.padded_vocab_size(layout.tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=layout.first_stage,
+        post_process=layout.last_stage,
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_scaling_factor > 0,
+        rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+    )
+    if not torch.cuda.is_available():
+        model = model.to(params_dtype)
+    return model
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of an HF safetensors checkpoint (one or several shards)."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (self.dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self._handles = {f: safe_open(str(self.dir / f), "pt") for f in files}
+        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+        self.arch = ModelArch.from_pretrained(self.dir)
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def check_complete(self) -> None:
+        """Raise naming the missing tensors, before any weight is loaded."""
+        missing = [n for n in weight_map.hf_names(self.arch) if n not in self._where]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ArchError(f"{self.dir}: checkpoint is missing {len(missing)} tensors: "
+                            f"{', '.join(missing[:5])}{more}")
+
+
+def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
+    """Copy this rank's shard of ``ckpt`` into ``model`` (built by ``build_gpt`` for ``ckpt.arch``)."""
+    ckpt.check_complete()
+    layout = current_layout()
+    state = weight_map.to_megatron(ckpt.get, ckpt.arch, layout.tp_rank, layout.tp, layout.pp_rank, layout.pp)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    assert not missing and not unexpected, f"weight map out of sync: missing {missing}, unexpected {unexpected}"
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if own[name].shape != tensor.shape:
+                raise ArchError(f"{ckpt.dir}: tensor for {name} has shape {tuple(tensor.shape)}, "
+                                f"model expects {tuple(own[name].shape)}")
+            own[name].copy_(tensor)

@@ -1,0 +1,114 @@
+"""megatron-core 0.16.1 on a machine without CUDA: the few patches it needs, in one place.
+
+megatron-core assumes CUDA in a handful of calls that are not about the math: device placement,
+synchronisation and RNG bookkeeping. On CPU (torch.distributed with gloo) each of those maps onto an
+obvious CPU equivalent, and the model code runs unchanged. ``apply()`` installs them only when CUDA is
+absent and is idempotent; on a GPU it does nothing, so the GPU path is stock megatron-core.
+
+Each patch names the megatron-core call it covers; ``tests/test_cpu_compat.py`` has one test each.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects ``device="cuda"`` in factory calls and ``Tensor.cuda()`` / ``.to("cuda")`` to the CPU.
+
+    Covers ``torch.zeros([], dtype=torch.int, device="cuda")`` in
+    ``pipeline_parallel/schedules.py`` (the token count of every forward-backward schedule), the
+    ``torch.tensor([...], device="cuda")`` scalars of ``optimizer/optimizer.py`` and ``clip_grads.py``,
+    and ``Tensor.cuda()`` in ``models/common/language_module/language_module.py`` (the tied
+    embedding weight is all-reduced between the first and last pipeline stage).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _cpu_get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def apply() -> bool:
+    """Install the patches when CUDA is absent. Returns whether they are (now) installed."""
+    global _applied
+    if _applied:
+        return True
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    # (1) torch.cuda.current_device(): used as the device of buffers and communication tensors
+    #     (rotary_pos_embedding.RotaryEmbedding.get_emb, p2p_communication._communicate_shapes, DDP
+    #     buffers, tensor_parallel.layers weight allocation).
+    torch.cuda.current_device = _cpu_current_device
+    # (2) torch.cuda.synchronize(): called around p2p sends in p2p_communication._communicate.
+    torch.cuda.synchronize = _noop
+    # (3) The model-parallel RNG tracker (tensor_parallel.random.CudaRNGStatesTracker.add / fork)
+    #     saves and restores CUDA generator states; keep them on the CPU generator instead.
+    torch.cuda.get_rng_state = _cpu_get_rng_state
+    torch.cuda.set_rng_state = _cpu_set_rng_state
+    torch.cuda.manual_seed = _cpu_manual_seed
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    # (4) device="cuda" factory calls and Tensor.cuda(): see CudaToCpuMode. The mode is entered for
+    #     the life of the process (megatron-core makes these calls from the training thread).
+    CudaToCpuMode().__enter__()
+    _apply_optimizer_patches()
+    _applied = True
+    return True
+
+
+def _apply_optimizer_patches() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    # (5) clip_grads.clip_grad_by_total_norm_fp32 asserts ``grad.type() == 'torch.cuda.FloatTensor'``
+    #     and scales with the fused multi_tensor_scale; MegatronOptimizer.clip_grad_norm calls it
+    #     through the name imported into optimizer.py, so both names are replaced.
+    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in params:
+            grad = p.decoupled_grad if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)

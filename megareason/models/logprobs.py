@@ -1,0 +1,140 @@
+"""Per-token log-probabilities and entropy from vocab-parallel logits, never gathering the vocab.
+
+``vocab_parallel_logprobs`` is the fast path: each tensor-parallel rank holds a slice of the vocab; a
+max, a sum of exponentials and the target logit are all-reduced (three [tokens]-sized messages), and
+the backward pass is computed locally in closed form, as megatron-core's vocab-parallel cross entropy
+does. ``reference_logprobs`` is the obvious version on full logits; tests check they agree.
+
+``forward_logprobs`` runs a (possibly pipelined) megatron-core model over a padded batch with
+megatron-core's schedule and returns the log-probs on every rank.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+def reference_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy of the full softmax. logits [..., V], targets [...]."""
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, true_vocab, group):
+        logits = logits.float()
+        vocab_end = vocab_start + logits.shape[-1]
+        if vocab_end > true_vocab:  # padded vocab entries do not exist: probability exactly 0
+            logits = logits.clone()
+            logits[..., max(true_vocab - vocab_start, 0):] = float("-inf")
+        local_max = logits.max(dim=-1).values
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        dist.all_reduce(sum_exp, group=group)
+        log_z = sum_exp.log()  # of the shifted logits
+        logp_local = shifted - log_z.unsqueeze(-1)
+        probs = exp / sum_exp.unsqueeze(-1)
+
+        in_range = (targets >= vocab_start) & (targets < vocab_end)
+        local_idx = (targets - vocab_start).clamp(0, logits.shape[-1] - 1)
+        target_logp = logp_local.gather(-1, local_idx.unsqueeze(-1)).squeeze(-1)
+        target_logp = torch.where(in_range, target_logp, torch.zeros_like(target_logp))
+        dist.all_reduce(target_logp, group=group)
+
+        plogp = torch.where(probs > 0, probs * logp_local, torch.zeros_like(probs)).sum(-1)
+        dist.all_reduce(plogp, group=group)
+        entropy = -plogp
+
+        ctx.save_for_backward(probs, logp_local, entropy, local_idx, in_range)
+        return target_logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        # d logp(t) / dz_j = 1[j = t] - p_j ;  dH / dz_j = -p_j (log p_j + H).  Every TP rank holds
+        # the same upstream gradients, so each computes its own slice without communication.
+        probs, logp_local, entropy, local_idx, in_range = ctx.saved_tensors
+        safe_logp = torch.where(probs > 0, logp_local, torch.zeros_like(logp_local))
+        grad = -probs * grad_logp.unsqueeze(-1)
+        grad -= probs * (safe_logp + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
+        onehot = torch.zeros_like(probs).scatter_(-1, local_idx.unsqueeze(-1), 1.0) * in_range.unsqueeze(-1)
+        grad += onehot * grad_logp.unsqueeze(-1)
+        return grad, None, None, None, None
+
+
+def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, true_vocab: int,
+                            group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and entropy from this rank's vocab slice ``logits_local`` [..., V/tp].
+
+    ``targets`` [...] are global token ids; vocab entries >= ``true_vocab`` (TP padding) are masked.
+    Returns float32 tensors [...], identical on every rank of ``group`` (default: megatron's TP group).
+    """
+    from megatron.core import parallel_state as ps
+
+    group = group or ps.get_tensor_model_parallel_group()
+    vocab_start = dist.get_rank(group) * logits_local.shape[-1]
+    return _VocabParallelLogprobs.apply(logits_local, targets, vocab_start, true_vocab, group)
+
+
+def _split_micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
+    return list(tokens.split(micro_batch_size, dim=0))
+
+
+def _forward_step(true_vocab: int, data_iterator, model):
+    tokens = next(data_iterator)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    logits = model(tokens, positions, attention_mask=None)
+
+    def collect(output):
+        targets = tokens[:, 1:]
+        logp, entropy = vocab_parallel_logprobs(output[:, :-1], targets, true_vocab)
+        zero = logp.new_zeros(())
+        return zero, torch.tensor(targets.numel()), {"logp": logp.detach(), "entropy": entropy.detach()}
+
+    return logits, collect
+
+
+@torch.no_grad()
+def forward_logprobs(model, tokens_BT: torch.Tensor, true_vocab: int,
+                     micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of ``tokens_BT`` under ``model``, on every rank.
+
+    Returns ``logp_BT`` and ``entropy_BT`` aligned with the tokens: column t holds
+    log p(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution; column 0 is 0. Every rank
+    of the model-parallel group passes the same ``tokens_BT``. Right padding is harmless: a causal
+    model never attends to later (pad) positions; mask the pad columns out of any loss.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b, t = tokens_BT.shape
+    micro = _split_micro_batches(tokens_BT, micro_batch_size)
+    if len({m.shape[0] for m in micro}) != 1:
+        raise ValueError(f"batch size {b} is not a multiple of micro_batch_size {micro_batch_size}")
+    was_training = model.training
+    model.eval()
+    store = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, true_vocab),
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=len(micro),
+        seq_length=t,
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
+    model.train(was_training)
+    out = torch.zeros(2, b, t, dtype=torch.float32)
+    if ps.is_pipeline_last_stage():
+        out[0, :, 1:] = torch.cat([s["logp"] for s in store])
+        out[1, :, 1:] = torch.cat([s["entropy"] for s in store])
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
+    return out[0], out[1]

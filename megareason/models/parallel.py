@@ -1,0 +1,79 @@
+"""Process groups for tensor / pipeline / data parallelism: NCCL on GPU, gloo on CPU, the same code."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's place in the TP x PP x DP grid (megatron-core's order: TP fastest, then DP, then PP)."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> Layout:
+    """Join the default process group (from torchrun-style env vars) and build megatron's groups.
+
+    The world size must be a multiple of ``tp * pp``; the rest is data parallel. On a machine without
+    CUDA the backend is gloo and ``cpu_compat`` patches megatron-core's CUDA-only calls.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megareason.models import cpu_compat
+
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of TP x PP = {tp} x {pp}")
+    if not on_gpu:
+        cpu_compat.apply()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_layout()
+
+
+def current_layout() -> Layout:
+    from megatron.core import parallel_state as ps
+
+    return Layout(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+    )
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

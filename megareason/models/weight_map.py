@@ -1,0 +1,157 @@
+"""HF <-> megatron-core weight names and layouts, as a declarative table per family.
+
+Each ``Rule`` says which HF tensors make one megatron-core tensor and how it is split over tensor-parallel
+ranks; layers are split evenly over pipeline stages (megatron numbers them from 0 on every stage).
+``to_megatron`` builds one rank's shard and ``to_hf`` merges all shards back; both are pure functions of
+tensors, used by the live loader, the converters and (later) the weight sync's naive reference.
+
+Layouts (megatron-core local and TransformerEngine specs alike):
+* ``qkv``: rows grouped per query group g: [q heads of g; k_g; v_g]; TP splits whole groups.
+* ``gate_up``: ``linear_fc1`` holds [gate; up]; each TP rank holds [gate_r; up_r].
+* ``vocab``: rows (vocab entries) split over TP after padding the vocab to a multiple of TP.
+* ``row``: columns split over TP (row-parallel linear). ``replicated``: the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from megareason.models.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class Rule:
+    megatron: str  # "{i}": the layer index local to the pipeline stage
+    hf: tuple[str, ...]  # "{i}": the global layer index
+    split: str  # "replicated" | "vocab" | "row" | "qkv" | "gate_up"
+    where: str = "layer"  # "layer" | "first" (first pipeline stage) | "last" (last stage)
+
+
+_L = "model.layers.{i}."
+_M = "decoder.layers.{i}."
+LLAMA = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab", "first"),
+    Rule(_M + "input_layernorm.weight", (_L + "input_layernorm.weight",), "replicated"),
+    Rule(_M + "self_attention.linear_qkv.weight",
+         tuple(_L + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
+    Rule(_M + "self_attention.linear_proj.weight", (_L + "self_attn.o_proj.weight",), "row"),
+    Rule(_M + "pre_mlp_layernorm.weight", (_L + "post_attention_layernorm.weight",), "replicated"),
+    Rule(_M + "mlp.linear_fc1.weight", (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), "gate_up"),
+    Rule(_M + "mlp.linear_fc2.weight", (_L + "mlp.down_proj.weight",), "row"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "last"),
+)
+QKV_BIAS = Rule(_M + "self_attention.linear_qkv.bias", tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv")
+UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "last")
+# Tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the output layer.
+TIED_OUTPUT = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
+
+
+def rules_for(arch: ModelArch, pp: int = 1) -> tuple[Rule, ...]:
+    rules = LLAMA + ((QKV_BIAS,) if arch.qkv_bias else ())
+    if not arch.tie_word_embeddings:
+        rules += (UNTIED_OUTPUT,)
+    elif pp > 1:
+        rules += (TIED_OUTPUT,)
+    return rules
+
+
+def hf_names(arch: ModelArch) -> list[str]:
+    """Every HF tensor a checkpoint of ``arch`` must contain."""
+    names = []
+    for rule in rules_for(arch):
+        layers = range(arch.num_layers) if rule.where == "layer" else [None]
+        names += [n.format(i=i) for i in layers for n in rule.hf]
+    return names
+
+
+def _stage_layers(arch: ModelArch, pp_rank: int, pp: int) -> range:
+    per_stage = arch.num_layers // pp
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def _on_stage(rule: Rule, pp_rank: int, pp: int) -> bool:
+    return rule.where == "layer" or (rule.where == "first" and pp_rank == 0) or (
+        rule.where == "last" and pp_rank == pp - 1)
+
+
+def to_megatron(get: Callable[[str], torch.Tensor], arch: ModelArch, tp_rank: int, tp: int,
+                pp_rank: int, pp: int) -> dict[str, torch.Tensor]:
+    """The megatron-core state of rank (``tp_rank``, ``pp_rank``), reading HF tensors through ``get``."""
+    out = {}
+    for rule in rules_for(arch, pp):
+        if not _on_stage(rule, pp_rank, pp):
+            continue
+        layers = _stage_layers(arch, pp_rank, pp) if rule.where == "layer" else [None]
+        for local, i in enumerate(layers):
+            tensors = [get(n.format(i=i)) for n in rule.hf]
+            out[rule.megatron.format(i=local)] = _shard(rule.split, tensors, arch, tp_rank, tp)
+    return out
+
+
+def _shard(split: str, ts: list[torch.Tensor], arch: ModelArch, r: int, tp: int) -> torch.Tensor:
+    if split == "replicated":
+        return ts[0].clone()
+    if split == "row":
+        return ts[0].chunk(tp, dim=1)[r].clone()
+    if split == "vocab":
+        w = ts[0]
+        pad = arch.padded_vocab_size(tp) - w.shape[0]
+        if pad:
+            w = torch.cat([w, w.new_zeros(pad, *w.shape[1:])])
+        return w.chunk(tp, dim=0)[r].clone()
+    if split == "gate_up":
+        gate, up = (t.chunk(tp, dim=0)[r] for t in ts)
+        return torch.cat([gate, up]).clone()
+    if split == "qkv":
+        q, k, v = ts
+        g, hd = arch.num_kv_heads, arch.head_dim
+        rest = q.shape[1:]
+        grouped = torch.cat([q.reshape(g, -1, hd, *rest).flatten(1, 2), k.reshape(g, hd, *rest),
+                             v.reshape(g, hd, *rest)], dim=1)
+        return grouped.chunk(tp, dim=0)[r].reshape(-1, *rest).clone()
+    raise AssertionError(f"unknown split {split!r}")
+
+
+def to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], arch: ModelArch, tp: int,
+          pp: int) -> dict[str, torch.Tensor]:
+    """Merge the megatron-core states of all ranks, keyed by (tp_rank, pp_rank), into HF tensors.
+
+    A tied model's output layer copy on the last stage is dropped (it is the embedding).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for rule in rules_for(arch, pp):
+        if rule is TIED_OUTPUT:
+            continue
+        for pp_rank in range(pp):
+            if not _on_stage(rule, pp_rank, pp):
+                continue
+            layers = _stage_layers(arch, pp_rank, pp) if rule.where == "layer" else [None]
+            for local, i in enumerate(layers):
+                name = rule.megatron.format(i=local)
+                parts = [shards[(r, pp_rank)][name] for r in range(tp)]
+                for hf_name, t in zip(rule.hf, _unshard(rule.split, parts, arch), strict=True):
+                    out[hf_name.format(i=i)] = t
+    return out
+
+
+def _unshard(split: str, parts: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+    if split == "replicated":
+        return [parts[0].clone()]
+    if split == "row":
+        return [torch.cat(parts, dim=1)]
+    if split == "vocab":
+        return [torch.cat(parts, dim=0)[: arch.vocab_size].clone()]
+    if split == "gate_up":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+    if split == "qkv":
+        g, hd = arch.num_kv_heads, arch.head_dim
+        q_per_group = arch.num_heads // g
+        rest = parts[0].shape[1:]
+        grouped = torch.cat(parts).reshape(g, (q_per_group + 2) * hd, *rest)
+        q, k, v = grouped.split([q_per_group * hd, hd, hd], dim=1)
+        return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
+    raise AssertionError(f"unknown split {split!r}")

@@ -1,0 +1,57 @@
+"""Run a function on N local processes joined by torch.distributed (gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, results, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    try:
+        results.put((rank, fn(*args), None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(world_size: int, fn, *args, timeout: float = 600):
+    """``fn(*args)`` on every rank; returns the per-rank results. A failing rank fails the call."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, value, error = results.get(timeout=timeout)
+            if error:
+                errors.append(f"rank {rank}:\n{error}")
+                break
+            out[rank] = value
+    except queue.Empty:
+        errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]
