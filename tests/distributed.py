@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
 import socket
 import traceback
+
+import torch
 
 
 def free_port() -> int:
@@ -19,7 +22,11 @@ def _entry(fn, rank, world_size, port, results, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
-        results.put((rank, fn(*args), None))
+        # Serialised to bytes: tensors put on a queue directly travel as shared-memory handles that
+        # die with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, buffer.getvalue(), None))
     except BaseException:
         results.put((rank, None, traceback.format_exc()))
     finally:
@@ -44,7 +51,7 @@ def run_workers(world_size: int, fn, *args, timeout: float = 600):
             if error:
                 errors.append(f"rank {rank}:\n{error}")
                 break
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     except queue.Empty:
         errors.append(f"timed out after {timeout}s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
     finally:

@@ -139,7 +139,12 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        perform_initialization=False,  # weights always come from a checkpoint
+        # Initialise even though a checkpoint overwrites the weights: megatron-core 0.16.1 marks
+        # TP-split parameters (``tensor_model_parallel``) only inside its init routines, and without
+        # the mark the grad norm and the checkpoint sharding treat them as replicated.
+        perform_initialization=True,
+        # Losses return (sum, count); megatron-core divides the gradients by the global count.
+        calculate_per_token_loss=True,
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

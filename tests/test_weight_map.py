@@ -1,0 +1,97 @@
+"""The declarative HF <-> megatron-core map: exact round trips and clear errors, no processes needed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megareason.models import weight_map
+from megareason.models.arch import ArchError, ModelArch
+from megareason.models.build import HFCheckpoint
+
+
+def _shards(ckpt, tp, pp):
+    return {(t, p): weight_map.to_megatron(ckpt.get, ckpt.arch, t, tp, p, pp) for t in range(tp) for p in range(pp)}
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_round_trip_is_byte_identical(family, tp, pp, request):
+    ckpt = HFCheckpoint(request.getfixturevalue(family))
+    back = weight_map.to_hf(_shards(ckpt, tp, pp), ckpt.arch, tp, pp)
+    assert set(back) == ckpt.names()
+    for name, tensor in back.items():
+        assert torch.equal(tensor, ckpt.get(name)), name
+
+
+def test_qkv_layout_by_hand():
+    """2 query groups of 2 heads, head_dim 1: megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1]."""
+    arch = ModelArch("llama", 8, 4, 4, 1, 4, 2, 1, 1e-6, 1e4, 0.0, 16, False, False)
+    q, k, v = torch.tensor([[0.0], [1], [2], [3]]), torch.tensor([[10.0], [11]]), torch.tensor([[20.0], [21]])
+    tensors = {"model.layers.0.self_attn.q_proj.weight": q, "model.layers.0.self_attn.k_proj.weight": k,
+               "model.layers.0.self_attn.v_proj.weight": v}
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+    def get(n):
+        return tensors.get(n, torch.zeros(8 if "embed" in n or "lm_head" in n else 4, 4))
+
+    full = weight_map.to_megatron(get, arch, 0, 1, 0, 1)[name]
+    assert full[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    assert weight_map.to_megatron(get, arch, 1, 2, 0, 1)[name][:, 0].tolist() == [2, 3, 11, 21]
+
+
+def test_gate_up_and_vocab_padding_by_hand():
+    arch = ModelArch("llama", 5, 2, 4, 1, 2, 2, 1, 1e-6, 1e4, 0.0, 16, False, False)
+    gate = torch.arange(8.0).reshape(4, 2)
+    up = 100 + torch.arange(8.0).reshape(4, 2)
+    embed = torch.arange(10.0).reshape(5, 2)
+
+    def get(n):
+        return {"model.layers.0.mlp.gate_proj.weight": gate, "model.layers.0.mlp.up_proj.weight": up,
+                "model.embed_tokens.weight": embed}.get(n, torch.zeros(2, 2))
+
+    rank1 = weight_map.to_megatron(get, arch, 1, 2, 0, 1)
+    assert rank1["decoder.layers.0.mlp.linear_fc1.weight"][:, 0].tolist() == [4, 6, 104, 106]
+    # vocab 5 padded to 6 over TP=2: rank 1 holds rows 3, 4 and a zero pad row
+    assert rank1["embedding.word_embeddings.weight"][:, 0].tolist() == [6, 8, 0]
+    assert arch.padded_vocab_size(2) == 6
+
+
+def test_heads_not_divisible_by_tp(tiny_qwen2):
+    arch = ModelArch.from_pretrained(tiny_qwen2)  # 4 heads, 2 kv heads, 2 layers
+    with pytest.raises(ArchError, match="num_key_value_heads=2 is not divisible by TP=4"):
+        arch.check_parallelism(4, 1)
+    with pytest.raises(ArchError, match="num_hidden_layers=2 is not divisible by PP=3"):
+        arch.check_parallelism(1, 3)
+
+
+def test_unsupported_architecture():
+    with pytest.raises(ArchError, match="unsupported architecture model_type='gpt2'.*supported: llama, mistral, qwen2"):
+        ModelArch.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ArchError, match="rope_type='yarn' is not supported"):
+        ModelArch.from_hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+def test_missing_tensors_are_named_before_loading(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((tiny_llama / f).read_bytes())
+    tensors = load_file(tiny_llama / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"], tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ArchError, match="missing 2 tensors: model.layers.1.mlp.up_proj.weight, model.norm.weight"):
+        HFCheckpoint(tmp_path).check_complete()
+
+
+def test_llama3_rope_scaling_is_read():
+    cfg = json.loads(json.dumps({
+        "model_type": "llama", "vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }))
+    arch = ModelArch.from_hf_config(cfg)
+    assert (arch.rope_theta, arch.rope_scaling_factor, arch.head_dim, arch.qkv_bias) == (500000.0, 8.0, 2, False)
