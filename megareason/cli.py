@@ -51,6 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("--force", action="store_true", help="convert again even if cached")
     msub.add_parser("list", help="known models and whether they are provisioned")
 
+    conv = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core formats",
+                          description="Convert checkpoints. A megareason checkpoint (megatron-core "
+                          "dist_checkpointing) loads at any TP/PP, so conversion needs no layout.")
+    csub = conv.add_subparsers(dest="convert_command", required=True, metavar="DIRECTION")
+    h2m = csub.add_parser("hf-to-megatron", help="HF safetensors directory -> megareason checkpoint")
+    h2m.add_argument("hf_dir", help="HF checkpoint directory, or a name from `megareason models list`")
+    h2m.add_argument("out_dir", help="checkpoint directory to write (replaced atomically if it exists)")
+    m2h = csub.add_parser("megatron-to-hf", help="megareason checkpoint -> HF safetensors directory "
+                          "(loads in transformers and vLLM)")
+    m2h.add_argument("ckpt_dir", help="megareason checkpoint directory (saved at any TP/PP)")
+    m2h.add_argument("out_dir", help="HF directory to write (replaced atomically if it exists)")
+
     args = parser.parse_args(argv)
     # Models and data come from local files only; never let a library reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from megareason.config import ConfigError
     from megareason.data import DataError
+    from megareason.models.arch import ArchError
 
     try:
         if args.command == "eval":
             return _eval(args)
+        if args.command == "convert":
+            return _convert(args)
         return _models(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, ArchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -96,6 +111,18 @@ def _models(args: argparse.Namespace) -> int:
             print(f"{m.name}: {m.description} [{state}]")
         return 0
     print(hub.fetch(args.name, force=args.force))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megareason.models import convert
+    from megareason.models.hub import resolve_model_path
+
+    if args.convert_command == "hf-to-megatron":
+        out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
+    else:
+        out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir)
+    print(out)
     return 0
 
 

@@ -6,16 +6,11 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megareason.utils import free_port
 
 
 def _entry(fn, rank, world_size, port, results, args):

@@ -59,6 +59,7 @@ class HFCheckpoint:
         from safetensors import safe_open
 
         self.dir = Path(model_dir)
+        self.arch = ModelArch.from_pretrained(self.dir)  # architecture errors first
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -68,7 +69,6 @@ class HFCheckpoint:
             raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
         self._handles = {f: safe_open(str(self.dir / f), "pt") for f in files}
         self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
-        self.arch = ModelArch.from_pretrained(self.dir)
 
     def names(self) -> set[str]:
         return set(self._where)

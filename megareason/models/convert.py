@@ -1,0 +1,107 @@
+"""Checkpoint conversion: HF safetensors <-> megareason (megatron-core dist_checkpointing) checkpoints.
+
+Both directions run in one process (TP=1, PP=1, gloo): a dist checkpoint is resharded to any TP/PP
+when it is loaded, so there is no need to convert "for" a layout. HF output is written to a temporary
+directory and renamed into place; transformers and vLLM load it directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def _ensure_single_process_group() -> None:
+    import torch.distributed as dist
+
+    from megareason.models.parallel import init_parallel
+
+    if not dist.is_initialized():
+        from megareason.utils import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    init_parallel(1, 1)
+
+
+def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert an HF checkpoint directory into a megareason checkpoint at ``out_dir``."""
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.checkpoint import save_checkpoint
+
+    ckpt = HFCheckpoint(hf_dir)
+    ckpt.check_complete()  # before any process group or model is built
+    _ensure_single_process_group()
+    model = build_gpt(ckpt.arch)
+    load_hf_weights(model, ckpt)
+    return save_checkpoint(out_dir, model, ckpt.arch, hf_dir, metadata={"converted_from": str(hf_dir)})
+
+
+def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert a megareason checkpoint (saved at any TP/PP) into an HF directory at ``out_dir``."""
+    from megareason.models import weight_map
+    from megareason.models.build import build_gpt
+    from megareason.models.checkpoint import checkpoint_arch, load_checkpoint
+
+    arch = checkpoint_arch(ckpt_dir)
+    _ensure_single_process_group()
+    model = build_gpt(arch)
+    load_checkpoint(ckpt_dir, model)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    tensors = weight_map.to_hf({(0, 0): state}, arch, tp=1, pp=1)
+    return write_hf(tensors, Path(ckpt_dir) / "hf", out_dir)
+
+
+def write_hf(tensors: dict[str, torch.Tensor], config_dir: Path, out_dir: str | Path) -> Path:
+    """Write ``tensors`` as HF safetensors (sharded above 5 GiB) plus the config/tokenizer files of
+    ``config_dir``, atomically."""
+    from safetensors.torch import save_file
+
+    from megareason.models.checkpoint import HF_FILES
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        shards, current, size = [], {}, 0
+        for name in sorted(tensors):
+            t = tensors[name].contiguous()
+            if current and size + t.numel() * t.element_size() > MAX_SHARD_BYTES:
+                shards.append(current)
+                current, size = {}, 0
+            current[name] = t
+            size += t.numel() * t.element_size()
+        shards.append(current)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / fname, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+                total += sum(t.numel() * t.element_size() for t in shard.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for name in HF_FILES:
+            if (config_dir / name).is_file():
+                shutil.copy2(config_dir / name, tmp / name)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
