@@ -67,6 +67,7 @@ def _resume_worker(model_dir: str, ckpt: str):
     """Step 1 and save at TP=2, PP=2; resume at TP=1, PP=2 and at TP=2, PP=2; step 2 must agree."""
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.checkpoint import load_checkpoint, save_checkpoint
+    from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
     from megareason.models.train import OptimizerSettings, TrainBatch, train_step, wrap_for_training
 
@@ -76,7 +77,7 @@ def _resume_worker(model_dir: str, ckpt: str):
     def step(ddp, opt, layout):
         share = tokens.shape[0] // layout.dp
         rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
-        return train_step(ddp, opt, [TrainBatch(tokens[rows], mask[rows])], _nll, hf.arch.vocab_size)
+        return train_step(ddp, opt, [TrainBatch(tokens[rows], mask[rows])], logprob_head(hf.arch.vocab_size), _nll)
 
     def params(ddp, layout):
         state = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}

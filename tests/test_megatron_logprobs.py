@@ -15,17 +15,22 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 
 def _worker(model_dir: str, tokens: torch.Tensor):
-    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
-    from megareason.models.logprobs import forward_logprobs
+    from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Actor, Reference
+    from megareason.models.train import OptimizerSettings
 
     out = {}
     for tp, pp in LAYOUTS:
         init_parallel(tp, pp)
         ckpt = HFCheckpoint(model_dir)
-        model = build_gpt(ckpt.arch)
-        load_hf_weights(model, ckpt)
-        out[(tp, pp)] = forward_logprobs(model, tokens, ckpt.arch.vocab_size, micro_batch_size=2)
+        actor = Actor(ckpt, OptimizerSettings())
+        out[(tp, pp)] = actor.logprobs(tokens, micro_batch_size=2)
+        reference = Reference(ckpt)
+        reference.offload()
+        reference.onload()  # a round trip through CPU memory changes nothing
+        assert torch.equal(reference.logprobs(tokens, micro_batch_size=4), out[(tp, pp)][0])
+        assert not any(p.requires_grad for p in reference.model.parameters())
     return out
 
 

@@ -33,8 +33,10 @@ def nll_loss(logp_BT, entropy_BT, batch):
 def _worker(model_dir: str, tokens, mask):
 
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
-    from megareason.models.train import OptimizerSettings, TrainBatch, forward_backward, wrap_for_training
+    from megareason.models.schedule import forward_backward
+    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
 
     out = {}
     for tp, pp in LAYOUTS:
@@ -48,7 +50,7 @@ def _worker(model_dir: str, tokens, mask):
         rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
         micro = [TrainBatch(t, m) for t, m in zip(tokens[rows].split(2), mask[rows].split(2), strict=True)]
         opt.zero_grad()
-        sums = forward_backward(ddp, micro, nll_loss, ckpt.arch.vocab_size)
+        sums = forward_backward(ddp, micro, logprob_head(ckpt.arch.vocab_size), nll_loss)
         grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
         ok, grad_norm, _ = opt.step()
         params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}

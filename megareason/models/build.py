@@ -85,12 +85,15 @@ class HFCheckpoint:
                             f"{', '.join(missing[:5])}{more}")
 
 
-def load_hf_weights(model, ckpt: HFCheckpoint) -> None:
-    """Copy this rank's shard of ``ckpt`` into ``model`` (built by ``build_gpt`` for ``ckpt.arch``)."""
+def load_hf_weights(model, ckpt: HFCheckpoint, with_output_layer: bool = True) -> None:
+    """Copy this rank's shard of ``ckpt`` into ``model`` (built by ``build_gpt`` for ``ckpt.arch``);
+    ``with_output_layer=False`` loads the trunk only (the critic)."""
     ckpt.check_complete()
     layout = current_layout()
-    state = weight_map.to_megatron(ckpt.get, ckpt.arch, layout.tp_rank, layout.tp, layout.pp_rank, layout.pp)
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = weight_map.to_megatron(ckpt.get, ckpt.arch, layout.tp_rank, layout.tp, layout.pp_rank, layout.pp,
+                                   with_output=with_output_layer)
+    own = {k: v for k, v in model.state_dict().items()
+           if not k.endswith("_extra_state") and (with_output_layer or not k.startswith("output_layer."))}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     assert not missing and not unexpected, f"weight map out of sync: missing {missing}, unexpected {unexpected}"
     with torch.no_grad():

@@ -5,13 +5,10 @@ max, a sum of exponentials and the target logit are all-reduced (three [tokens]-
 the backward pass is computed locally in closed form, as megatron-core's vocab-parallel cross entropy
 does. ``reference_logprobs`` is the obvious version on full logits; tests check they agree.
 
-``forward_logprobs`` runs a (possibly pipelined) megatron-core model over a padded batch with
-megatron-core's schedule and returns the log-probs on every rank.
+``logprob_head`` adapts them to a model's output for ``models.schedule``.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -83,58 +80,13 @@ def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, t
     return _VocabParallelLogprobs.apply(logits_local, targets, vocab_start, true_vocab, group)
 
 
-def _split_micro_batches(tokens: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
-    return list(tokens.split(micro_batch_size, dim=0))
+def logprob_head(true_vocab: int):
+    """Turns the model's vocab-parallel logits [B, T, V/tp] for tokens [B, T] into
+    (``logp_BT``, ``entropy_BT``): column t scores token t given tokens[:t]; column 0 is 0."""
 
+    def head(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], true_vocab)
+        pad = logp.new_zeros(logp.shape[0], 1)
+        return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
 
-def _forward_step(true_vocab: int, data_iterator, model):
-    tokens = next(data_iterator)
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    logits = model(tokens, positions, attention_mask=None)
-
-    def collect(output):
-        targets = tokens[:, 1:]
-        logp, entropy = vocab_parallel_logprobs(output[:, :-1], targets, true_vocab)
-        zero = logp.new_zeros(())
-        return zero, torch.tensor(targets.numel()), {"logp": logp.detach(), "entropy": entropy.detach()}
-
-    return logits, collect
-
-
-@torch.no_grad()
-def forward_logprobs(model, tokens_BT: torch.Tensor, true_vocab: int,
-                     micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of ``tokens_BT`` under ``model``, on every rank.
-
-    Returns ``logp_BT`` and ``entropy_BT`` aligned with the tokens: column t holds
-    log p(tokens[:, t] | tokens[:, :t]) and the entropy of that distribution; column 0 is 0. Every rank
-    of the model-parallel group passes the same ``tokens_BT``. Right padding is harmless: a causal
-    model never attends to later (pad) positions; mask the pad columns out of any loss.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    b, t = tokens_BT.shape
-    micro = _split_micro_batches(tokens_BT, micro_batch_size)
-    if len({m.shape[0] for m in micro}) != 1:
-        raise ValueError(f"batch size {b} is not a multiple of micro_batch_size {micro_batch_size}")
-    was_training = model.training
-    model.eval()
-    store = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, true_vocab),
-        data_iterator=iter(micro),
-        model=[model],
-        num_microbatches=len(micro),
-        seq_length=t,
-        micro_batch_size=micro_batch_size,
-        forward_only=True,
-    )
-    model.train(was_training)
-    out = torch.zeros(2, b, t, dtype=torch.float32)
-    if ps.is_pipeline_last_stage():
-        out[0, :, 1:] = torch.cat([s["logp"] for s in store])
-        out[1, :, 1:] = torch.cat([s["entropy"] for s in store])
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(out, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
-    return out[0], out[1]
+    return head

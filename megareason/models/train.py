@@ -12,19 +12,13 @@ batch therefore gives the same gradient however the batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from megareason.models.logprobs import vocab_parallel_logprobs
-
-# (logp_BT, entropy_BT, micro_batch) -> (loss_sum, count, metrics): logp/entropy are aligned with
-# micro_batch.tokens_BT (column t scores token t; column 0 is 0).
-LossFn = Callable[[torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+from megareason.models.schedule import Head, LossFn, forward_backward
 
 
 @dataclass
@@ -85,58 +79,10 @@ def wrap_for_training(model, settings: OptimizerSettings):
     return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
-def _forward_step(loss_fn: LossFn, true_vocab: int, data_iterator, model):
-    batch = next(data_iterator)
-    tokens = batch.tokens_BT
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    logits = model(tokens, positions, attention_mask=None)
-
-    def loss(output):
-        logp, entropy = vocab_parallel_logprobs(output[:, :-1], tokens[:, 1:], true_vocab)
-        pad = logp.new_zeros(logp.shape[0], 1)
-        loss_sum, count, metrics = loss_fn(torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1), batch)
-        reported = {k: v.detach().float() for k, v in metrics.items()}
-        reported["loss_sum"], reported["count"] = loss_sum.detach().float(), count.detach().float()
-        return loss_sum, count.to(torch.int), reported
-
-    return logits, loss
-
-
-def forward_backward(ddp_model, micro_batches: Sequence[Any], loss_fn: LossFn, true_vocab: int) -> dict:
-    """Accumulate gradients of ``loss_fn`` over ``micro_batches`` (all the same shape) with megatron-core's
-    schedule (1F1B when PP > 1). Returns the summed metrics (on every rank)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    b, t = micro_batches[0].tokens_BT.shape
-    ddp_model.zero_grad_buffer()
-    store = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn, true_vocab),
-        data_iterator=iter(micro_batches),
-        model=[ddp_model],
-        num_microbatches=len(micro_batches),
-        seq_length=t,
-        micro_batch_size=b,
-        forward_only=False,
-    )
-    keys = sorted(store[0]) if store else []
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds the metrics
-        src = ps.get_pipeline_model_parallel_last_rank()
-        names = [keys]
-        dist.broadcast_object_list(names, src=src, group=ps.get_pipeline_model_parallel_group())
-        keys = names[0]
-    sums = torch.stack([sum(s[k] for s in store) for k in keys]) if store else torch.zeros(len(keys))
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(sums, src=ps.get_pipeline_model_parallel_last_rank(),
-                       group=ps.get_pipeline_model_parallel_group())
-    dist.all_reduce(sums, group=ps.get_data_parallel_group())
-    return dict(zip(keys, sums.tolist(), strict=True))
-
-
-def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], loss_fn: LossFn, true_vocab: int) -> StepResult:
+def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn) -> StepResult:
     """One optimizer step over ``micro_batches`` (this data-parallel rank's share of the global batch)."""
     optimizer.zero_grad()
-    sums = forward_backward(ddp_model, micro_batches, loss_fn, true_vocab)
+    sums = forward_backward(ddp_model, micro_batches, head, loss_fn)
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")

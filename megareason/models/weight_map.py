@@ -49,8 +49,12 @@ UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "last"
 TIED_OUTPUT = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
 
 
-def rules_for(arch: ModelArch, pp: int = 1) -> tuple[Rule, ...]:
+def rules_for(arch: ModelArch, pp: int = 1, with_output: bool = True) -> tuple[Rule, ...]:
+    """The rules of ``arch`` split over ``pp`` stages; ``with_output=False`` leaves out the LM head
+    (the critic replaces it with a value head)."""
     rules = LLAMA + ((QKV_BIAS,) if arch.qkv_bias else ())
+    if not with_output:
+        return rules
     if not arch.tie_word_embeddings:
         rules += (UNTIED_OUTPUT,)
     elif pp > 1:
@@ -78,10 +82,10 @@ def _on_stage(rule: Rule, pp_rank: int, pp: int) -> bool:
 
 
 def to_megatron(get: Callable[[str], torch.Tensor], arch: ModelArch, tp_rank: int, tp: int,
-                pp_rank: int, pp: int) -> dict[str, torch.Tensor]:
+                pp_rank: int, pp: int, with_output: bool = True) -> dict[str, torch.Tensor]:
     """The megatron-core state of rank (``tp_rank``, ``pp_rank``), reading HF tensors through ``get``."""
     out = {}
-    for rule in rules_for(arch, pp):
+    for rule in rules_for(arch, pp, with_output):
         if not _on_stage(rule, pp_rank, pp):
             continue
         layers = _stage_layers(arch, pp_rank, pp) if rule.where == "layer" else [None]
@@ -116,13 +120,13 @@ def _shard(split: str, ts: list[torch.Tensor], arch: ModelArch, r: int, tp: int)
 
 
 def to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], arch: ModelArch, tp: int,
-          pp: int) -> dict[str, torch.Tensor]:
+          pp: int, with_output: bool = True) -> dict[str, torch.Tensor]:
     """Merge the megatron-core states of all ranks, keyed by (tp_rank, pp_rank), into HF tensors.
 
     A tied model's output layer copy on the last stage is dropped (it is the embedding).
     """
     out: dict[str, torch.Tensor] = {}
-    for rule in rules_for(arch, pp):
+    for rule in rules_for(arch, pp, with_output):
         if rule is TIED_OUTPUT:
             continue
         for pp_rank in range(pp):

@@ -1,0 +1,114 @@
+"""The three model roles of RL post-training, built from the same pieces.
+
+* ``Actor``: the policy being trained (DDP + megatron-core optimizer); log-probs and train steps.
+* ``Reference``: a frozen copy for the KL term; log-probs only. ``offload()`` moves its weights to CPU
+  memory between uses (GPU memory is then free for the actor and vLLM); ``onload()`` brings them back.
+* ``Critic``: the same trunk with a scalar value head instead of the LM head (PPO), trained like the
+  actor. The trunk starts from the actor's HF checkpoint; the value head starts at zero.
+
+Each role lives on every rank of its model-parallel group; the parallel groups must exist
+(``parallel.init_parallel``) before a role is built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+from megareason.models.checkpoint import load_checkpoint, save_checkpoint
+from megareason.models.logprobs import logprob_head
+from megareason.models.schedule import LossFn, forward_outputs
+from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
+
+
+class _Trainable:
+    def __init__(self, model, ckpt: HFCheckpoint, settings: OptimizerSettings):
+        self.model, self.arch, self.hf_dir = model, ckpt.arch, ckpt.dir
+        self.ddp, self.optimizer = wrap_for_training(model, settings)
+
+    def train_step(self, micro_batches, loss_fn: LossFn) -> StepResult:
+        return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn)
+
+    def save(self, path, metadata: dict | None = None):
+        return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer, metadata)
+
+    def load(self, path) -> dict:
+        return load_checkpoint(path, self.model, self.optimizer)
+
+
+class Actor(_Trainable):
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32):
+        model = build_gpt(ckpt.arch, params_dtype)
+        load_hf_weights(model, ckpt)
+        super().__init__(model, ckpt, settings)
+        self.head = logprob_head(ckpt.arch.vocab_size)
+
+    def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``logp_BT``, ``entropy_BT``) under the current weights; see ``logprobs.logprob_head``."""
+        logp, entropy = forward_outputs(self.model, tokens_BT, self.head, 2, micro_batch_size)
+        return logp, entropy
+
+
+class Reference:
+    def __init__(self, ckpt: HFCheckpoint, params_dtype=torch.float32):
+        self.model = build_gpt(ckpt.arch, params_dtype)
+        load_hf_weights(self.model, ckpt)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.head = logprob_head(ckpt.arch.vocab_size)
+        self._device = next(self.model.parameters()).device
+
+    def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
+        if next(self.model.parameters()).device != self._device:
+            raise RuntimeError("reference weights are offloaded; call onload() first")
+        return forward_outputs(self.model, tokens_BT, self.head, 2, micro_batch_size)[0]
+
+    def offload(self) -> None:
+        """Move the weights to (pinned, on GPU machines) CPU memory."""
+        for p in self.model.parameters():
+            p.data = p.data.to("cpu", non_blocking=True)
+            if torch.cuda.is_available():
+                p.data = p.data.pin_memory()
+
+    def onload(self) -> None:
+        for p in self.model.parameters():
+            p.data = p.data.to(self._device, non_blocking=True)
+
+
+class ValueHead(torch.nn.Module):
+    """hidden [S, B, H] -> values [S, B, 1], in place of GPTModel's output layer (same call signature).
+
+    Replicated over tensor-parallel ranks: its input is already complete on every rank.
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.linear(hidden_states), None
+
+
+def value_head_outputs(values: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor]:
+    """GPTModel returns [B, T, 1] from the value head; column t is the value after reading token t."""
+    return (values[..., 0].float(),)
+
+
+class Critic(_Trainable):
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32):
+        from dataclasses import replace
+
+        from megareason.models.parallel import current_layout
+
+        # The trunk loads like the actor's; an untied build keeps the value head off the embedding.
+        model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), params_dtype)
+        load_hf_weights(model, ckpt, with_output_layer=False)
+        if current_layout().last_stage:
+            model.output_layer = ValueHead(ckpt.arch.hidden_size, params_dtype)
+        super().__init__(model, ckpt, settings)
+        self.head = value_head_outputs
+
+    def values(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
+        return forward_outputs(self.model, tokens_BT, self.head, 1, micro_batch_size)[0]
