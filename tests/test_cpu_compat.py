@@ -1,0 +1,96 @@
+"""One test per megatron-core CPU patch in ``megareason.models.cpu_compat``.
+
+The patches are process-wide, so they are applied and probed in a separate process (via
+``run_workers``), whose findings each test then checks against an independent expectation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the patches apply only without CUDA")
+
+
+def _probe():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    from megareason.models import cpu_compat
+    from megareason.models.parallel import init_parallel
+
+    assert cpu_compat.apply() is True
+    init_parallel(1, 1, seed=123)
+    found = {"applied_twice": cpu_compat.apply()}
+    # (1) current_device
+    found["current_device"] = torch.cuda.current_device()
+    found["rope_device"] = str(RotaryEmbedding(kv_channels=8, rotary_percent=1.0)(5).device)
+    # (2) synchronize
+    found["synchronize"] = torch.cuda.synchronize()
+    # (3) RNG tracker: inside fork() the CPU generator runs the model-parallel stream, outside it the
+    # default stream continues untouched.
+    model_parallel_cuda_manual_seed(123)
+    torch.manual_seed(7)
+    with get_cuda_rng_tracker().fork():
+        found["forked"] = torch.rand(3)
+    found["after_fork"] = torch.rand(3)
+    # (4) device="cuda" factories, Tensor.cuda(), Tensor.to("cuda")
+    t = torch.ones(2)
+    found["factory_device"] = str(torch.zeros(2, device="cuda").device)
+    found["tensor_device"] = str(torch.tensor([1.0], device=torch.device("cuda")).device)
+    found["cuda_is_self"] = t.cuda() is t
+    found["to_cuda_device"] = str(t.to("cuda").device)
+    # (5) clip_grad_by_total_norm_fp32
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    p, q = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))
+    p.grad, q.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    clip_grads.clip_grad_by_total_norm_fp32([p, q], max_norm=1.0, total_norm=5.0)
+    found["clipped"] = (p.grad.clone(), q.grad.clone())
+    clip_grads.clip_grad_by_total_norm_fp32([p, q], max_norm=10.0, total_norm=1.0)
+    found["not_clipped"] = (p.grad.clone(), q.grad.clone())
+    patched = clip_grads.clip_grad_by_total_norm_fp32
+    found["optimizer_uses_patch"] = mcore_optimizer.clip_grad_by_total_norm_fp32 is patched
+    found["grad_norm"] = clip_grads.get_grad_norm_fp32([torch.tensor([3.0, 0.0]), torch.tensor([4.0])])
+    return found
+
+
+@pytest.fixture(scope="module")
+def found():
+    return run_workers(1, _probe)[0]
+
+
+def test_apply_is_idempotent(found):
+    assert found["applied_twice"] is True
+
+
+def test_current_device_is_cpu(found):
+    assert found["current_device"] == "cpu" and found["rope_device"] == "cpu"
+
+
+def test_synchronize_is_a_noop(found):
+    assert found["synchronize"] is None
+
+
+def test_rng_tracker_runs_on_the_cpu_generator(found):
+    # megatron-core seeds the model-parallel stream with seed + 2718 + tp_rank
+    expected_forked = torch.rand(3, generator=torch.Generator().manual_seed(123 + 2718))
+    expected_after = torch.rand(3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(found["forked"], expected_forked)
+    assert torch.equal(found["after_fork"], expected_after)
+
+
+def test_cuda_factories_and_moves_stay_on_cpu(found):
+    assert found["factory_device"] == "cpu" and found["tensor_device"] == "cpu"
+    assert found["cuda_is_self"] is True and found["to_cuda_device"] == "cpu"
+
+
+def test_clip_grad_by_total_norm(found):
+    coeff = 1.0 / (5.0 + 1e-6)
+    p, q = found["clipped"]
+    assert torch.allclose(p, torch.tensor([3.0 * coeff, 0.0])) and torch.allclose(q, torch.tensor([4.0 * coeff]))
+    assert all(torch.equal(a, b) for a, b in zip(found["not_clipped"], found["clipped"], strict=True))
+    assert found["optimizer_uses_patch"] is True
+    assert found["grad_norm"] == pytest.approx(5.0)
