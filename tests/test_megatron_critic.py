@@ -42,6 +42,7 @@ def _worker(model_dir, tokens, targets, mask, head_w, head_b):
         tokens_BT: torch.Tensor
         targets_BT: torch.Tensor
         loss_mask_BT: torch.Tensor
+        cu_seqlens: torch.Tensor | None = None
 
     out = {}
     for tp, pp in LAYOUTS:

@@ -10,14 +10,26 @@ from transformers import AutoModelForCausalLM
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
+LENGTHS = (5, 3, 7)  # packed into one row of 16 tokens: three sequences and one pad
+
+
 def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (4, 10), generator=torch.Generator().manual_seed(0))
 
 
-def _worker(model_dir: str, tokens: torch.Tensor):
+def _packed(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in LENGTHS]
+    row = torch.cat([*seqs, torch.zeros(1, dtype=torch.long)])[None]
+    cu = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    return seqs, row, cu
+
+
+def _worker(model_dir: str, tokens: torch.Tensor, packed_row: torch.Tensor, cu: torch.Tensor):
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor, Reference
+    from megareason.models.schedule import TokenBatch
     from megareason.models.train import OptimizerSettings
 
     out = {}
@@ -26,6 +38,7 @@ def _worker(model_dir: str, tokens: torch.Tensor):
         ckpt = HFCheckpoint(model_dir)
         actor = Actor(ckpt, OptimizerSettings())
         out[(tp, pp)] = actor.logprobs(tokens, micro_batch_size=2)
+        out[("packed", tp, pp)] = actor.logprobs_of([TokenBatch(packed_row, cu), TokenBatch(packed_row, cu)])[1]
         reference = Reference(ckpt)
         reference.offload()
         reference.onload()  # a round trip through CPU memory changes nothing
@@ -45,9 +58,20 @@ def test_logprobs_match_transformers_for_every_layout(family, request):
     expected_logp = logp_all.gather(-1, tokens[:, 1:, None])[..., 0]
     expected_entropy = -(logp_all.exp() * logp_all).sum(-1)
 
-    per_rank = run_workers(4, _worker, str(model_dir), tokens)
+    seqs, packed_row, cu = _packed(hf.config.vocab_size)
+    with torch.no_grad():
+        expected_packed = [torch.log_softmax(hf(s[None]).logits[0, :-1], -1).gather(-1, s[1:, None])[:, 0]
+                           for s in seqs]
+
+    per_rank = run_workers(4, _worker, str(model_dir), tokens, packed_row, cu)
     for rank, results in enumerate(per_rank):
-        for layout, (logp, entropy) in results.items():
+        for layout in LAYOUTS:
+            logp, _ = results[("packed",) + layout]
+            for start, seq, want in zip(cu.tolist()[:-1], seqs, expected_packed, strict=True):
+                got = logp[0, start : start + len(seq)]
+                assert got[0] == 0 and (got[1:] - want).abs().max().item() < 1e-4, f"packed {layout}"
+        for layout in LAYOUTS:
+            logp, entropy = results[layout]
             assert logp.shape == tokens.shape and (logp[:, 0] == 0).all()
             err = (logp[:, 1:] - expected_logp).abs().max().item()
             assert err < 1e-4, f"rank {rank} TP,PP={layout}: max |dlogp| {err}"

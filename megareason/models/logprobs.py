@@ -81,12 +81,19 @@ def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, t
 
 
 def logprob_head(true_vocab: int):
-    """Turns the model's vocab-parallel logits [B, T, V/tp] for tokens [B, T] into
-    (``logp_BT``, ``entropy_BT``): column t scores token t given tokens[:t]; column 0 is 0."""
+    """Turns the model's vocab-parallel logits [B, T, V/tp] for a micro-batch's tokens [B, T] into
+    (``logp_BT``, ``entropy_BT``): column t scores token t given the tokens before it in its
+    sequence. The first column of every sequence (column 0, or each packed sequence's start) is 0."""
 
-    def head(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def head(logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = batch.tokens_BT
         logp, entropy = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], true_vocab)
         pad = logp.new_zeros(logp.shape[0], 1)
-        return torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
+        logp, entropy = torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
+        if batch.cu_seqlens is not None:  # a packed sequence's first token is not predicted
+            starts = torch.zeros_like(logp, dtype=torch.bool)
+            starts[:, batch.cu_seqlens[:-1].long()] = True
+            logp, entropy = logp.masked_fill(starts, 0.0), entropy.masked_fill(starts, 0.0)
+        return logp, entropy
 
     return head

@@ -17,7 +17,7 @@ import torch
 from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
 from megareason.models.checkpoint import load_checkpoint, save_checkpoint
 from megareason.models.logprobs import logprob_head
-from megareason.models.schedule import LossFn, forward_outputs
+from megareason.models.schedule import LossFn, forward_outputs, padded_micro_batches
 from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
 
 
@@ -44,9 +44,13 @@ class Actor(_Trainable):
         self.head = logprob_head(ckpt.arch.vocab_size)
 
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``logp_BT``, ``entropy_BT``) under the current weights; see ``logprobs.logprob_head``."""
-        logp, entropy = forward_outputs(self.model, tokens_BT, self.head, 2, micro_batch_size)
-        return logp, entropy
+        """(``logp_BT``, ``entropy_BT``) of right-padded rows; see ``logprobs.logprob_head``."""
+        outs = forward_outputs(self.model, padded_micro_batches(tokens_BT, micro_batch_size), self.head, 2)
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    def logprobs_of(self, micro_batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(``logp_BT``, ``entropy_BT``) of each micro-batch (padded or packed ``TokenBatch``)."""
+        return [(o[0], o[1]) for o in forward_outputs(self.model, micro_batches, self.head, 2)]
 
 
 class Reference:
@@ -61,7 +65,8 @@ class Reference:
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
         if next(self.model.parameters()).device != self._device:
             raise RuntimeError("reference weights are offloaded; call onload() first")
-        return forward_outputs(self.model, tokens_BT, self.head, 2, micro_batch_size)[0]
+        outs = forward_outputs(self.model, padded_micro_batches(tokens_BT, micro_batch_size), self.head, 2)
+        return torch.cat([o[0] for o in outs])
 
     def offload(self) -> None:
         """Move the weights to (pinned, on GPU machines) CPU memory."""
@@ -91,7 +96,7 @@ class ValueHead(torch.nn.Module):
         return self.linear(hidden_states), None
 
 
-def value_head_outputs(values: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor]:
+def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
     """GPTModel returns [B, T, 1] from the value head; column t is the value after reading token t."""
     return (values[..., 0].float(),)
 
@@ -111,4 +116,5 @@ class Critic(_Trainable):
         self.head = value_head_outputs
 
     def values(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
-        return forward_outputs(self.model, tokens_BT, self.head, 1, micro_batch_size)[0]
+        outs = forward_outputs(self.model, padded_micro_batches(tokens_BT, micro_batch_size), self.head, 1)
+        return torch.cat([o[0] for o in outs])

@@ -9,28 +9,73 @@ returns (loss_sum, count, metrics), and megatron-core divides the gradients by t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-Head = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+# (model output on the last stage, micro-batch) -> aligned [B, T] tensors
+Head = Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
 # (*head outputs, micro_batch) -> (loss_sum, count, metrics)
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def _run(tokens: torch.Tensor, model):
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-    return model(tokens, positions, attention_mask=None)
+@dataclass
+class TokenBatch:
+    """A micro-batch of tokens, padded or packed.
+
+    Padded: ``tokens_BT`` holds one right-padded sequence per row and ``cu_seqlens`` is None.
+    Packed: ``tokens_BT`` is [1, T], sequences laid end to end (then padding), and ``cu_seqlens``
+    (int32 [n + 1]) holds their boundaries; each sequence attends only to itself and its positions
+    restart at 0. Any object with these two fields (e.g. ``train.TrainBatch``) works the same.
+    """
+
+    tokens_BT: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (position within its sequence, sequence index) for a packed row of ``total`` tokens;
+    the padding tail is sequence ``n`` of its own."""
+    lengths = torch.diff(cu_seqlens.long(), append=torch.tensor([total]))
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.repeat_interleave(torch.cat([cu_seqlens.long(), torch.tensor([total])])[:-1], lengths)
+    return torch.arange(total) - starts, seq
+
+
+def _run(batch, model):
+    tokens = batch.tokens_BT
+    if batch.cu_seqlens is None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+        return model(tokens, positions, attention_mask=None)
+    assert tokens.shape[0] == 1, "a packed micro-batch is a single row"
+    t = tokens.shape[1]
+    pos, seq = packed_positions(batch.cu_seqlens.cpu(), t)
+    if torch.cuda.is_available():
+        # TransformerEngine attention and fused RoPE take the THD layout natively.
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.cat([batch.cu_seqlens.int(), torch.tensor([t], dtype=torch.int32)]).unique().to(tokens.device)
+        longest = int(torch.diff(cu).max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                 max_seqlen_kv=longest)
+        return model(tokens, pos.unsqueeze(0).to(tokens.device), attention_mask=None, packed_seq_params=params)
+    # megatron-core's local attention takes an explicit mask instead (True = not attended):
+    # causal within each sequence, nothing across sequences.
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    mask = ~(causal & (seq[:, None] == seq[None, :]))
+    return model(tokens, pos.unsqueeze(0), attention_mask=mask[None, None])
 
 
 def _forward_only_step(head: Head, data_iterator, model):
-    tokens = next(data_iterator)
-    output = _run(tokens, model)
+    batch = next(data_iterator)
+    output = _run(batch, model)
 
     def collect(out):
-        return out.new_zeros(()), torch.tensor(tokens.numel()), {"outputs": [t.detach() for t in head(out, tokens)]}
+        outputs = [t.detach() for t in head(out, batch)]
+        return out.new_zeros(()), torch.tensor(batch.tokens_BT.numel()), {"outputs": outputs}
 
     return output, collect
 
@@ -43,41 +88,46 @@ def _pipeline_broadcast(t: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def forward_outputs(model, tokens_BT: torch.Tensor, head: Head, num_outputs: int,
-                    micro_batch_size: int = 1) -> list[torch.Tensor]:
-    """``head``'s ``num_outputs`` float32 [B, T] tensors for ``tokens_BT``, identical on every rank.
+def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs: int) -> list[list[torch.Tensor]]:
+    """For each micro-batch, ``head``'s ``num_outputs`` float32 [B, T] tensors, identical on every rank.
 
-    Every rank of the model-parallel group passes the same ``tokens_BT``. Right padding is harmless:
-    a causal model never attends to later (pad) positions; mask pad columns out of any loss.
+    Every rank of the model-parallel group passes the same micro-batches, all of one shape (the
+    pipeline sends fixed-size activations). Right padding is harmless: a causal model never attends
+    to later (pad) positions; mask pad columns out of any loss.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    b, t = tokens_BT.shape
-    if b % micro_batch_size:
-        raise ValueError(f"batch size {b} is not a multiple of micro_batch_size {micro_batch_size}")
-    micro = list(tokens_BT.split(micro_batch_size))
+    b, t = micro_batches[0].tokens_BT.shape
+    if any(m.tokens_BT.shape != (b, t) for m in micro_batches):
+        raise ValueError("all micro-batches of one call must have the same shape")
     was_training = model.training
     model.eval()
     store = get_forward_backward_func()(
-        forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro), model=[model],
-        num_microbatches=len(micro), seq_length=t, micro_batch_size=micro_batch_size, forward_only=True,
+        forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro_batches), model=[model],
+        num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=True,
     )
     model.train(was_training)
-    out = torch.zeros(num_outputs, b, t, dtype=torch.float32)
+    out = torch.zeros(len(micro_batches), num_outputs, b, t, dtype=torch.float32)
     if ps.is_pipeline_last_stage():
-        for i in range(num_outputs):
-            out[i] = torch.cat([s["outputs"][i].float() for s in store])
+        for j, s in enumerate(store):
+            out[j] = torch.stack([o.float() for o in s["outputs"]])
     _pipeline_broadcast(out)
-    return list(out)
+    return [list(o) for o in out]
+
+
+def padded_micro_batches(tokens_BT: torch.Tensor, micro_batch_size: int) -> list[TokenBatch]:
+    if tokens_BT.shape[0] % micro_batch_size:
+        raise ValueError(f"batch size {tokens_BT.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}")
+    return [TokenBatch(t) for t in tokens_BT.split(micro_batch_size)]
 
 
 def _train_step(head: Head, loss_fn: LossFn, data_iterator, model):
     batch = next(data_iterator)
-    output = _run(batch.tokens_BT, model)
+    output = _run(batch, model)
 
     def loss(out):
-        loss_sum, count, metrics = loss_fn(*head(out, batch.tokens_BT), batch)
+        loss_sum, count, metrics = loss_fn(*head(out, batch), batch)
         reported = {k: v.detach().float() for k, v in metrics.items()}
         reported["loss_sum"], reported["count"] = loss_sum.detach().float(), count.detach().float()
         return loss_sum, count.to(torch.int), reported

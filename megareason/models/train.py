@@ -27,6 +27,7 @@ class TrainBatch:
 
     tokens_BT: torch.Tensor  # int64 [B, T]
     loss_mask_BT: torch.Tensor  # float32 [B, T], 0 on prompt and padding
+    cu_seqlens: torch.Tensor | None = None  # packed rows only; see schedule.TokenBatch
 
 
 @dataclass(frozen=True)
