@@ -159,3 +159,17 @@ def _unshard(split: str, parts: list[torch.Tensor], arch: ModelArch) -> list[tor
         q, k, v = grouped.split([q_per_group * hd, hd, hd], dim=1)
         return [t.reshape(-1, *rest).clone() for t in (q, k, v)]
     raise AssertionError(f"unknown split {split!r}")
+
+
+def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """The shape of every HF tensor of ``arch``, in the order ``hf_names`` lists them."""
+    h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    by_suffix = {
+        "embed_tokens.weight": (arch.vocab_size, h), "lm_head.weight": (arch.vocab_size, h),
+        "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
+    }
+    return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}

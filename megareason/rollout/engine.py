@@ -8,14 +8,26 @@ Scripts that create an engine need an ``if __name__ == "__main__":`` guard (the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import safetensors.torch
+import torch
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    bytes: int
+    buckets: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -71,8 +83,6 @@ class RolloutEngine(Protocol):
 
 
 def _on_cpu() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -103,6 +113,7 @@ class VLLMEngine:
             # Log-probs of the sampled tokens under the sampling distribution actually used
             # (temperature / top-p applied), which is what importance ratios need.
             logprobs_mode="processed_logprobs",
+            worker_extension_cls="megareason.rollout.vllm_worker.WeightUpdateExtension",
             **settings.extra,
         )
         if _on_cpu():
@@ -133,6 +144,30 @@ class VLLMEngine:
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
         return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> WeightUpdate:
+        """Load HF-named tensors into the running engine in place, bucket by bucket, then drop the
+        prefix cache (cached prefixes were computed with the old weights).
+
+        Every tensor is checked against the served model (name, shape) before it loads. If an update
+        fails part-way the engine holds a mix of old and new weights: sync again before generating.
+        """
+        start = time.perf_counter()
+        moved, count = 0, 0
+        self.llm.collective_rpc("mr_begin_weight_update")
+        try:
+            for bucket in buckets:
+                payload = safetensors.torch.save({n: t.contiguous() for n, t in bucket})
+                moved += self.llm.collective_rpc("mr_load_weight_bucket", args=(payload,))[0]
+                count += 1
+        except BaseException:
+            with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
+                self.llm.collective_rpc("mr_finish_weight_update")
+            self.llm.reset_prefix_cache()
+            raise
+        self.llm.collective_rpc("mr_finish_weight_update")
+        self.llm.reset_prefix_cache()
+        return WeightUpdate(bytes=moved, buckets=count, seconds=time.perf_counter() - start)
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -1,0 +1,117 @@
+"""Megatron shards -> HF-named tensors in buckets -> the running vLLM engine, in place.
+
+``stream_hf_buckets`` runs on every rank of one model-parallel group. For each HF tensor in layer order:
+the pipeline stage that owns it gathers the tensor-parallel pieces onto its TP rank 0, converts them to
+the HF layout with the same rules as the conversion tools (``weight_map``), and broadcasts the result
+over the TP-rank-0 pipeline group; the group's first rank (TP 0, PP 0), which owns the vLLM engine,
+collects the tensors into buckets of ``bucket_bytes`` and yields them. Peak extra memory on that rank
+is one bucket plus the tensor being assembled; no rank ever holds the whole model twice.
+
+``gather_hf_naive`` is the obvious reference (every shard to one rank, then ``weight_map.to_hf``).
+Each data-parallel replica runs its own stream into its own engine: generation replicas are fed by DP
+ranks, and the engine's TP is independent of training's (it always receives whole HF tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megareason.models import weight_map
+from megareason.models.arch import ModelArch
+from megareason.models.parallel import current_layout
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class _Item:
+    rule: weight_map.Rule
+    layer: int | None  # global layer index
+    stage: int  # owning pipeline stage
+    local: int | None  # layer index on that stage
+
+
+def _items(arch: ModelArch, pp: int) -> list[_Item]:
+    per_stage = arch.num_layers // pp
+    items = []
+    rules = weight_map.rules_for(arch, pp)
+    for r in rules:
+        if r.where == "first":
+            items.append(_Item(r, None, 0, None))
+    for i in range(arch.num_layers):
+        items += [_Item(r, i, i // per_stage, i % per_stage) for r in rules if r.where == "layer"]
+    for r in rules:
+        if r.where == "last" and r is not weight_map.TIED_OUTPUT:
+            items.append(_Item(r, None, pp - 1, None))
+    return items
+
+
+def is_consumer() -> bool:
+    """Whether this rank receives the buckets (TP rank 0 of the first pipeline stage)."""
+    layout = current_layout()
+    return layout.tp_rank == 0 and layout.pp_rank == 0
+
+
+def stream_hf_buckets(model, arch: ModelArch, bucket_bytes: int = 256 * 1024**2) -> Iterator[Bucket]:
+    """Yield HF-named buckets on the consumer rank; every other rank of the group must also iterate
+    this generator to the end (it takes part in the collectives and yields nothing)."""
+    from megatron.core import parallel_state as ps
+
+    layout = current_layout()
+    shapes = weight_map.hf_shapes(arch)
+    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    tp_src = ps.get_tensor_model_parallel_src_rank()
+    consumer = is_consumer()
+    bucket: Bucket = []
+    size = 0
+    for item in _items(arch, layout.pp):
+        names = [n.format(i=item.layer) for n in item.rule.hf]
+        tensors: list[torch.Tensor] | None = None
+        if layout.pp_rank == item.stage:
+            local = params[item.rule.megatron.format(i=item.local)].detach()
+            if item.rule.split == "replicated" or layout.tp == 1:
+                parts = [local] * layout.tp
+            else:
+                parts = [torch.empty_like(local) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
+                dist.gather(local.contiguous(), parts, dst=tp_src, group=tp_group)
+            if layout.tp_rank == 0:
+                tensors = weight_map._unshard(item.rule.split, parts, arch)
+            del parts
+        if layout.tp_rank != 0:
+            continue
+        if layout.pp > 1:
+            src = dist.get_global_rank(pp_group, item.stage)
+            if tensors is None:
+                dtype = next(iter(params.values())).dtype
+                tensors = [torch.empty(shapes[n], dtype=dtype) for n in names]
+            for t in tensors:
+                dist.broadcast(t, src=src, group=pp_group)
+        if not consumer:
+            continue
+        for name, t in zip(names, tensors, strict=True):
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if consumer and bucket:
+        yield bucket
+
+
+def gather_hf_naive(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
+    """Reference: every rank's whole shard to the consumer rank, merged with ``weight_map.to_hf``."""
+    from megatron.core import parallel_state as ps
+
+    layout = current_layout()
+    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    group = ps.get_model_parallel_group()
+    shards = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shards, ((layout.tp_rank, layout.pp_rank), state), group=group)
+    if not is_consumer():
+        return None
+    return weight_map.to_hf(dict(shards), arch, layout.tp, layout.pp)
