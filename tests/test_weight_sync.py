@@ -74,7 +74,7 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
         result["greedy"] = [g[0].token_ids for g in engine.generate(
             prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
         groups = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-        sampled = [[(p + c.token_ids, len(p), c.logprobs_T) for c in grp] for p, grp in zip(prompts, groups)]
+        sampled = [[(p + c.token_ids, len(p), c.logprobs_T) for c in grp] for p, grp in zip(prompts, groups, strict=True)]
         sampled = [sum(sampled, [])]
         engine.shutdown()
     dist.broadcast_object_list(sampled, src=0)
@@ -103,7 +103,8 @@ def test_sync_tp2_pp2_into_vllm_matches_transformers(tiny_qwen2, tmp_path):
     assert result["streamed_names"] == result["naive_names"] and all(result["streamed_equal"].values())
     assert result["buckets"] > 3  # really bucketed
     # every byte of the model moved once (the file is the same tensors plus a header)
-    assert result["stats"].bytes == (out / "model.safetensors").stat().st_size - _header_bytes(out / "model.safetensors")
+    file = out / "model.safetensors"
+    assert result["stats"].bytes == file.stat().st_size - _header_bytes(file)
     perturbed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     original = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     with torch.inference_mode():

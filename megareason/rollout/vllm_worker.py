@@ -1,11 +1,13 @@
 """A vLLM worker extension that takes new weights in place, bucket by bucket.
 
 vLLM loads it into each of its workers (``LLM(worker_extension_cls=...)``) and the engine calls its
-methods through ``LLM.collective_rpc``. One update is ``mr_begin_weight_update`` → ``mr_load_weight_bucket``
-× N → ``mr_finish_weight_update`` (prefixed: vLLM's worker has methods of the plain names, for its own GPU transfer engines): vLLM's layerwise reload is opened once, each bucket's HF-named tensors
-go through the model's own ``load_weights`` (a layer is processed as soon as all its tensors have
-arrived, so buckets need not align with layers), and the reload is closed at the end. This is vLLM's
-``reload_weights`` split across calls, so the weights never need to be in one process at once.
+methods through ``LLM.collective_rpc``. One update is ``mr_begin_weight_update``, then
+``mr_load_weight_bucket`` per bucket, then ``mr_finish_weight_update`` (prefixed: vLLM's worker has
+methods with the plain names for its own GPU transfer engines). vLLM's layerwise reload is opened
+once, each bucket's HF-named tensors go through the model's own ``load_weights`` (a layer is
+processed as soon as all its tensors have arrived, so buckets need not align with layers), and the
+reload is closed at the end: vLLM's ``reload_weights`` split across calls, so the weights never need
+to be in one process at once.
 
 Every tensor is checked against the served model's own HF config first: an unknown name, a wrong
 shape or a missing tensor fails loudly with the name (and both shapes), never loads silently.
