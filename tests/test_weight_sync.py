@@ -74,8 +74,8 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
         result["greedy"] = [g[0].token_ids for g in engine.generate(
             prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
         groups = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=MAX_TOKENS), use_tqdm=False)
-        sampled = [[(p + c.token_ids, len(p), c.logprobs_T) for c in grp] for p, grp in zip(prompts, groups, strict=True)]
-        sampled = [sum(sampled, [])]
+        sampled = [[(p + c.token_ids, len(p), c.logprobs_T)
+                    for p, grp in zip(prompts, groups, strict=True) for c in grp]]
         engine.shutdown()
     dist.broadcast_object_list(sampled, src=0)
     rows = sampled[0]
