@@ -35,7 +35,7 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     from megareason.models.roles import Actor
     from megareason.models.train import OptimizerSettings
     from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
-    from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_buckets
+    from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
 
     layout = init_parallel(2, 2)
     ckpt = HFCheckpoint(model_dir)
@@ -52,12 +52,12 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     streamed = []
 
     def recorded():
-        for bucket in stream_hf_buckets(actor.model, ckpt.arch, bucket_bytes=64 * 1024):
-            streamed.append(bucket)
-            yield bucket
+        for name, t in stream_hf_tensors(actor.model, ckpt.arch):
+            streamed.append((name, t.clone()))
+            yield name, t
 
     if engine is not None:
-        stats = engine.update_weights(recorded())
+        stats = engine.update_weights(recorded(), bucket_bytes=64 * 1024)
     else:
         for _ in recorded():
             pass
@@ -66,10 +66,9 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     sampled = [None]
     if engine is not None:
         result["stats"] = stats
-        result["streamed_equal"] = {n: torch.equal(t, naive[n]) for b in streamed for n, t in b}
-        result["streamed_names"] = sorted(n for b in streamed for n, _ in b)
+        result["streamed_equal"] = {n: torch.equal(t, naive[n]) for n, t in streamed}
+        result["streamed_names"] = sorted(n for n, _ in streamed)
         result["naive_names"] = sorted(naive)
-        result["buckets"] = len(streamed)
         write_hf(naive, ckpt.dir, out_dir)
         result["greedy"] = [g[0].token_ids for g in engine.generate(
             prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
@@ -101,7 +100,7 @@ def test_sync_tp2_pp2_into_vllm_matches_transformers(tiny_qwen2, tmp_path):
     result = run_workers(4, _worker, str(tiny_qwen2), str(out), prompts)[0]
 
     assert result["streamed_names"] == result["naive_names"] and all(result["streamed_equal"].values())
-    assert result["buckets"] > 3  # really bucketed
+    assert result["stats"].buckets > 3  # really bucketed
     # every byte of the model moved once (the file is the same tensors plus a header)
     file = out / "model.safetensors"
     assert result["stats"].bytes == file.stat().st_size - _header_bytes(file)

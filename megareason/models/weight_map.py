@@ -136,20 +136,25 @@ def to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], arch: Mo
             for local, i in enumerate(layers):
                 name = rule.megatron.format(i=local)
                 parts = [shards[(r, pp_rank)][name] for r in range(tp)]
-                for hf_name, t in zip(rule.hf, _unshard(rule.split, parts, arch), strict=True):
+                for hf_name, t in zip(rule.hf, unshard(rule.split, parts, arch), strict=True):
                     out[hf_name.format(i=i)] = t
     return out
 
 
-def _unshard(split: str, parts: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+def unshard(split: str, parts: list[torch.Tensor], arch: ModelArch) -> list[torch.Tensor]:
+    """The HF tensors that the TP ``parts`` of one megatron-core tensor make. Where no re-layout is
+    needed (replicated tensors, and anything at TP=1 but QKV) the result is a view of ``parts``."""
     if split == "replicated":
-        return [parts[0].clone()]
+        return [parts[0]]
     if split == "row":
-        return [torch.cat(parts, dim=1)]
+        return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)]
     if split == "vocab":
-        return [torch.cat(parts, dim=0)[: arch.vocab_size].clone()]
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return [full[: arch.vocab_size]]
     if split == "gate_up":
         halves = [p.chunk(2, dim=0) for p in parts]
+        if len(parts) == 1:
+            return list(halves[0])
         return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
     if split == "qkv":
         g, hd = arch.num_kv_heads, arch.head_dim

@@ -17,17 +17,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import safetensors.torch
 import torch
+
+from megareason.rollout.vllm_worker import SharedBucket
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WeightUpdate:
+    """What one ``update_weights`` did. ``seconds`` is the whole update as the caller saw it (including
+    producing the buckets); ``vllm_seconds`` the part spent inside vLLM's reload in its worker(s)."""
+
     bytes: int
     buckets: int
     seconds: float
+    vllm_seconds: float
 
 
 @dataclass(frozen=True)
@@ -145,29 +150,41 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
-    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> WeightUpdate:
-        """Load HF-named tensors into the running engine in place, bucket by bucket, then drop the
-        prefix cache (cached prefixes were computed with the old weights).
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
+        """Load HF-named tensors into the running engine in place, in shared-memory buckets of
+        ``bucket_bytes`` (a larger tensor gets a bucket of its own), then drop the prefix cache
+        (cached prefixes were computed with the old weights).
 
         Every tensor is checked against the served model (name, shape) before it loads. If an update
         fails part-way the engine holds a mix of old and new weights: sync again before generating.
         """
         start = time.perf_counter()
         moved, count = 0, 0
-        self.llm.collective_rpc("mr_begin_weight_update")
+        inside = self.llm.collective_rpc("mr_begin_weight_update")[0]
         try:
-            for bucket in buckets:
-                payload = safetensors.torch.save({n: t.contiguous() for n, t in bucket})
-                moved += self.llm.collective_rpc("mr_load_weight_bucket", args=(payload,))[0]
-                count += 1
+            with SharedBucket(bucket_bytes) as shared:
+                for name, tensor in named_tensors:
+                    if not shared.add(name, tensor):  # full: ship it, then start the next bucket
+                        nbytes, seconds = self._load_bucket(shared)
+                        moved, count, inside = moved + nbytes, count + 1, inside + seconds
+                        shared.add(name, tensor)
+                if shared.specs:
+                    nbytes, seconds = self._load_bucket(shared)
+                    moved, count, inside = moved + nbytes, count + 1, inside + seconds
         except BaseException:
             with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
                 self.llm.collective_rpc("mr_finish_weight_update")
             self.llm.reset_prefix_cache()
             raise
-        self.llm.collective_rpc("mr_finish_weight_update")
+        inside += self.llm.collective_rpc("mr_finish_weight_update")[0]
         self.llm.reset_prefix_cache()
-        return WeightUpdate(bytes=moved, buckets=count, seconds=time.perf_counter() - start)
+        return WeightUpdate(bytes=moved, buckets=count, seconds=time.perf_counter() - start, vllm_seconds=inside)
+
+    def _load_bucket(self, shared: SharedBucket) -> tuple[int, float]:
+        result = self.llm.collective_rpc("mr_load_shared_bucket", args=(shared.path, shared.specs))[0]
+        shared.clear()
+        return result
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -2,7 +2,7 @@
 
 vLLM loads it into each of its workers (``LLM(worker_extension_cls=...)``) and the engine calls its
 methods through ``LLM.collective_rpc``. One update is ``mr_begin_weight_update``, then
-``mr_load_weight_bucket`` per bucket, then ``mr_finish_weight_update`` (prefixed: vLLM's worker has
+``mr_load_shared_bucket`` per bucket, then ``mr_finish_weight_update`` (prefixed: vLLM's worker has
 methods with the plain names for its own GPU transfer engines). vLLM's layerwise reload is opened
 once, each bucket's HF-named tensors go through the model's own ``load_weights`` (a layer is
 processed as soon as all its tensors have arrived, so buckets need not align with layers), and the
@@ -15,6 +15,83 @@ shape or a missing tensor fails loudly with the name (and both shapes), never lo
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+Spec = tuple[str, str, list[int], int]  # (name, dtype, shape, byte offset)
+
+
+def shared_dir() -> str:
+    """Where bucket files live: tmpfs (/dev/shm) when the machine has it, so they never touch a disk."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _storage(path: str, nbytes: int) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, True, nbytes))
+
+
+class SharedBucket:
+    """A file in shared memory that the trainer fills and vLLM's workers read without copying.
+
+    The CPU counterpart of CUDA IPC: one memcpy in, and only names, shapes and offsets cross vLLM's
+    RPC (which moves bulk bytes at ~0.2 GB/s here). ``capacity`` bytes, grown only for a single tensor
+    larger than that; deleted on close.
+    """
+
+    def __init__(self, capacity: int):
+        fd, self.path = tempfile.mkstemp(prefix="megareason-weights-", dir=shared_dir())
+        os.close(fd)
+        self.capacity, self.used = 0, 0
+        self.specs: list[Spec] = []
+        self.buf: torch.Tensor | None = None
+        self._grow(capacity)
+
+    def _grow(self, nbytes: int) -> None:
+        self.buf = None
+        os.truncate(self.path, nbytes)
+        self.buf, self.capacity = _storage(self.path, nbytes), nbytes
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor`` in; False (and nothing copied) when it does not fit next to what is there."""
+        n = tensor.numel() * tensor.element_size()
+        if self.used + n > self.capacity:
+            if self.specs:
+                return False
+            self._grow(n)
+        self.buf[self.used : self.used + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        self.specs.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.used))
+        self.used += n
+        return True
+
+    def clear(self) -> None:
+        self.specs, self.used = [], 0
+
+    def close(self) -> None:
+        self.buf = None
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def read_shared_bucket(path: str, specs: Sequence[Spec]) -> tuple[list[str], list[torch.Tensor]]:
+    buf = _storage(path, os.path.getsize(path))
+    names, tensors = [], []
+    for name, dtype, shape, off in specs:
+        dt = getattr(torch, dtype)
+        n = dt.itemsize * (int(torch.tensor(shape).prod()) if shape else 1)
+        names.append(name)
+        tensors.append(buf[off : off + n].view(dt).view(shape))
+    return names, tensors
+
 
 class WeightUpdateExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
@@ -26,23 +103,28 @@ class WeightUpdateExtension:
         hf_config = self.vllm_config.model_config.hf_config.to_dict()
         return hf_shapes(ModelArch.from_hf_config(hf_config, source="the served model"))
 
-    def mr_begin_weight_update(self) -> None:
+    def mr_begin_weight_update(self) -> float:
+        """Open vLLM's layerwise reload; returns its seconds."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+        start = time.perf_counter()
         self._mr_expected = self._expected_shapes()
         self._mr_received: set[str] = set()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
+        return time.perf_counter() - start
 
-    def mr_load_weight_bucket(self, payload: bytes) -> int:
-        """Load one bucket, serialised with ``safetensors.torch.save`` (vLLM's RPC turns raw tensors
-        into nested lists); returns its size in bytes."""
-        from safetensors.torch import load
+    def mr_load_shared_bucket(self, path: str, specs: list[Spec]) -> tuple[int, float]:
+        """Load one bucket from the shared-memory file ``path`` (see ``SharedBucket``): ``specs`` lists
+        (name, dtype, shape, byte offset). Returns the bucket's size in bytes and the seconds spent in
+        vLLM's ``load_weights``."""
         from vllm.config import set_current_vllm_config
 
-        bucket = load(payload)
-        names, tensors = list(bucket), list(bucket.values())
+        names, views = read_shared_bucket(path, specs)
+        # Copies, not views: vLLM's layerwise loader may hold a tensor until its layer is complete (or
+        # until the reload closes), and the trainer refills the shared file with the next bucket.
+        tensors = [v.clone() for v in views]
         for name, t in zip(names, tensors, strict=True):
             want = self._mr_expected.get(name)
             if want is None:
@@ -53,14 +135,17 @@ class WeightUpdateExtension:
             if name in self._mr_received:
                 raise ValueError(f"weight sync: tensor '{name}' sent twice")
             self._mr_received.add(name)
+        start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.get_model().load_weights(zip(names, tensors, strict=True))
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - start
 
-    def mr_finish_weight_update(self) -> None:
+    def mr_finish_weight_update(self) -> float:
+        """Close the reload (processes layers not processed yet); returns its seconds."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
+        start = time.perf_counter()
         missing = sorted(set(self._mr_expected) - self._mr_received)
         runner = self.model_runner
         with set_current_vllm_config(self.vllm_config):
@@ -72,3 +157,4 @@ class WeightUpdateExtension:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"weight sync: {len(missing)} tensors were not sent: {', '.join(missing[:5])}{more}; "
                              f"the layers they belong to kept their old weights")
+        return time.perf_counter() - start

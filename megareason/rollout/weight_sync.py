@@ -1,11 +1,12 @@
 """Megatron shards -> HF-named tensors in buckets -> the running vLLM engine, in place.
 
-``stream_hf_buckets`` runs on every rank of one model-parallel group. For each HF tensor in layer order:
+``stream_hf_tensors`` runs on every rank of one model-parallel group. For each HF tensor in layer order:
 the pipeline stage that owns it gathers the tensor-parallel pieces onto its TP rank 0, converts them to
 the HF layout with the same rules as the conversion tools (``weight_map``), and broadcasts the result
 over the TP-rank-0 pipeline group; the group's first rank (TP 0, PP 0), which owns the vLLM engine,
-collects the tensors into buckets of ``bucket_bytes`` and yields them. Peak extra memory on that rank
-is one bucket plus the tensor being assembled; no rank ever holds the whole model twice.
+receives the tensors one by one and ``VLLMEngine.update_weights`` packs them into a shared-memory bucket
+of a fixed size. Peak extra memory on that rank is that bucket plus the tensor being assembled; no rank
+ever holds the whole model twice.
 
 ``gather_hf_naive`` is the obvious reference (every shard to one rank, then ``weight_map.to_hf``).
 Each data-parallel replica runs its own stream into its own engine: generation replicas are fed by DP
@@ -23,8 +24,6 @@ import torch.distributed as dist
 from megareason.models import weight_map
 from megareason.models.arch import ModelArch
 from megareason.models.parallel import current_layout
-
-Bucket = list[tuple[str, torch.Tensor]]
 
 
 @dataclass
@@ -56,9 +55,10 @@ def is_consumer() -> bool:
     return layout.tp_rank == 0 and layout.pp_rank == 0
 
 
-def stream_hf_buckets(model, arch: ModelArch, bucket_bytes: int = 256 * 1024**2) -> Iterator[Bucket]:
-    """Yield HF-named buckets on the consumer rank; every other rank of the group must also iterate
-    this generator to the end (it takes part in the collectives and yields nothing)."""
+def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) pairs on the consumer rank, in layer order; every other rank of the
+    group must also iterate this generator to the end (it takes part in the collectives and yields
+    nothing). At TP=1 a tensor that needs no re-layout is a view of the parameter, not a copy."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
@@ -67,8 +67,6 @@ def stream_hf_buckets(model, arch: ModelArch, bucket_bytes: int = 256 * 1024**2)
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_src = ps.get_tensor_model_parallel_src_rank()
     consumer = is_consumer()
-    bucket: Bucket = []
-    size = 0
     for item in _items(arch, layout.pp):
         names = [n.format(i=item.layer) for n in item.rule.hf]
         tensors: list[torch.Tensor] | None = None
@@ -80,7 +78,7 @@ def stream_hf_buckets(model, arch: ModelArch, bucket_bytes: int = 256 * 1024**2)
                 parts = [torch.empty_like(local) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
                 dist.gather(local.contiguous(), parts, dst=tp_src, group=tp_group)
             if layout.tp_rank == 0:
-                tensors = weight_map._unshard(item.rule.split, parts, arch)
+                tensors = weight_map.unshard(item.rule.split, parts, arch)
             del parts
         if layout.tp_rank != 0:
             continue
@@ -89,18 +87,11 @@ def stream_hf_buckets(model, arch: ModelArch, bucket_bytes: int = 256 * 1024**2)
             if tensors is None:
                 dtype = next(iter(params.values())).dtype
                 tensors = [torch.empty(shapes[n], dtype=dtype) for n in names]
+            tensors = [t.contiguous() for t in tensors]
             for t in tensors:
                 dist.broadcast(t, src=src, group=pp_group)
-        if not consumer:
-            continue
-        for name, t in zip(names, tensors, strict=True):
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-    if consumer and bucket:
-        yield bucket
+        if consumer:
+            yield from zip(names, tensors, strict=True)
 
 
 def gather_hf_naive(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
