@@ -38,8 +38,23 @@ def _hf_greedy(model_dir, prompts):
     return out
 
 
+def _bad_updates(engine, model_dir) -> list[str]:
+    from safetensors.torch import load_file
+
+    weights = load_file(model_dir / "model.safetensors")
+    misnamed = {**weights, "model.layers.0.self_attn.qkv.weight": torch.zeros(4, 4)}
+    misshaped = {**weights, "model.layers.1.mlp.down_proj.weight": torch.zeros(128, 255)}
+    missing = {k: v for k, v in weights.items() if k != "model.embed_tokens.weight"}
+    messages = []
+    for bad in (misnamed, misshaped, missing):
+        with pytest.raises(Exception) as e:
+            engine.update_weights(bad.items(), bucket_bytes=1 << 16)
+        messages.append(str(e.value))
+    return messages
+
+
 @pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
-def test_greedy_matches_transformers(family, request):
+def test_greedy_matches_transformers_and_bad_weights_fail_loudly(family, request):
     model_dir = request.getfixturevalue(family)
     prompts = _prompt_ids(AutoTokenizer.from_pretrained(model_dir))
     expected = _hf_greedy(model_dir, prompts)
@@ -48,8 +63,20 @@ def test_greedy_matches_transformers(family, request):
     try:
         got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         sampled = engine.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=8), use_tqdm=False)
+        errors = _bad_updates(engine, model_dir)
+        # A full update with the original weights restores the engine after the failed ones.
+        from safetensors.torch import load_file
+
+        engine.update_weights(load_file(model_dir / "model.safetensors").items(), bucket_bytes=1 << 16)
+        again = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     finally:
         engine.shutdown()
+    assert [g[0].token_ids for g in again] == [g[0].token_ids for g in got]
+    misnamed, misshaped, missing = errors
+    assert "unknown tensor 'model.layers.0.self_attn.qkv.weight'" in misnamed
+    assert ("tensor 'model.layers.1.mlp.down_proj.weight' has shape (128, 255), the served model expects (128, 256)"
+            in misshaped)
+    assert "tensors were not sent: model.embed_tokens.weight" in missing
     for (hf_tokens, hf_logp), (completion,) in zip(expected, got, strict=True):
         assert completion.token_ids == hf_tokens
         assert len(completion.logprobs_T) == len(hf_tokens)

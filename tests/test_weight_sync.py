@@ -122,3 +122,55 @@ def test_sync_tp2_pp2_into_vllm_matches_transformers(tiny_qwen2, tmp_path):
 def _header_bytes(path) -> int:
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
+
+
+def _replica_worker(model_dir: str, prompts: list[list[int]]):
+    """TP=2 x DP=2: each data-parallel replica feeds its own engine from its own shards."""
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+    from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+    from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
+
+    layout = init_parallel(2, 1)
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    # The same on both replicas, as training keeps them; replicated tensors the same on both TP ranks.
+    split, shared = torch.Generator().manual_seed(300 + layout.tp_rank), torch.Generator().manual_seed(400)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            g = split if getattr(p, "tensor_model_parallel", False) else shared
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine = VLLMEngine(EngineSettings(model_path=model_dir, max_model_len=256)) if is_consumer() else None
+    if engine is not None:
+        engine.update_weights(stream_hf_tensors(actor.model, ckpt.arch), bucket_bytes=1 << 20)
+    else:
+        for _ in stream_hf_tensors(actor.model, ckpt.arch):
+            pass
+    naive = gather_hf_naive(actor.model, ckpt.arch)
+    if engine is None:
+        return None
+    greedy = [c[0].token_ids for c in engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS),
+                                                      use_tqdm=False)]
+    engine.shutdown()
+    return {"dp_rank": layout.dp_rank, "greedy": greedy, "weights": naive}
+
+
+@pytest.mark.slow
+def test_each_data_parallel_replica_feeds_its_own_engine(tiny_llama, tmp_path):
+    from megareason.models.convert import write_hf
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q in QUESTIONS]
+    results = [r for r in run_workers(4, _replica_worker, str(tiny_llama), prompts) if r is not None]
+    assert sorted(r["dp_rank"] for r in results) == [0, 1]
+    write_hf(results[0]["weights"], tiny_llama, tmp_path / "perturbed")
+    perturbed = AutoModelForCausalLM.from_pretrained(tmp_path / "perturbed", dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [perturbed.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+                for ids in prompts]
+    for r in results:
+        assert r["greedy"] == want

@@ -93,6 +93,21 @@ def read_shared_bucket(path: str, specs: Sequence[Spec]) -> tuple[list[str], lis
     return names, tensors
 
 
+def _retie_embeddings(model, hf_config) -> None:
+    """vLLM's layerwise reload (0.32) leaves a tied LM head computing with the old embedding: the head
+    gets no tensors of its own, so it keeps its previous tensor and, on CPU, the GEMM handle packed
+    from it at load time. Copy the new embedding in and redo the head's post-load processing."""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None:
+        raise NotImplementedError(f"weight sync: cannot find the tied lm_head / embed_tokens of {type(model).__name__}")
+    if head.weight.data_ptr() != embed.weight.data_ptr():
+        head.weight.data.copy_(embed.weight.data)
+    head.quant_method.process_weights_after_loading(head)
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
 
@@ -150,6 +165,7 @@ class WeightUpdateExtension:
         runner = self.model_runner
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
+            _retie_embeddings(runner.get_model(), self.vllm_config.model_config.hf_config)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()
