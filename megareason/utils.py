@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -10,3 +16,31 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def replace_directory(tmp: Path, target: Path) -> None:
+    """Move the finished directory ``tmp`` to ``target`` by renames, replacing an older ``target`` only
+    once the new one is complete (a crash leaves the old or the new one, never a mix)."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+
+
+@contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Write a directory atomically: fill the yielded temporary directory (beside ``target``, so the
+    final rename stays on one file system); on success it becomes ``target``, on error it is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        replace_directory(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

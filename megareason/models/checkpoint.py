@@ -18,7 +18,6 @@ checkpoint that cannot be resumed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from dataclasses import asdict
@@ -29,6 +28,7 @@ import torch.distributed as dist
 
 from megareason.models.arch import ModelArch
 from megareason.models.parallel import current_layout
+from megareason.utils import replace_directory
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
@@ -69,13 +69,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
             meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp,
                     "has_optimizer": optimizer is not None, **(metadata or {})}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-            if path.exists():  # replace an older checkpoint of the same name only once the new one is whole
-                old = path.with_name(path.name + ".old")
-                os.replace(path, old)
-                os.replace(tmp, path)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, path)
+            replace_directory(tmp, path)
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from megareason.utils import atomic_directory
 
 MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -68,10 +69,7 @@ def write_hf(tensors: dict[str, torch.Tensor], config_dir: Path, out_dir: str | 
 
     from megareason.models.checkpoint import HF_FILES
 
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_directory(out_dir) as tmp:
         shards, current, size = [], {}, 0
         for name in sorted(tensors):
             t = tensors[name].contiguous()
@@ -84,24 +82,17 @@ def write_hf(tensors: dict[str, torch.Tensor], config_dir: Path, out_dir: str | 
         if len(shards) == 1:
             save_file(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
         else:
-            weight_map, total = {}, 0
+            index, total = {}, 0
             for i, shard in enumerate(shards, 1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, tmp / fname, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
+                index.update(dict.fromkeys(shard, fname))
                 total += sum(t.numel() * t.element_size() for t in shard.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=2))
         for name in HF_FILES:
             if (config_dir / name).is_file():
                 shutil.copy2(config_dir / name, tmp / name)
-        tmp.chmod(0o755)
         for f in tmp.iterdir():
             f.chmod(0o644)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)
