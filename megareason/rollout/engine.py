@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from megareason.rollout.vllm_worker import SharedBucket
+from megareason.rollout.buckets import new_bucket
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
-        """Load HF-named tensors into the running engine in place, in shared-memory buckets of
-        ``bucket_bytes`` (a larger tensor gets a bucket of its own), then drop the prefix cache
+        """Load HF-named tensors into the running engine in place, in buckets of ``bucket_bytes`` (a
+        larger tensor gets a bucket of its own; see ``rollout.buckets``), then drop the prefix cache
         (cached prefixes were computed with the old weights).
 
         Every tensor is checked against the served model (name, shape) before it loads. If an update
@@ -166,13 +166,13 @@ class VLLMEngine:
         loads: list[tuple[int, float]] = []  # (bytes, seconds in vLLM) per bucket
         begin = self.llm.collective_rpc("mr_begin_weight_update")[0]
         try:
-            with SharedBucket(bucket_bytes) as shared:
+            with new_bucket(bucket_bytes) as bucket:
                 for name, tensor in named_tensors:
-                    if not shared.add(name, tensor):  # full: ship it, then start the next bucket
-                        loads.append(self._load_bucket(shared))
-                        shared.add(name, tensor)
-                if shared.specs:
-                    loads.append(self._load_bucket(shared))
+                    if not bucket.add(name, tensor):  # full: ship it, then start the next bucket
+                        loads.append(self._load_bucket(bucket))
+                        bucket.add(name, tensor)
+                if bucket.specs:
+                    loads.append(self._load_bucket(bucket))
         except BaseException:
             with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
                 self.llm.collective_rpc("mr_finish_weight_update")
@@ -197,9 +197,9 @@ class VLLMEngine:
         if not self.on_cpu:
             self.llm.wake_up(tags)
 
-    def _load_bucket(self, shared: SharedBucket) -> tuple[int, float]:
-        result = self.llm.collective_rpc("mr_load_shared_bucket", args=(shared.path, shared.specs))[0]
-        shared.clear()
+    def _load_bucket(self, bucket) -> tuple[int, float]:
+        result = self.llm.collective_rpc("mr_load_bucket", args=(bucket.transport(), bucket.specs))[0]
+        bucket.clear()
         return result
 
     def shutdown(self) -> None:

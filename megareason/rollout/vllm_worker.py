@@ -2,12 +2,12 @@
 
 vLLM loads it into each of its workers (``LLM(worker_extension_cls=...)``) and the engine calls its
 methods through ``LLM.collective_rpc``. One update is ``mr_begin_weight_update``, then
-``mr_load_shared_bucket`` per bucket, then ``mr_finish_weight_update`` (prefixed: vLLM's worker has
+``mr_load_bucket`` per bucket, then ``mr_finish_weight_update`` (prefixed: vLLM's worker has
 methods with the plain names for its own GPU transfer engines). vLLM's layerwise reload is opened
 once, each bucket's HF-named tensors go through the model's own ``load_weights`` (a layer is
 processed as soon as all its tensors have arrived, so buckets need not align with layers), and the
 reload is closed at the end: vLLM's ``reload_weights`` split across calls, so the weights never need
-to be in one process at once.
+to be in one process at once. The bytes travel in ``rollout.buckets`` (tmpfs on CPU, CUDA IPC on GPU).
 
 Every tensor is checked against the served model's own HF config first: an unknown name, a wrong
 shape or a missing tensor fails loudly with the name (and both shapes), never loads silently.
@@ -15,82 +15,9 @@ shape or a missing tensor fails loudly with the name (and both shapes), never lo
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
-from collections.abc import Sequence
 
-import torch
-
-Spec = tuple[str, str, list[int], int]  # (name, dtype, shape, byte offset)
-
-
-def shared_dir() -> str:
-    """Where bucket files live: tmpfs (/dev/shm) when the machine has it, so they never touch a disk."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _storage(path: str, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, True, nbytes))
-
-
-class SharedBucket:
-    """A file in shared memory that the trainer fills and vLLM's workers read without copying.
-
-    The CPU counterpart of CUDA IPC: one memcpy in, and only names, shapes and offsets cross vLLM's
-    RPC (which moves bulk bytes at ~0.2 GB/s here). ``capacity`` bytes, grown only for a single tensor
-    larger than that; deleted on close.
-    """
-
-    def __init__(self, capacity: int):
-        fd, self.path = tempfile.mkstemp(prefix="megareason-weights-", dir=shared_dir())
-        os.close(fd)
-        self.capacity, self.used = 0, 0
-        self.specs: list[Spec] = []
-        self.buf: torch.Tensor | None = None
-        self._grow(capacity)
-
-    def _grow(self, nbytes: int) -> None:
-        self.buf = None
-        os.truncate(self.path, nbytes)
-        self.buf, self.capacity = _storage(self.path, nbytes), nbytes
-
-    def add(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy ``tensor`` in; False (and nothing copied) when it does not fit next to what is there."""
-        n = tensor.numel() * tensor.element_size()
-        if self.used + n > self.capacity:
-            if self.specs:
-                return False
-            self._grow(n)
-        self.buf[self.used : self.used + n].view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        self.specs.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.used))
-        self.used += n
-        return True
-
-    def clear(self) -> None:
-        self.specs, self.used = [], 0
-
-    def close(self) -> None:
-        self.buf = None
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def read_shared_bucket(path: str, specs: Sequence[Spec]) -> tuple[list[str], list[torch.Tensor]]:
-    buf = _storage(path, os.path.getsize(path))
-    names, tensors = [], []
-    for name, dtype, shape, off in specs:
-        dt = getattr(torch, dtype)
-        n = dt.itemsize * (int(torch.tensor(shape).prod()) if shape else 1)
-        names.append(name)
-        tensors.append(buf[off : off + n].view(dt).view(shape))
-    return names, tensors
+from megareason.rollout.buckets import Spec, Transport, read_bucket
 
 
 def _retie_embeddings(model, hf_config) -> None:
@@ -130,15 +57,14 @@ class WeightUpdateExtension:
             initialize_layerwise_reload(self.model_runner.get_model())
         return time.perf_counter() - start
 
-    def mr_load_shared_bucket(self, path: str, specs: list[Spec]) -> tuple[int, float]:
-        """Load one bucket from the shared-memory file ``path`` (see ``SharedBucket``): ``specs`` lists
-        (name, dtype, shape, byte offset). Returns the bucket's size in bytes and the seconds spent in
-        vLLM's ``load_weights``."""
+    def mr_load_bucket(self, transport: Transport, specs: list[Spec]) -> tuple[int, float]:
+        """Load one bucket (see ``rollout.buckets``): ``specs`` lists (name, dtype, shape, byte offset).
+        Returns the bucket's size in bytes and the seconds spent in vLLM's ``load_weights``."""
         from vllm.config import set_current_vllm_config
 
-        names, views = read_shared_bucket(path, specs)
+        names, views = read_bucket(transport, specs)
         # Copies, not views: vLLM's layerwise loader may hold a tensor until its layer is complete (or
-        # until the reload closes), and the trainer refills the shared file with the next bucket.
+        # until the reload closes), and the trainer refills the bucket with the next one.
         tensors = [v.clone() for v in views]
         for name, t in zip(names, tensors, strict=True):
             want = self._mr_expected.get(name)
