@@ -86,10 +86,11 @@ def ppo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: to
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     m_BT = mask_BT.bool()
+    logp_BT, old_logp_BT, adv_BT = _zero_unmasked(m_BT, logp_BT, old_logp_BT, adv_BT)
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
+    clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_low)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
     dual_taken_BT = torch.zeros_like(m_BT)
     if dual_clip is not None:
