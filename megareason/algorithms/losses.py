@@ -90,7 +90,7 @@ def ppo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: to
     log_ratio_BT = logp_BT - old_logp_BT
     ratio_BT = torch.exp(log_ratio_BT.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT))
     unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_low)
+    clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
     dual_taken_BT = torch.zeros_like(m_BT)
     if dual_clip is not None:
