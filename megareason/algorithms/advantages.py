@@ -52,7 +52,7 @@ def grpo_advantages(reward_B: torch.Tensor, group_B: torch.Tensor, *, mode: str 
     if mode == "no_std":
         adv_B = centred_B
     elif mode == "loo":
-        adv_B = centred_B
+        adv_B = centred_B * n_B / (n_B - 1).clamp(min=1)
     else:
         sq_G = r_B.new_zeros(len(n_G)).index_add_(0, group_of_B, centred_B.square())
         std_G = (sq_G / (n_G - 1).clamp(min=1)).sqrt()
