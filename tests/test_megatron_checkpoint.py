@@ -30,6 +30,12 @@ def _save_at_tp2_pp2(model_dir: str, out: str):
     load_hf_weights(model, ckpt)
     save_checkpoint(out, model, ckpt.arch, model_dir)
     save_checkpoint(out, model, ckpt.arch, model_dir)  # replacing an existing checkpoint is atomic too
+    import psutil
+
+    # dist_checkpointing's writer Manager process is stopped after each save, not left to outlive us
+    # (multiprocessing's own resource tracker, if any, exits with its parent)
+    children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    assert [c for c in children if "resource_tracker" not in c] == []
 
 
 @pytest.mark.slow

@@ -74,8 +74,23 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _stop_writer_manager()
     dist.barrier()
     return path
+
+
+def _stop_writer_manager() -> None:
+    """dist_checkpointing's file writer keeps a spawned multiprocessing Manager (~360 MB) alive for the
+    life of the process, and it outlives a SIGKILLed trainer. Shut it down after every save; the next
+    save starts a new one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    filesystem_async._results_queue = None
 
 
 def _is_distributed_optimizer(optimizer) -> bool:
