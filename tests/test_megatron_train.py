@@ -34,6 +34,7 @@ def _worker(model_dir: str, tokens, mask):
 
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
+    from megareason.models.packing import pack, plan_micro_batches
     from megareason.models.parallel import init_parallel
     from megareason.models.schedule import forward_backward
     from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
@@ -50,8 +51,16 @@ def _worker(model_dir: str, tokens, mask):
         rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
         micro = [TrainBatch(t, m) for t, m in zip(tokens[rows].split(2), mask[rows].split(2), strict=True)]
         opt.zero_grad()
+        # The same share packed two sequences to a row: the gradients must not change.
+        plan = plan_micro_batches([tokens.shape[1]] * share, 2 * tokens.shape[1])
+        packed = [TrainBatch(b.tokens_BT, torch.cat([mask[rows][i] for i in b.index])[None], b.cu_seqlens)
+                  for b in pack(list(tokens[rows]), plan)]
+        forward_backward(ddp, packed, logprob_head(ckpt.arch.vocab_size), nll_loss)
+        packed_grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
         sums = forward_backward(ddp, micro, logprob_head(ckpt.arch.vocab_size), nll_loss)
         grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+        for n, g in grads.items():
+            assert ((packed_grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-5, f"packed {n}"
         ok, grad_norm, _ = opt.step()
         params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         out[(tp, pp)] = dict(rank=(layout.tp_rank, layout.pp_rank), dp_rank=layout.dp_rank, grads=grads,
