@@ -13,7 +13,21 @@ import torch
 from megareason.utils import free_port
 
 
-def _entry(fn, rank, world_size, port, results, args):
+def _exit_with_parent(parent: int) -> None:
+    """A rank whose test process died would otherwise wait in a collective forever."""
+    import threading
+    import time
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _entry(fn, rank, world_size, port, results, args, parent):
+    _exit_with_parent(parent)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
@@ -36,7 +50,8 @@ def run_workers(world_size: int, fn, *args, timeout: float = 600):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, os.getpid()))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     out, errors = {}, []
