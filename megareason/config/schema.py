@@ -78,6 +78,12 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardConfig:
+    # path/to/file.py:function scoring every sample instead of the registry (see rewards/custom.py).
+    custom: str = ""
+
+
+@dataclass
 class EvalConfig:
     output_dir: str = "outputs/eval"
     # pass@k is reported for each k here that is <= rollout.n.
@@ -165,6 +171,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -22,6 +22,7 @@ from megareason.data import TokenizedPrompt, load_records, tokenize_prompts
 from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
 from megareason.rewards import compute_score
+from megareason.rewards.custom import Scorer, load_custom
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
 from megareason.utils import atomic_write
 
@@ -89,7 +90,8 @@ def sampling_from(cfg: Config) -> Sampling:
 def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = True) -> EvalReport:
     """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given."""
     t0 = time.perf_counter()
-    records = load_records(cfg.data)  # data errors surface before the engine starts
+    records = load_records(cfg.data)  # data and reward errors surface before the engine starts
+    scorer = scorer_from(cfg)
     own_engine = engine is None
     if own_engine:
         engine = VLLMEngine(engine_settings(cfg))
@@ -102,7 +104,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     finally:
         if own_engine:
             engine.shutdown()
-    samples = score(prompts, groups)
+    samples = score(prompts, groups, scorer=scorer)
     t3 = time.perf_counter()
     report = EvalReport(
         summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k),
@@ -114,8 +116,14 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     return report
 
 
-def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progress: bool = True) -> list[SampleResult]:
-    """Score every completion with the reward of its prompt's data_source.
+def scorer_from(cfg: Config) -> Scorer:
+    """The configured custom reward, else the registry (by data_source)."""
+    return load_custom(cfg.reward.custom) if cfg.reward.custom else compute_score
+
+
+def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progress: bool = True,
+          scorer: Scorer = compute_score) -> list[SampleResult]:
+    """Score every completion with the reward of its prompt's data_source (or ``scorer``).
 
     A scorer that raises is counted in ``score_error`` (reward 0), never silently; the first
     failure per data_source is logged.
@@ -125,7 +133,7 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progre
     for p, j, c in tqdm(pairs, desc="scoring", unit="sample", leave=False, disable=not progress):
         rec, error = p.record, ""
         try:
-            out = compute_score(rec.data_source, c.text, rec.ground_truth, rec.extra_info)
+            out = scorer(rec.data_source, c.text, rec.ground_truth, rec.extra_info)
             reward, correct = out.score, out.correct
         except Exception as e:  # a broken scorer must not lose the run; it is counted instead
             reward, correct, error = 0.0, False, f"{type(e).__name__}: {e}"

@@ -26,7 +26,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.data.sampler import PromptSampler
-from megareason.evaluation.runner import SampleResult, score, summarize
+from megareason.evaluation.runner import SampleResult, score, scorer_from, summarize
 from megareason.rollout.engine import Sampling
 from megareason.rollout.metrics import logprob_mismatch
 from megareason.trainer.experience import Experience, build_experience
@@ -44,6 +44,7 @@ def train(cfg: Config) -> Path:
     validate_training(cfg)
     run = RunDir(cfg.trainer.output_dir)
     prompts, val_prompts = _load_prompts(cfg)  # bad data or a missing model fail here, before Ray
+    scorer = scorer_from(cfg)
     start_ray(cfg.trainer.ray_address)
     _check_cluster(cfg)
     t, alg = cfg.trainer, cfg.algorithm
@@ -63,7 +64,7 @@ def train(cfg: Config) -> Path:
         sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
         tracker = Tracker(run.root, t.loggers, state.step)
         if t.val_before_train and state.step == 0 and val_prompts:
-            tracker.log(0, validate(actors, val_prompts, cfg))
+            tracker.log(0, validate(actors, val_prompts, cfg, scorer))
 
         for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
                          initial=state.step, total=t.steps):
@@ -73,7 +74,7 @@ def train(cfg: Config) -> Path:
             with _timed(timer, "generate"):
                 completions = _generate(actors, batch, _sampling(cfg, step))
             with _timed(timer, "reward"):
-                scored = score(batch, completions, progress=False)
+                scored = score(batch, completions, progress=False, scorer=scorer)
             exp = build_experience(batch, completions)
             reward_B = torch.tensor([s.reward for s in scored])
 
@@ -106,7 +107,7 @@ def train(cfg: Config) -> Path:
             if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
                 _dump_rollouts(run.root, step, scored)
             if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-                metrics.update(validate(actors, val_prompts, cfg))
+                metrics.update(validate(actors, val_prompts, cfg, scorer))
             tracker.log(step, metrics)
             if step == t.steps or (t.save_every and step % t.save_every == 0):
                 state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
@@ -184,10 +185,10 @@ def _train_metrics(prefix: str, stats: list[dict], token_sums: dict[str, str], l
     return out
 
 
-def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config) -> dict[str, float]:
+def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config, scorer) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts, overall and per data_source."""
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-    results = score(val_prompts, _generate(actors, val_prompts, greedy), progress=False)
+    results = score(val_prompts, _generate(actors, val_prompts, greedy), progress=False, scorer=scorer)
     out = {"val/accuracy": sum(r.correct for r in results) / len(results),
            "val/reward": sum(r.reward for r in results) / len(results)}
     for s in summarize(results, 1, [1]):

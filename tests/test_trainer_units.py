@@ -1,0 +1,169 @@
+"""The trainer's pure pieces: experience records and packing, the prompt sampler, the run folder,
+metrics truncation on resume, advantages as the loop computes them, config checks, custom rewards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megareason.algorithms.advantages import gae_reference
+from megareason.config import ConfigError, from_dict, validate_training
+from megareason.config.schema import Config
+from megareason.data.records import PromptRecord, TokenizedPrompt
+from megareason.data.sampler import PromptSampler
+from megareason.rewards.custom import load_custom
+from megareason.rewards.registry import RewardOutput
+from megareason.rollout.engine import Completion
+from megareason.trainer.experience import build_experience, pack_experience, unpack_to_rows
+from megareason.trainer.loop import compute_advantages
+from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
+from megareason.trainer.tracking import Tracker, read_metrics
+
+
+def _prompt(ids):
+    return TokenizedPrompt(PromptRecord([{"role": "user", "content": "q"}], "x", "1"), "q", ids)
+
+
+def _completion(ids, logps):
+    return Completion(token_ids=ids, text="", logprobs_T=logps, finish_reason="stop")
+
+
+def _experience():
+    prompts = [_prompt([1, 2, 3]), _prompt([4, 5])]
+    groups = [[_completion([7, 8], [-0.5, -0.25]), _completion([9], [-1.0])],
+              [_completion([10, 11, 12], [-0.1, -0.2, -0.3]), _completion([13, 14], [-2.0, -3.0])]]
+    return build_experience(prompts, groups)
+
+
+def test_build_experience_lays_prompt_then_response_with_aligned_logprobs():
+    exp = _experience()
+    assert exp.lengths_B.tolist() == [5, 4, 5, 4]
+    assert exp.tokens_BT.tolist() == [[1, 2, 3, 7, 8], [1, 2, 3, 9, 0], [4, 5, 10, 11, 12], [4, 5, 13, 14, 0]]
+    assert exp.mask_BT.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 0]]
+    # column t holds the log-prob of token t
+    assert exp.rollout_logp_BT[0].tolist() == [0, 0, 0, -0.5, -0.25]
+    assert exp.rollout_logp_BT[3].tolist() == [0, 0, -2.0, -3.0, 0]
+    sub = exp.select([1, 3])
+    assert sub.tokens_BT.tolist() == [[1, 2, 3, 9], [4, 5, 13, 14]]  # trimmed to the longest selected row
+
+
+def test_pack_then_unpack_gives_back_every_row():
+    exp = _experience()
+    micro = pack_experience(exp, micro_batch_tokens=9, names=["rollout_logp_BT", "mask_BT"])
+    assert len(micro) == 2 and {m.tokens_BT.shape for m in micro} == {(1, 9)}
+    assert sorted(i for m in micro for i in m.index) == [0, 1, 2, 3]
+    for name in ("rollout_logp_BT", "mask_BT"):
+        back = unpack_to_rows([m.fields[name] for m in micro], micro, exp.lengths_B, exp.tokens_BT.shape[1])
+        assert torch.equal(back, getattr(exp, name))
+    tokens = unpack_to_rows([m.tokens_BT for m in micro], micro, exp.lengths_B, exp.tokens_BT.shape[1])
+    assert torch.equal(tokens, exp.tokens_BT)
+
+
+def test_prompt_sampler_is_a_permutation_per_epoch_and_resumes_exactly():
+    s = PromptSampler(5, seed=3)
+    first = s.next(5)
+    assert sorted(first) == [0, 1, 2, 3, 4]
+    straight = [s.next(3) for _ in range(4)]
+    r = PromptSampler(5, seed=3)
+    r.next(5)
+    r.next(3)
+    resumed = PromptSampler(5, seed=3, epoch=r.epoch, position=r.position)
+    assert [resumed.next(3) for _ in range(3)] == straight[1:]
+    assert PromptSampler(5, seed=4).next(5) != first or PromptSampler(5, seed=5).next(5) != first
+
+
+def test_run_dir_sees_only_complete_checkpoints_and_keeps_the_last_k(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.latest() is None
+    for step in (1, 2, 3):
+        tmp = run.begin_checkpoint(step)
+        (tmp / "actor").mkdir()
+        run.commit_checkpoint(tmp, TrainerState(step=step, sampler=SamplerState(1, step)), keep_last=2)
+    run.begin_checkpoint(4)  # a crash mid-save: the temporary folder stays behind
+    (run.checkpoints / "step_00000005").mkdir()  # no trainer_state.json: incomplete
+    assert run.steps() == [2, 3]
+    assert run.latest().name == "step_00000003"
+    assert run.read_state(run.latest()) == TrainerState(step=3, sampler=SamplerState(1, 3))
+
+
+def test_tracker_drops_records_after_the_resumed_step(tmp_path):
+    t = Tracker(tmp_path, ["console"], start_step=0)
+    for step in (1, 2, 3):
+        t.log(step, {"loss": float(step), "nan": float("nan")})
+    t.close()
+    t = Tracker(tmp_path, [], start_step=2)  # resumed from the step-2 checkpoint
+    t.log(3, {"loss": 30.0})
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert "nan" not in read_metrics(tmp_path)[0]
+
+
+def _cfg(**sections) -> Config:
+    raw = {"data": {"sources": [{"kind": "reasoning_gym", "name": "basic_arithmetic", "size": 4}]}}
+    raw.update(sections)
+    return from_dict(raw)
+
+
+def test_grpo_advantages_by_hand():
+    exp = _experience()  # two groups of two samples
+    out = compute_advantages(_cfg(rollout={"n": 2}), exp.with_fields(), torch.tensor([1.0, 0.0, 0.5, 0.5]),
+                             torch.tensor([0, 0, 1, 1]))
+    # group 0: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / sqrt(0.5) on each response token;
+    # group 1: all equal -> 0
+    a = 0.5 / (2**-0.5 + 1e-6)
+    expected = torch.tensor([[0, 0, 0, a, a], [0, 0, 0, -a, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    assert torch.allclose(out["adv_BT"], expected, atol=1e-6)
+
+
+def test_ppo_puts_the_reward_on_the_last_response_token_and_runs_gae():
+    exp = _experience()
+    values = torch.rand(exp.tokens_BT.shape, generator=torch.Generator().manual_seed(0))
+    exp = exp.with_fields(values_BT=values)
+    cfg = _cfg(algorithm={"name": "ppo", "gamma": 0.9, "lam": 0.8, "whiten_advantages": False})
+    reward = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    out = compute_advantages(cfg, exp, reward, torch.arange(4) // 2)
+    token_reward = torch.zeros_like(exp.mask_BT)
+    for b, last in enumerate([4, 3, 4, 3]):  # the last response token of each row, by hand
+        token_reward[b, last] = reward[b]
+    adv, ret = gae_reference(token_reward, values, exp.mask_BT, gamma=0.9, lam=0.8)
+    assert torch.allclose(out["adv_BT"], adv, atol=1e-6) and torch.allclose(out["returns_BT"], ret, atol=1e-6)
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"trainer": {"prompts_per_step": 3}, "rollout": {"n": 3}, "algorithm": {"mini_batches": 2}},
+     "trainer.prompts_per_step"),
+    ({"trainer": {"prompts_per_step": 2}, "parallel": {"data_parallel_size": 3}}, "trainer.prompts_per_step"),
+    ({"trainer": {"micro_batch_tokens": 100}}, "trainer.micro_batch_tokens"),
+    ({"rollout": {"n": 1}}, "rollout.n"),
+    ({"algorithm": {"kl_in_reward": True}}, "algorithm.kl_in_reward"),
+    ({"algorithm": {"dual_clip": 0.5}}, "algorithm.dual_clip"),
+])
+def test_training_config_errors_name_the_field(sections, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate_training(_cfg(**sections))
+
+
+def test_custom_reward_from_a_file(tmp_path):
+    f = tmp_path / "my_reward.py"
+    f.write_text("def score(data_source, response, ground_truth, extra_info):\n"
+                 "    return float(response.count('a')) / 2\n"
+                 "def bad(response):\n    return 0\n")
+    scorer = load_custom(f"{f}:score")
+    assert scorer("x", "aab", "", {}) == RewardOutput(score=1.0, correct=True)
+    assert scorer("x", "b", "", {}) == RewardOutput(score=0.0, correct=False)
+    with pytest.raises(ValueError, match="no function 'nope'"):
+        load_custom(f"{f}:nope")
+    with pytest.raises(ValueError, match="must take"):
+        load_custom(f"{f}:bad")
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        load_custom(f"{tmp_path}/missing.py:score")
+    with pytest.raises(ValueError, match="file.py:function"):
+        load_custom("no_colon")
+
+
+def test_trainer_state_round_trips_through_json(tmp_path):
+    state = TrainerState(step=7, sampler=SamplerState(2, 5), extra={"buffer": "replay.pt"})
+    from dataclasses import asdict
+
+    assert TrainerState.from_json(json.dumps(asdict(state))) == state
