@@ -137,7 +137,8 @@ def _train_step(head: Head, loss_fn: LossFn, data_iterator, model):
 
 def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn) -> dict[str, float]:
     """Accumulate gradients of ``loss_fn`` over ``micro_batches`` (objects with ``tokens_BT``, all the
-    same shape). Returns each metric summed over micro-batches and data-parallel ranks, on every rank."""
+    same shape). Returns each metric summed over micro-batches and data-parallel ranks (the max for
+    names ending in ``_max``), on every rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -154,7 +155,16 @@ def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_f
         dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         keys = box[0]
-    sums = torch.stack([sum(s[k] for s in store) for k in keys]) if store else torch.zeros(len(keys))
-    _pipeline_broadcast(sums)
-    dist.all_reduce(sums, group=ps.get_data_parallel_group())
-    return dict(zip(keys, sums.tolist(), strict=True))
+    # Metrics add over micro-batches and data-parallel ranks, except "*_max" ones, which take the max.
+    maxes = [k for k in keys if k.endswith("_max")]
+    keys = [k for k in keys if not k.endswith("_max")]
+    sums = torch.stack([sum(s[k] for s in store) for k in keys]) if store and keys else torch.zeros(len(keys))
+    top = torch.stack([max(s[k] for s in store) for k in maxes]) if store and maxes else torch.zeros(len(maxes))
+    out = {}
+    for values, op in ((sums, dist.ReduceOp.SUM), (top, dist.ReduceOp.MAX)):
+        if values.numel():
+            _pipeline_broadcast(values)
+            dist.all_reduce(values, op=op, group=ps.get_data_parallel_group())
+    out.update(zip(keys, sums.tolist(), strict=True))
+    out.update(zip(maxes, top.tolist(), strict=True))
+    return out

@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from megareason.config.schema import Config
 
 log = logging.getLogger(__name__)
 
 
-def start_ray(address: str, num_cpus: int | None = None) -> None:
-    """``address`` empty: a private local cluster on 127.0.0.1 (stopped by ``ray.shutdown``);
-    otherwise join the running cluster at ``address`` ("auto" finds the one on this node)."""
+@contextmanager
+def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
+    """Connect to Ray for the duration of the block. ``address`` empty: a private local cluster on
+    127.0.0.1, stopped on exit; otherwise join the running cluster at ``address`` ("auto" finds the
+    one on this node) and leave it running."""
     import ray
 
     if ray.is_initialized():
+        yield
         return
     # The workers import megareason from the same place as the driver.
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
@@ -32,6 +37,10 @@ def start_ray(address: str, num_cpus: int | None = None) -> None:
     else:
         ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  runtime_env=env, log_to_driver=True, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def _package_root() -> str:

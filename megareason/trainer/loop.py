@@ -30,7 +30,7 @@ from megareason.evaluation.runner import SampleResult, score, scorer_from, summa
 from megareason.rollout.engine import Sampling
 from megareason.rollout.metrics import logprob_mismatch
 from megareason.trainer.experience import Experience, build_experience
-from megareason.trainer.group import WorkerGroup, cluster_size, start_ray
+from megareason.trainer.group import WorkerGroup, cluster_size, ray_session
 from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
 from megareason.trainer.tracking import Tracker
 from megareason.trainer.workers import CriticWorker, PolicyWorker
@@ -45,81 +45,88 @@ def train(cfg: Config) -> Path:
     run = RunDir(cfg.trainer.output_dir)
     prompts, val_prompts = _load_prompts(cfg)  # bad data or a missing model fail here, before Ray
     scorer = scorer_from(cfg)
-    start_ray(cfg.trainer.ray_address)
-    _check_cluster(cfg)
-    t, alg = cfg.trainer, cfg.algorithm
-    groups = _start_workers(cfg)
-    actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
-    try:
-        state = TrainerState()
-        latest = run.latest() if t.resume_mode == "auto" else None
-        if latest is not None:
-            state = run.read_state(latest)
-            log.info("resuming from %s (step %d)", latest, state.step)
+    with ray_session(cfg.trainer.ray_address):
+        _check_cluster(cfg)
+        groups = _start_workers(cfg)
+        try:
+            _train_loop(cfg, run, groups, prompts, val_prompts, scorer)
+        finally:
             for g in groups:
-                g.call("load", str(latest / g.name))
-            actors.call("sync_weights")  # the engines start from the HF weights
-        run.root.mkdir(parents=True, exist_ok=True)
-        atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
-        sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
-        tracker = Tracker(run.root, t.loggers, state.step)
-        if t.val_before_train and state.step == 0 and val_prompts:
-            tracker.log(0, validate(actors, val_prompts, cfg, scorer))
-
-        for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
-                         initial=state.step, total=t.steps):
-            timer: dict[str, float] = {}
-            batch = [prompts[i] for i in sampler.next(t.prompts_per_step)]
-
-            with _timed(timer, "generate"):
-                completions = _generate(actors, batch, _sampling(cfg, step))
-            with _timed(timer, "reward"):
-                scored = score(batch, completions, progress=False, scorer=scorer)
-            exp = build_experience(batch, completions)
-            reward_B = torch.tensor([s.reward for s in scored])
-
-            with _timed(timer, "logprobs"):
-                old_logp_BT, entropy_BT = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
-                                                                     strict=True))
-                exp = exp.with_fields(old_logp_BT=old_logp_BT)
-                if alg.kl_coef > 0:
-                    exp = exp.with_fields(ref_logp_BT=torch.cat(actors.replicas(actors.call("ref_logprobs", exp))))
-                if critic is not None:
-                    exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
-
-            group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
-            exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B))
-
-            with _timed(timer, "train"):
-                actor_stats, critic_stats = [], []
-                rows = len(exp) // alg.mini_batches
-                for _ in range(alg.ppo_epochs):
-                    for m in range(alg.mini_batches):
-                        mini = exp.select(slice(m * rows, (m + 1) * rows))
-                        actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
-                        if critic is not None:
-                            critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
-            with _timed(timer, "sync"):
-                sync = [s for s in actors.call("sync_weights") if s is not None]
-
-            timer["step"] = sum(timer.values())
-            metrics = step_metrics(cfg, step, exp, scored, entropy_BT, actor_stats, critic_stats, sync, timer)
-            if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
-                _dump_rollouts(run.root, step, scored)
-            if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-                metrics.update(validate(actors, val_prompts, cfg, scorer))
-            tracker.log(step, metrics)
-            if step == t.steps or (t.save_every and step % t.save_every == 0):
-                state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
-                tmp = run.begin_checkpoint(step)
-                for g in groups:
-                    g.call("save", str(tmp / g.name), {"step": step})
-                run.commit_checkpoint(tmp, state, t.keep_last)
-        tracker.close()
-    finally:
-        for g in groups:
-            g.shutdown()
+                g.shutdown()
     return run.root
+
+
+def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: list[TokenizedPrompt],
+                val_prompts: list[TokenizedPrompt], scorer) -> None:
+    t, alg = cfg.trainer, cfg.algorithm
+    actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
+    on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
+    state = TrainerState()
+    latest = run.latest() if t.resume_mode == "auto" else None
+    if latest is not None:
+        state = run.read_state(latest)
+        log.info("resuming from %s (step %d)", latest, state.step)
+        for g in groups:
+            g.call("load", str(latest / g.name))
+        actors.call("sync_weights")  # the engines start from the HF weights
+    run.root.mkdir(parents=True, exist_ok=True)
+    atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+    sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
+    tracker = Tracker(run.root, t.loggers, state.step)
+    if t.val_before_train and state.step == 0 and val_prompts:
+        tracker.log(0, validate(actors, val_prompts, cfg, scorer))
+
+    for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
+                     initial=state.step, total=t.steps):
+        timer: dict[str, float] = {}
+        batch = [prompts[i] for i in sampler.next(t.prompts_per_step)]
+
+        with _timed(timer, "generate"):
+            completions = _generate(actors, batch, _sampling(cfg, step))
+        with _timed(timer, "reward"):
+            scored = score(batch, completions, progress=False, scorer=scorer)
+        exp = build_experience(batch, completions)
+        reward_B = torch.tensor([s.reward for s in scored])
+
+        with _timed(timer, "logprobs"):
+            if not on_policy:  # else the update's own forward pass gives them (and the mismatch)
+                old_logp_BT, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
+                                                            strict=True))
+                exp = exp.with_fields(old_logp_BT=old_logp_BT)
+            if alg.kl_coef > 0:
+                exp = exp.with_fields(ref_logp_BT=torch.cat(actors.replicas(actors.call("ref_logprobs", exp))))
+            if critic is not None:
+                exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
+
+        group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
+        exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B))
+
+        with _timed(timer, "train"):
+            actor_stats, critic_stats = [], []
+            rows = len(exp) // alg.mini_batches
+            for _ in range(alg.ppo_epochs):
+                for m in range(alg.mini_batches):
+                    mini = exp.select(slice(m * rows, (m + 1) * rows))
+                    actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
+                    if critic is not None:
+                        critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
+        with _timed(timer, "sync"):
+            sync = [s for s in actors.call("sync_weights") if s is not None]
+
+        timer["step"] = sum(timer.values())
+        metrics = step_metrics(cfg, step, exp, scored, actor_stats, critic_stats, sync, timer)
+        if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
+            _dump_rollouts(run.root, step, scored)
+        if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
+            metrics.update(validate(actors, val_prompts, cfg, scorer))
+        tracker.log(step, metrics)
+        if step == t.steps or (t.save_every and step % t.save_every == 0):
+            state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
+            tmp = run.begin_checkpoint(step)
+            for g in groups:
+                g.call("save", str(tmp / g.name), {"step": step})
+            run.commit_checkpoint(tmp, state, t.keep_last)
+    tracker.close()
 
 
 def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor,
@@ -142,9 +149,8 @@ def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor,
     return {"adv_BT": adv_BT, "returns_BT": returns_BT}
 
 
-def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleResult], entropy_BT: torch.Tensor,
-                 actor_stats: list[dict], critic_stats: list[dict], sync: list[dict],
-                 timer: dict[str, float]) -> dict[str, float]:
+def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleResult], actor_stats: list[dict],
+                 critic_stats: list[dict], sync: list[dict], timer: dict[str, float]) -> dict[str, float]:
     rewards = torch.tensor([s.reward for s in scored])
     lengths = torch.tensor([float(s.response_tokens) for s in scored])
     m = {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0,
@@ -156,9 +162,12 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
         mine = [s for s in scored if s.data_source == source]
         m[f"reward/{source}/mean"] = sum(s.reward for s in mine) / len(mine)
         m[f"accuracy/{source}"] = sum(s.correct for s in mine) / len(mine)
-    m.update({f"rollout/{k}": v for k, v in logprob_mismatch(exp.old_logp_BT, exp.rollout_logp_BT,
-                                                             exp.mask_BT).items()})
-    m["rollout/entropy"] = (entropy_BT * exp.mask_BT).sum() / exp.mask_BT.sum()
+    if exp.old_logp_BT is not None:
+        m.update({f"rollout/{k}": v for k, v in logprob_mismatch(exp.old_logp_BT, exp.rollout_logp_BT,
+                                                                 exp.mask_BT).items()})
+    else:  # measured in the (single) update's forward pass
+        m["rollout/token_mult_prob_error"] = actor_stats[0]["mismatch_sum"] / max(actor_stats[0]["tokens"], 1)
+        m["rollout/max_abs_logp_diff"] = actor_stats[0]["logp_diff_max"]
     m.update(_train_metrics("actor", actor_stats, {"clipfrac": "clipfrac_sum", "ppo_kl": "ppo_kl_sum",
                                                    "entropy": "entropy_sum", "kl": "kl_sum"}, "pg_loss"))
     m["actor/lr"] = _lr(cfg.optim.lr, cfg, step)
@@ -233,9 +242,12 @@ def _timed(timer: dict[str, float], name: str):
 def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt]]:
     from transformers import AutoTokenizer
 
+    from megareason.models.build import HFCheckpoint
     from megareason.models.hub import resolve_model_path
 
     path = resolve_model_path(cfg.model.path)
+    p = cfg.parallel
+    HFCheckpoint(path).arch.check_parallelism(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
     d = cfg.data

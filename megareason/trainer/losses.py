@@ -5,7 +5,7 @@ Each sequence is unpacked to its own row first, so the sequence-mean aggregation
 per sequence. Both return (numerator, denominator, metrics) in the form ``models.schedule`` expects:
 megatron-core divides the accumulated gradients by the denominators summed over micro-batches and
 data-parallel ranks, which makes every aggregation mode exact under any split. Metrics are sums
-(``*_sum`` over tokens, with ``tokens``), so they add across micro-batches and ranks.
+(``*_sum`` over tokens, with ``tokens``; ``*_max``), so they combine across micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ def policy_loss_fn(alg: AlgorithmConfig):
         f = batch.fields
         logp_BT, entropy_BT = _rows(logp_1W, batch), _rows(entropy_1W, batch)
         mask_BT = _rows(f["mask_BT"], batch)
+        # On-policy (one update per rollout) the old policy is the current one: no extra forward pass.
+        old_logp_BT = _rows(f["old_logp_BT"], batch) if "old_logp_BT" in f else logp_BT.detach()
         num, den, m = ppo_policy_loss(
-            logp_BT, _rows(f["old_logp_BT"], batch), _rows(f["adv_BT"], batch), mask_BT,
+            logp_BT, old_logp_BT, _rows(f["adv_BT"], batch), mask_BT,
             clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high, dual_clip=alg.dual_clip or None,
             mode=alg.loss_agg_mode,
         )
@@ -41,6 +43,10 @@ def policy_loss_fn(alg: AlgorithmConfig):
         metrics = {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
                    "clipfrac_sum": m["clipfrac"] * tokens, "ppo_kl_sum": m["approx_kl"] * tokens,
                    "entropy_sum": (entropy_BT.detach() * mask_BT).sum()}
+        if "rollout_logp_BT" in f:  # the train/generation mismatch, measured by this very forward pass
+            diff_BT = torch.where(mask_BT.bool(), (logp_BT.detach() - _rows(f["rollout_logp_BT"], batch)).abs(), 0.0)
+            metrics["mismatch_sum"] = (diff_BT.exp() * mask_BT).sum()
+            metrics["logp_diff_max"] = diff_BT.max()
         if alg.entropy_coef:
             num = num + entropy_bonus(entropy_BT, mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
         if use_kl_loss:

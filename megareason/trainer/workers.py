@@ -135,7 +135,10 @@ class PolicyWorker(_Worker):
     def train(self, exp: Experience, lr: float) -> dict[str, float]:
         from megareason.trainer.losses import policy_loss_fn
 
-        names = ["mask_BT", "old_logp_BT", "adv_BT"] + (["ref_logp_BT"] if exp.ref_logp_BT is not None else [])
+        # Without old log-probs the update is on-policy: the loss measures the mismatch itself.
+        names = ["mask_BT", "adv_BT"] + [n for n in ("old_logp_BT", "ref_logp_BT") if getattr(exp, n) is not None]
+        if exp.old_logp_BT is None:
+            names.append("rollout_logp_BT")
         return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr)
 
     def sync_weights(self) -> dict[str, float] | None:
