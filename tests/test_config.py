@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megareason.config import CONFIG_DIR, Config, ConfigError, from_dict, load_config
+from megareason.config import CONFIG_DIR, Config, ConfigError, from_dict, load_config, validate_training
 from megareason.config.schema import RolloutConfig
 
 ALL_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -21,6 +21,8 @@ def test_there_are_configs():
 def test_every_yaml_loads(name):
     cfg = load_config(name)
     assert isinstance(cfg, Config) and cfg.data.sources
+    if name != "eval":  # the training recipes also pass the training checks
+        validate_training(cfg)
 
 
 def test_defaults_come_from_the_schema_and_yaml_overrides_them():
@@ -51,8 +53,8 @@ def test_unknown_override_key_lists_valid_keys():
 
 
 def test_unknown_top_level_key():
-    with pytest.raises(ConfigError, match="unknown key 'trainer'.*valid keys of the config: data, eval"):
-        load_config("eval", ["trainer.steps=3"])
+    with pytest.raises(ConfigError, match="unknown key 'trainr'.*valid keys of the config: algorithm, data, eval"):
+        load_config("eval", ["trainr.steps=3"])
 
 
 def test_wrong_type_names_field_and_expected_type():
