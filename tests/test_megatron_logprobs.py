@@ -27,9 +27,10 @@ def _packed(vocab: int):
 
 def _worker(model_dir: str, tokens: torch.Tensor, packed_row: torch.Tensor, cu: torch.Tensor):
     from megareason.models.build import HFCheckpoint
+    from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor, Reference
-    from megareason.models.schedule import TokenBatch
+    from megareason.models.schedule import TokenBatch, forward_outputs, padded_micro_batches
     from megareason.models.train import OptimizerSettings
 
     out = {}
@@ -38,6 +39,8 @@ def _worker(model_dir: str, tokens: torch.Tensor, packed_row: torch.Tensor, cu: 
         ckpt = HFCheckpoint(model_dir)
         actor = Actor(ckpt, OptimizerSettings())
         out[(tp, pp)] = actor.logprobs(tokens, micro_batch_size=2)
+        hot = forward_outputs(actor.model, padded_micro_batches(tokens, 2), logprob_head(ckpt.arch.vocab_size, 0.5), 2)
+        out[("temperature", tp, pp)] = torch.cat([o[0] for o in hot])
         out[("packed", tp, pp)] = actor.logprobs_of([TokenBatch(packed_row, cu), TokenBatch(packed_row, cu)])[1]
         reference = Reference(ckpt)
         reference.offload()
@@ -54,8 +57,12 @@ def test_logprobs_match_transformers_for_every_layout(family, request):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokens = _tokens(hf.config.vocab_size)
     with torch.no_grad():
-        logp_all = torch.log_softmax(hf(tokens).logits[:, :-1].float(), -1)
+        logits = hf(tokens).logits[:, :-1].float()
+    logp_all = torch.log_softmax(logits, -1)
     expected_logp = logp_all.gather(-1, tokens[:, 1:, None])[..., 0]
+    # At a sampling temperature the log-probs are those of softmax(logits / T), as vLLM reports them.
+    expected_hot = torch.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (expected_hot - expected_logp).abs().max() > 1e-2
     expected_entropy = -(logp_all.exp() * logp_all).sum(-1)
 
     seqs, packed_row, cu = _packed(hf.config.vocab_size)
@@ -76,3 +83,5 @@ def test_logprobs_match_transformers_for_every_layout(family, request):
             err = (logp[:, 1:] - expected_logp).abs().max().item()
             assert err < 1e-4, f"rank {rank} TP,PP={layout}: max |dlogp| {err}"
             assert (entropy[:, 1:] - expected_entropy).abs().max().item() < 1e-4
+            hot = results[("temperature",) + layout]
+            assert (hot[:, 1:] - expected_hot).abs().max().item() < 1e-4, f"temperature, TP,PP={layout}"

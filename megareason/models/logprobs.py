@@ -80,14 +80,21 @@ def vocab_parallel_logprobs(logits_local: torch.Tensor, targets: torch.Tensor, t
     return _VocabParallelLogprobs.apply(logits_local, targets, vocab_start, true_vocab, group)
 
 
-def logprob_head(true_vocab: int):
+def logprob_head(true_vocab: int, temperature: float = 1.0):
     """Turns the model's vocab-parallel logits [B, T, V/tp] for a micro-batch's tokens [B, T] into
     (``logp_BT``, ``entropy_BT``): column t scores token t given the tokens before it in its
-    sequence. The first column of every sequence (column 0, or each packed sequence's start) is 0."""
+    sequence. The first column of every sequence (column 0, or each packed sequence's start) is 0.
+
+    ``temperature``: the logits are divided by it first, so the log-probs are those of the distribution
+    the rollout engine sampled from (vLLM's processed log-probs); without it the importance ratio
+    compares two different policies (SmolLM2 at 0.8: token_mult_prob_error 1.22 instead of ~1.0)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
     def head(logits: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = batch.tokens_BT
-        logp, entropy = vocab_parallel_logprobs(logits[:, :-1], tokens[:, 1:], true_vocab)
+        scaled = logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
+        logp, entropy = vocab_parallel_logprobs(scaled, tokens[:, 1:], true_vocab)
         pad = logp.new_zeros(logp.shape[0], 1)
         logp, entropy = torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)
         if batch.cu_seqlens is not None:  # a packed sequence's first token is not predicted

@@ -37,11 +37,14 @@ class _Trainable:
 
 
 class Actor(_Trainable):
-    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32):
+    """``temperature``: the sampling temperature of the rollouts; log-probs are of logits / temperature."""
+
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32,
+                 temperature: float = 1.0):
         model = build_gpt(ckpt.arch, params_dtype)
         load_hf_weights(model, ckpt)
         super().__init__(model, ckpt, settings)
-        self.head = logprob_head(ckpt.arch.vocab_size)
+        self.head = logprob_head(ckpt.arch.vocab_size, temperature)
 
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """(``logp_BT``, ``entropy_BT``) of right-padded rows; see ``logprobs.logprob_head``."""
@@ -54,12 +57,12 @@ class Actor(_Trainable):
 
 
 class Reference:
-    def __init__(self, ckpt: HFCheckpoint, params_dtype=torch.float32):
+    def __init__(self, ckpt: HFCheckpoint, params_dtype=torch.float32, temperature: float = 1.0):
         self.model = build_gpt(ckpt.arch, params_dtype)
         load_hf_weights(self.model, ckpt)
         self.model.requires_grad_(False)
         self.model.eval()
-        self.head = logprob_head(ckpt.arch.vocab_size)
+        self.head = logprob_head(ckpt.arch.vocab_size, temperature)
         self._device = next(self.model.parameters()).device
 
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:

@@ -103,8 +103,10 @@ class PolicyWorker(_Worker):
 
         cfg = self.cfg
         ckpt = HFCheckpoint(resolve_model_path(cfg.model.path))
-        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr))
-        self.reference = Reference(ckpt) if cfg.algorithm.kl_coef > 0 else None
+        # Log-probs at the sampling temperature: the policy that generated the rollouts.
+        temperature = cfg.rollout.temperature
+        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), temperature=temperature)
+        self.reference = Reference(ckpt, temperature=temperature) if cfg.algorithm.kl_coef > 0 else None
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
         self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
