@@ -60,7 +60,9 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
                 val_prompts: list[TokenizedPrompt], scorer) -> None:
     t, alg = cfg.trainer, cfg.algorithm
     actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
-    on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1
+    # One update per rollout and no KL in the reward: the update's own forward pass gives the old
+    # log-probs (detached) and the train/generation mismatch, so no separate pass is needed.
+    on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1 and not (alg.kl_in_reward and alg.kl_coef > 0)
     state = TrainerState()
     latest = run.latest() if t.resume_mode == "auto" else None
     if latest is not None:
@@ -89,7 +91,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         reward_B = torch.tensor([s.reward for s in scored])
 
         with _timed(timer, "logprobs"):
-            if not on_policy:  # else the update's own forward pass gives them (and the mismatch)
+            if not on_policy:
                 old_logp_BT, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
                                                             strict=True))
                 exp = exp.with_fields(old_logp_BT=old_logp_BT)
