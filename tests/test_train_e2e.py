@@ -68,7 +68,8 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path)
     _run(_args(tiny_qwen2, tmp_path, straight, "trainer.save_every=2"))
     reference = _metrics(straight)
     assert set(reference) == {1, 2, 3, 4}
-    assert any(abs(reference[s]["actor/loss"]) > 1e-6 for s in (3, 4)), "losses must be nonzero to compare"
+    # On-policy, equal-length responses make the loss value ~0; its gradient is what must be nonzero.
+    assert all(reference[s]["actor/grad_norm"] > 1e-3 for s in (3, 4)), "gradients must be nonzero to compare"
 
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(_args(tiny_qwen2, tmp_path, crashed, "trainer.save_every=2"), env=_env(),

@@ -91,12 +91,13 @@ class ValueHead(torch.nn.Module):
 
     def __init__(self, hidden_size: int, dtype: torch.dtype):
         super().__init__()
-        self.linear = torch.nn.Linear(hidden_size, 1, dtype=dtype)
-        torch.nn.init.zeros_(self.linear.weight)
-        torch.nn.init.zeros_(self.linear.bias)
+        # Named like GPTModel's output layer ("output_layer.weight"), which megatron-core's
+        # sharded_state_dict expects to find on the last stage of an untied model.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return self.linear(hidden_states), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
