@@ -167,3 +167,13 @@ def test_trainer_state_round_trips_through_json(tmp_path):
     from dataclasses import asdict
 
     assert TrainerState.from_json(json.dumps(asdict(state))) == state
+
+
+def test_an_unknown_data_source_fails_at_start_up_listing_the_registered_ones():
+    from megareason.data import DataError
+    from megareason.evaluation.runner import scorer_from
+
+    records = [PromptRecord([{"role": "user", "content": "q"}], src, "1") for src in ("math", "no_such_source")]
+    with pytest.raises(DataError, match=r"no_such_source.*registered: .*countdown.*gsm8k"):
+        scorer_from(_cfg(), records)
+    assert scorer_from(_cfg(), records[:1])("math", "\\boxed{1}", "1", {}).correct

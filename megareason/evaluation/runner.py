@@ -18,10 +18,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from megareason.config.schema import Config
-from megareason.data import TokenizedPrompt, load_records, tokenize_prompts
+from megareason.data import DataError, PromptRecord, TokenizedPrompt, load_records, tokenize_prompts
 from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
-from megareason.rewards import compute_score
+from megareason.rewards import compute_score, get_reward_fn
 from megareason.rewards.custom import Scorer, load_custom
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
 from megareason.utils import atomic_write
@@ -91,7 +91,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given."""
     t0 = time.perf_counter()
     records = load_records(cfg.data)  # data and reward errors surface before the engine starts
-    scorer = scorer_from(cfg)
+    scorer = scorer_from(cfg, records)
     own_engine = engine is None
     if own_engine:
         engine = VLLMEngine(engine_settings(cfg))
@@ -116,9 +116,17 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     return report
 
 
-def scorer_from(cfg: Config) -> Scorer:
-    """The configured custom reward, else the registry (by data_source)."""
-    return load_custom(cfg.reward.custom) if cfg.reward.custom else compute_score
+def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
+    """The configured custom reward, else the registry (by data_source). Every data_source of
+    ``records`` must have a registered reward: checked here, at start-up, not mid-run."""
+    if cfg.reward.custom:
+        return load_custom(cfg.reward.custom)
+    for source in sorted({r.data_source for r in records}):
+        try:
+            get_reward_fn(source)
+        except ValueError as e:
+            raise DataError(f"no reward for the data: {e} (or set reward.custom=file.py:function)") from None
+    return compute_score
 
 
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progress: bool = True,

@@ -43,8 +43,9 @@ def train(cfg: Config) -> Path:
     """Run (or resume) training as configured; returns the run folder."""
     validate_training(cfg)
     run = RunDir(cfg.trainer.output_dir)
-    prompts, val_prompts = _load_prompts(cfg)  # bad data or a missing model fail here, before Ray
-    scorer = scorer_from(cfg)
+    # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
+    prompts, val_prompts = _load_prompts(cfg)
+    scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
     with ray_session(cfg.trainer.ray_address):
         _check_cluster(cfg)
         groups = _start_workers(cfg)
