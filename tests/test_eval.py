@@ -89,11 +89,23 @@ def test_scorer_failure_is_counted_not_silent(tmp_path):
     assert "numbers" in report.samples[0].score_error
 
 
-def test_unknown_data_source_is_counted_and_named(tmp_path):
+def test_unknown_data_source_fails_before_generation(tmp_path):
+    from megareason.data import DataError
+
     rows = [{"question": "q", "answer": "1", "data_source": "no_such_reward"}]
-    report = run_eval(_cfg(tmp_path, rows, n=1), engine=ScriptedEngine([[("1", "stop")]]))
-    assert report.summaries[0].score_errors == 1
-    assert "registered:" in report.samples[0].score_error
+    engine = ScriptedEngine([[("1", "stop")]])
+    with pytest.raises(DataError, match="no_such_reward.*registered:"):
+        run_eval(_cfg(tmp_path, rows, n=1), engine=engine)
+    assert engine.calls == []
+
+
+def test_a_failing_scorer_is_counted_not_fatal(tmp_path):
+    f = tmp_path / "reward.py"
+    f.write_text("def boom(data_source, response, ground_truth, extra_info):\n    raise KeyError('x')\n")
+    cfg = _cfg(tmp_path, [{"question": "q", "answer": "1", "data_source": "math"}], n=1)
+    cfg.reward.custom = f"{f}:boom"
+    report = run_eval(cfg, engine=ScriptedEngine([[("1", "stop")]]))
+    assert report.summaries[0].score_errors == 1 and report.samples[0].score_error == "KeyError: 'x'"
 
 
 def test_cli_help_and_errors(capsys):

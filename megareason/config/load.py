@@ -171,6 +171,8 @@ def validate(cfg: Config) -> None:
             _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=reasoning_gym", s.size)
     for k in cfg.eval.pass_k:
         _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
+    _check(cfg.reward.workers >= 0, "reward.workers", "must be >= 0", cfg.reward.workers)
+    _check(cfg.reward.timeout > 0, "reward.timeout", "must be > 0", cfg.reward.timeout)
 
 
 def validate_training(cfg: Config) -> None:

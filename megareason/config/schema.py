@@ -81,6 +81,10 @@ class RolloutConfig:
 class RewardConfig:
     # path/to/file.py:function scoring every sample instead of the registry (see rewards/custom.py).
     custom: str = ""
+    # Scoring processes (0: score in the driver, without the timeout) and the per-sample timeout in
+    # seconds: a sample past it (sympy can hang) gets reward 0 and is counted in reward/timeouts.
+    workers: int = 2
+    timeout: float = 10.0
 
 
 @dataclass

@@ -7,6 +7,7 @@ and earlier runs are never overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -15,14 +16,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from megareason.config.schema import Config
 from megareason.data import DataError, PromptRecord, TokenizedPrompt, load_records, tokenize_prompts
 from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
 from megareason.rewards import compute_score, get_reward_fn
 from megareason.rewards.custom import Scorer, load_custom
+from megareason.rewards.pool import ScorePool, ScoreRequest, score_one
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
 from megareason.utils import atomic_write
 
@@ -42,6 +42,7 @@ class SampleResult:
     response_tokens: int
     truncated: bool
     score_error: str = ""
+    timed_out: bool = False
 
 
 @dataclass
@@ -104,7 +105,8 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     finally:
         if own_engine:
             engine.shutdown()
-    samples = score(prompts, groups, scorer=scorer)
+    with scoring_pool(cfg, scorer) as pool:
+        samples = score(prompts, groups, scorer, pool)
     t3 = time.perf_counter()
     report = EvalReport(
         summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k),
@@ -129,32 +131,31 @@ def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
     return compute_score
 
 
-def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], progress: bool = True,
-          scorer: Scorer = compute_score) -> list[SampleResult]:
-    """Score every completion with the reward of its prompt's data_source (or ``scorer``).
+def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
+          pool: ScorePool | None = None) -> list[SampleResult]:
+    """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
+    (worker processes, a per-sample timeout) when given, else in this process.
 
-    A scorer that raises is counted in ``score_error`` (reward 0), never silently; the first
-    failure per data_source is logged.
+    A scorer that raises or times out gives reward 0 and is counted (``score_error``, ``timed_out``),
+    never silently; the pool logs the first few with their sample ids.
     """
-    results, warned = [], set()
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
-    for p, j, c in tqdm(pairs, desc="scoring", unit="sample", leave=False, disable=not progress):
-        rec, error = p.record, ""
-        try:
-            out = scorer(rec.data_source, c.text, rec.ground_truth, rec.extra_info)
-            reward, correct = out.score, out.correct
-        except Exception as e:  # a broken scorer must not lose the run; it is counted instead
-            reward, correct, error = 0.0, False, f"{type(e).__name__}: {e}"
-            if rec.data_source not in warned:
-                warned.add(rec.data_source)
-                log.warning("reward for data_source '%s' failed: %s", rec.data_source, error)
-        results.append(SampleResult(
-            index=rec.extra_info.get("index", -1), sample=j, data_source=rec.data_source,
-            question=rec.prompt[-1]["content"], ground_truth=rec.ground_truth, response=c.text,
-            reward=reward, correct=correct, response_tokens=len(c.token_ids), truncated=c.truncated,
-            score_error=error,
-        ))
-    return results
+    requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
+                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}") for p, j, c in pairs]
+    outcomes = pool.score(requests) if pool is not None else [score_one(scorer, r) for r in requests]
+    return [SampleResult(
+        index=p.record.extra_info.get("index", -1), sample=j, data_source=p.record.data_source,
+        question=p.record.prompt[-1]["content"], ground_truth=p.record.ground_truth, response=c.text,
+        reward=o.score, correct=o.correct, response_tokens=len(c.token_ids), truncated=c.truncated,
+        score_error=o.error, timed_out=o.timed_out,
+    ) for (p, j, c), o in zip(pairs, outcomes, strict=True)]
+
+
+def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
+    """``reward.workers`` scoring processes with ``reward.timeout`` per sample; 0 workers: none."""
+    if cfg.reward.workers == 0:
+        return contextlib.nullcontext()
+    return ScorePool(scorer, workers=cfg.reward.workers, timeout=cfg.reward.timeout)
 
 
 def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int]) -> list[SourceSummary]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.data.sampler import PromptSampler
-from megareason.evaluation.runner import SampleResult, score, scorer_from, summarize
+from megareason.evaluation.runner import SampleResult, score, scorer_from, scoring_pool, summarize
 from megareason.rollout.engine import Sampling
 from megareason.rollout.metrics import logprob_mismatch
 from megareason.trainer.experience import Experience, build_experience
@@ -38,6 +40,9 @@ from megareason.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
+# (prompts, completions per prompt) -> scored samples, in (prompt, sample) order
+ScoreFn = Callable[[list[TokenizedPrompt], list[list]], list[SampleResult]]
+
 
 def train(cfg: Config) -> Path:
     """Run (or resume) training as configured; returns the run folder."""
@@ -46,11 +51,11 @@ def train(cfg: Config) -> Path:
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts = _load_prompts(cfg)
     scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
-    with ray_session(cfg.trainer.ray_address):
+    with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address):
         _check_cluster(cfg)
         groups = _start_workers(cfg)
         try:
-            _train_loop(cfg, run, groups, prompts, val_prompts, scorer)
+            _train_loop(cfg, run, groups, prompts, val_prompts, partial(score, scorer=scorer, pool=pool))
         finally:
             for g in groups:
                 g.shutdown()
@@ -58,7 +63,7 @@ def train(cfg: Config) -> Path:
 
 
 def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: list[TokenizedPrompt],
-                val_prompts: list[TokenizedPrompt], scorer) -> None:
+                val_prompts: list[TokenizedPrompt], score_fn: ScoreFn) -> None:
     t, alg = cfg.trainer, cfg.algorithm
     actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
     # One update per rollout and no KL in the reward: the update's own forward pass gives the old
@@ -77,7 +82,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
     tracker = Tracker(run.root, t.loggers, state.step)
     if t.val_before_train and state.step == 0 and val_prompts:
-        tracker.log(0, validate(actors, val_prompts, cfg, scorer))
+        tracker.log(0, validate(actors, val_prompts, cfg, score_fn))
 
     for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
                      initial=state.step, total=t.steps):
@@ -87,7 +92,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         with _timed(timer, "generate"):
             completions = _generate(actors, batch, _sampling(cfg, step))
         with _timed(timer, "reward"):
-            scored = score(batch, completions, progress=False, scorer=scorer)
+            scored = score_fn(batch, completions)
         exp = build_experience(batch, completions)
         reward_B = torch.tensor([s.reward for s in scored])
 
@@ -121,7 +126,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
             _dump_rollouts(run.root, step, scored)
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-            metrics.update(validate(actors, val_prompts, cfg, scorer))
+            metrics.update(validate(actors, val_prompts, cfg, score_fn))
         tracker.log(step, metrics)
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
@@ -160,7 +165,8 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
          "accuracy": sum(s.correct for s in scored) / len(scored),
          "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
          "response_length/clip_ratio": sum(s.truncated for s in scored) / len(scored),
-         "reward/errors": sum(bool(s.score_error) for s in scored)}
+         "reward/errors": sum(bool(s.score_error) and not s.timed_out for s in scored),
+         "reward/timeouts": sum(s.timed_out for s in scored)}
     for source in sorted({s.data_source for s in scored}):
         mine = [s for s in scored if s.data_source == source]
         m[f"reward/{source}/mean"] = sum(s.reward for s in mine) / len(mine)
@@ -197,10 +203,11 @@ def _train_metrics(prefix: str, stats: list[dict], token_sums: dict[str, str], l
     return out
 
 
-def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config, scorer) -> dict[str, float]:
+def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config,
+             score_fn: ScoreFn) -> dict[str, float]:
     """Greedy accuracy on the held-out prompts, overall and per data_source."""
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-    results = score(val_prompts, _generate(actors, val_prompts, greedy), progress=False, scorer=scorer)
+    results = score_fn(val_prompts, _generate(actors, val_prompts, greedy))
     out = {"val/accuracy": sum(r.correct for r in results) / len(results),
            "val/reward": sum(r.reward for r in results) / len(results)}
     for s in summarize(results, 1, [1]):

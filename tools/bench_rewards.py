@@ -1,0 +1,115 @@
+"""Reward scoring throughput: one process against the reward pool, then pathological inputs.
+
+Scores ``--samples`` generated competition-math responses (right and wrong boxed answers, LaTeX
+fractions, decimals, radicals, polynomials, missing boxes) once in this process and once with
+``megareason.rewards.pool`` (workers = ``os.cpu_count()``, start-up of the workers included), prints
+samples/second for each, their ratio and whether the two agree on every sample; then scores a few
+pathological answers (exponent towers, huge factorials, deep continued fractions) in the pool with
+``--timeout`` and prints how many timed out.
+
+    .venv/bin/python tools/bench_rewards.py --samples 300
+    .venv/bin/python tools/bench_rewards.py                   # 10,000 samples, 5 s timeout
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+from megareason.rewards.pool import ScoreRequest, score_all
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=10_000, help="generated math samples (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=5.0, help="per-sample timeout in seconds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sample generator seed (default: %(default)s)")
+    return p.parse_args(argv)
+
+
+def _answer_pair(rng: random.Random) -> tuple[str, str]:
+    """(boxed answer, gold): about half equivalent, half wrong, across answer forms."""
+    a, b = rng.randint(1, 40), rng.randint(2, 40)
+    right = rng.random() < 0.5
+    kind = rng.choice(["int", "frac", "frac_scaled", "decimal", "sqrt", "poly", "negative"])
+    if kind == "int":
+        n = rng.randint(-500, 5000)
+        return str(n if right else n + rng.randint(1, 9)), str(n)
+    if kind == "frac":
+        return (rf"\dfrac{{{a}}}{{{b}}}" if right else rf"\frac{{{b}}}{{{a}}}"), rf"\frac{{{a}}}{{{b}}}"
+    if kind == "frac_scaled":  # equal only after reduction: needs math-verify
+        k = rng.randint(2, 9)
+        return rf"\frac{{{k * a}}}{{{k * b + (0 if right else 1)}}}", rf"\frac{{{a}}}{{{b}}}"
+    if kind == "decimal":
+        b = rng.choice([2, 4, 5, 8, 10, 20, 25])
+        return f"{a / b + (0 if right else 0.5):g}", rf"\frac{{{a}}}{{{b}}}"
+    if kind == "sqrt":
+        k = rng.randint(2, 6)
+        return rf"\sqrt{{{k * k * b}}}", rf"{k if right else k + 1}\sqrt{{{b}}}"
+    if kind == "poly":
+        return rf"x^2 + {2 * a}x + {a * a}", rf"(x+{a if right else a + 1})^2"
+    return rf"-\frac{{{a}}}{{{b}}}", rf"{'-' if right else ''}\frac{{{a}}}{{{b}}}"
+
+
+def build_samples(n: int, seed: int) -> list[ScoreRequest]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        answer, gold = _answer_pair(rng)
+        work = " ".join(f"step {j}: {rng.randint(1, 99)} + {rng.randint(1, 99)}." for j in range(rng.randint(1, 8)))
+        if rng.random() < 0.05:  # no boxed answer at all
+            response = f"{work} I think the answer is {answer}."
+        else:
+            response = f"{work} Therefore the answer is $\\boxed{{{answer}}}$."
+        requests.append(ScoreRequest("math", response, gold, {}, f"math-{i}"))
+    return requests
+
+
+def pathological() -> list[ScoreRequest]:
+    cf = "1"
+    for _ in range(40):
+        cf = rf"1+\frac{{1}}{{{cf}}}"
+    answers = [
+        (r"9^{9^{9^{9}}}", "5"),
+        (r"10^{10^{10}}", "7"),
+        (r"2^{2^{2^{2^{2^{2}}}}}", "3"),
+        (r"100000000!", "5"),
+        (r"\frac{(10^{6})!}{(10^{6}-1)!}", "1000000"),
+        (cf, r"\frac{1+\sqrt{5}}{2}"),
+    ]
+    return [ScoreRequest("math", rf"\boxed{{{a}}}", g, {}, f"pathological-{i}") for i, (a, g) in enumerate(answers)]
+
+
+def _timed(requests, **kwargs):
+    t0 = time.perf_counter()
+    out = score_all(requests, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    workers = os.cpu_count() or 1
+    requests = build_samples(args.samples, args.seed)
+
+    single, t_single = _timed(requests, workers=0, timeout=args.timeout)
+    pooled, t_pool = _timed(requests, workers=workers, timeout=args.timeout)
+    agree = sum(a == b for a, b in zip(single, pooled, strict=True))
+    print(f"{len(requests)} math samples, {sum(o.correct for o in single)} correct")
+    print(f"single process: {len(requests) / t_single:9.1f} samples/s ({t_single:.2f} s)")
+    print(f"pool ({workers} workers): {len(requests) / t_pool:9.1f} samples/s ({t_pool:.2f} s, start-up included)")
+    print(f"speed-up: {t_single / t_pool:.2f}x; outcomes agree on {agree}/{len(requests)} samples")
+
+    bad = pathological()
+    out, t_bad = _timed(bad, workers=workers, timeout=args.timeout)
+    timed_out = sum(o.timed_out for o in out)
+    print(f"pathological: {timed_out}/{len(bad)} timed out (timeout {args.timeout:g} s), "
+          f"{sum(bool(o.error) and not o.timed_out for o in out)} errors, {t_bad:.1f} s wall")
+    for r, o in zip(bad, out, strict=True):
+        status = "timed out" if o.timed_out else (o.error or f"score {o.score:g}")
+        print(f"  {r.response[:50]:50s} vs {r.ground_truth[:20]:20s} -> {status}")
+
+
+if __name__ == "__main__":
+    main()
