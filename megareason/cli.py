@@ -43,6 +43,16 @@ examples:
   megareason report outputs/grpo_smollm2_cpu            # plots of a run
 """
 
+SERVE_VERIFIER_HELP = """\
+Serve MODEL with vLLM's OpenAI-compatible server on 127.0.0.1 (float32, eager) for the TinyV reward:
+samples whose data_source ends in _tinyv are rescored by it (reward.tinyv.* in the config). Waits
+until the server answers, prints its base URL and serves until Ctrl-C, then stops it.
+
+examples:
+  megareason serve-verifier smollm2-135m-instruct --port 8000
+  megareason eval reward.tinyv.model=smollm2-135m-instruct    # data rows with data_source: math_tinyv
+"""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
@@ -90,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     m2h.add_argument("ckpt_dir", help="megareason checkpoint directory (saved at any TP/PP)")
     m2h.add_argument("out_dir", help="HF directory to write (replaced atomically if it exists)")
 
+    sv = sub.add_parser("serve-verifier", help="serve a TinyV verifier model with vLLM's OpenAI API",
+                        description=SERVE_VERIFIER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sv.add_argument("model", help="a name from `megareason models list`, or an HF checkpoint directory")
+    sv.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
+    sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
     args = parser.parse_args(argv)
     # Models and data come from local files only; never let a library reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             return _report(args)
         if args.command == "convert":
             return _convert(args)
+        if args.command == "serve-verifier":
+            return _serve_verifier(args)
         return _models(args)
     except (ConfigError, DataError, ArchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -180,6 +198,29 @@ def _convert(args: argparse.Namespace) -> int:
         out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir)
     print(out)
     return 0
+
+
+def _serve_verifier(args: argparse.Namespace) -> int:
+    import time
+
+    from megareason.rewards.verifier_server import VerifierServerError, serve_verifier
+
+    try:
+        with serve_verifier(args.model, args.port, args.max_model_len) as server:
+            print(f"verifier serving at {server.base_url} (model name {args.model!r}, pid {server.pid}, "
+                  f"log {server.log_path}); Ctrl-C stops it", flush=True)
+            print(f"use: reward.tinyv.base_url={server.base_url} reward.tinyv.model={args.model}", flush=True)
+            while server.process.poll() is None:
+                time.sleep(1.0)
+            print(f"error: the verifier server exited (code {server.process.returncode}); last lines of its "
+                  f"log:\n{server.log_tail()}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("\nverifier server stopped")
+        return 0
+    except VerifierServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -173,6 +173,14 @@ def validate(cfg: Config) -> None:
         _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
     _check(cfg.reward.workers >= 0, "reward.workers", "must be >= 0", cfg.reward.workers)
     _check(cfg.reward.timeout > 0, "reward.timeout", "must be > 0", cfg.reward.timeout)
+    v = cfg.reward.tinyv
+    _check(v.base_url.startswith(("http://", "https://")), "reward.tinyv.base_url", "must start with http:// "
+           "or https://", v.base_url)
+    _check(0 <= v.weight <= 1, "reward.tinyv.weight", "must be in [0, 1]", v.weight)
+    _check(v.timeout_s > 0, "reward.tinyv.timeout_s", "must be > 0", v.timeout_s)
+    _check(v.max_retries >= 0, "reward.tinyv.max_retries", "must be >= 0", v.max_retries)
+    _check(v.backoff_s >= 0, "reward.tinyv.backoff_s", "must be >= 0", v.backoff_s)
+    _check(v.concurrency >= 1, "reward.tinyv.concurrency", "must be >= 1", v.concurrency)
 
 
 def validate_training(cfg: Config) -> None:

@@ -78,6 +78,34 @@ class RolloutConfig:
 
 
 @dataclass
+class TinyVConfig:
+    """The TinyV LLM verifier, used for samples whose data_source ends in ``_tinyv`` (rewards/tinyv.py).
+
+    Serve a verifier with ``megareason serve-verifier MODEL`` (vLLM's OpenAI-compatible server).
+    """
+
+    # The server's address (its /v1/chat/completions is called).
+    base_url: str = "http://127.0.0.1:8000"
+    # Served model name; empty: the first model the server lists at /v1/models.
+    model: str = ""
+    # tinyv_only: the verifier's verdict alone; addon: asked only when the rule reward says wrong, and
+    # "True" upgrades the sample to 1; mixed: (1 - weight) * rule score + weight * verdict.
+    mode: Literal["tinyv_only", "addon", "mixed"] = "addon"
+    weight: float = 0.5
+    # Per request: seconds before giving up on one attempt, then retries with backoff_s * 2^k pauses.
+    timeout_s: float = 30.0
+    max_retries: int = 3
+    backoff_s: float = 1.0
+    # Requests in flight at once.
+    concurrency: int = 8
+    # When the verifier gives no verdict (server down, unparseable reply): keep the rule score or
+    # score 0. Either way the sample is counted (score_error "TinyVFallback: ...").
+    fallback: Literal["rule", "zero"] = "rule"
+    # Constrain the reply to "True"/"False" (vLLM's structured_outputs choice; vLLM servers only).
+    constrain_choices: bool = False
+
+
+@dataclass
 class RewardConfig:
     # path/to/file.py:function scoring every sample instead of the registry (see rewards/custom.py).
     custom: str = ""
@@ -85,6 +113,7 @@ class RewardConfig:
     # seconds: a sample past it (sympy can hang) gets reward 0 and is counted in reward/timeouts.
     workers: int = 2
     timeout: float = 10.0
+    tinyv: TinyVConfig = field(default_factory=TinyVConfig)
 
 
 @dataclass

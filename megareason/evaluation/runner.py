@@ -8,6 +8,7 @@ and earlier runs are never overwritten.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -16,13 +17,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megareason.config.schema import Config
+from megareason.config.schema import Config, TinyVConfig
 from megareason.data import DataError, PromptRecord, TokenizedPrompt, load_records, tokenize_prompts
 from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
 from megareason.rewards import compute_score, get_reward_fn
 from megareason.rewards.custom import Scorer, load_custom
-from megareason.rewards.pool import ScorePool, ScoreRequest, score_one
+from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
+from megareason.rewards.tinyv import apply_tinyv, is_tinyv
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
 from megareason.utils import atomic_write
 
@@ -106,7 +108,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         if own_engine:
             engine.shutdown()
     with scoring_pool(cfg, scorer) as pool:
-        samples = score(prompts, groups, scorer, pool)
+        samples = score(prompts, groups, scorer, pool, tinyv=cfg.reward.tinyv)
     t3 = time.perf_counter()
     report = EvalReport(
         summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k),
@@ -132,23 +134,46 @@ def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
 
 
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
-          pool: ScorePool | None = None) -> list[SampleResult]:
+          pool: ScorePool | None = None, tinyv: TinyVConfig | None = None) -> list[SampleResult]:
     """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
-    (worker processes, a per-sample timeout) when given, else in this process.
+    (worker processes, a per-sample timeout) when given, else in this process. Then the samples whose
+    data_source ends in ``_tinyv`` go, in one batch, through the TinyV verifier configured by ``tinyv``
+    (None: the ``TinyVConfig`` defaults); see ``megareason.rewards.tinyv``.
 
     A scorer that raises or times out gives reward 0 and is counted (``score_error``, ``timed_out``),
-    never silently; the pool logs the first few with their sample ids.
+    never silently; the pool logs the first few with their sample ids. So is a TinyV sample the
+    verifier gave no verdict (``score_error`` "TinyVFallback: ...").
     """
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
     requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
                              sample_id=f"{p.record.extra_info.get('index', '?')}/{j}") for p, j, c in pairs]
     outcomes = pool.score(requests) if pool is not None else [score_one(scorer, r) for r in requests]
+    outcomes = _verify_tinyv(requests, outcomes, [p.record.prompt[-1]["content"] for p, _, _ in pairs],
+                             tinyv if tinyv is not None else TinyVConfig())
     return [SampleResult(
         index=p.record.extra_info.get("index", -1), sample=j, data_source=p.record.data_source,
         question=p.record.prompt[-1]["content"], ground_truth=p.record.ground_truth, response=c.text,
         reward=o.score, correct=o.correct, response_tokens=len(c.token_ids), truncated=c.truncated,
         score_error=o.error, timed_out=o.timed_out,
     ) for (p, j, c), o in zip(pairs, outcomes, strict=True)]
+
+
+def _verify_tinyv(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], questions: list[str],
+                  cfg: TinyVConfig) -> list[ScoreOutcome]:
+    """``outcomes`` with those of the ``_tinyv`` requests rescored by ``apply_tinyv`` in one batch. The
+    verifier sees ``extra_info["question"]``, else the prompt's last message."""
+    idx = [i for i, r in enumerate(requests) if is_tinyv(r.data_source)]
+    if not idx:
+        return outcomes
+    batch = [dataclasses.replace(requests[i], extra_info={"question": questions[i], **requests[i].extra_info})
+             for i in idx]
+    rescored, stats = apply_tinyv(batch, [outcomes[i] for i in idx], cfg)
+    log.info("TinyV (%s): %d samples, %d asked, %d upgraded, %d fallbacks", cfg.mode, len(idx), stats["asked"],
+             stats["upgraded"], stats["fallbacks"])
+    out = list(outcomes)
+    for i, o in zip(idx, rescored, strict=True):
+        out[i] = o
+    return out
 
 
 def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:

@@ -1,0 +1,370 @@
+"""TinyV against a scripted OpenAI-compatible stub (no vLLM): parsing, modes by hand, retries, order,
+fallbacks, routing of ``<source>_tinyv`` through the registry and ``runner.score``, the config, and the
+verifier server's start/wait/stop logic on a stand-in command."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from megareason.cli import main
+from megareason.config import Config, ConfigError, from_dict, load_config
+from megareason.config.schema import TinyVConfig
+from megareason.data import DataError, PromptRecord, TokenizedPrompt
+from megareason.evaluation.runner import score, scorer_from
+from megareason.rewards import get_reward_fn, register
+from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest
+from megareason.rewards.registry import base_source
+from megareason.rewards.tinyv import (
+    CHOICES,
+    FALLBACK_ERROR,
+    VerifierClient,
+    VerifyItem,
+    apply_tinyv,
+    final_answer,
+    parse_verdict,
+    tinyv_scores,
+)
+from megareason.rewards.verifier_server import VerifierServer, VerifierServerError, group_alive, serve_verifier
+from megareason.rollout.engine import Completion
+from megareason.utils import free_port
+
+Out = ScoreOutcome
+
+
+class FakeVerifier:
+    """OpenAI-compatible stub on 127.0.0.1. The reply to a chat request is scripted by the model answer
+    in its prompt: ``script[answer]`` is a list of actions used one per request (the last repeats): a
+    reply text, an HTTP status to fail with, or ``(seconds, text)`` to reply after a pause. Unscripted
+    answers get "False"."""
+
+    def __init__(self, script: dict | None = None):
+        self.script = script or {}
+        self.hits: Counter[str] = Counter()
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, {"data": [{"id": "fake-verifier", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                answer = re.search(r"<model_answer>\n(.*?)\n</model_answer>", body["messages"][0]["content"],
+                                   re.DOTALL).group(1)
+                with fake.lock:
+                    fake.bodies.append(body)
+                    actions = fake.script.get(answer, ["False"])
+                    action = actions[min(fake.hits[answer], len(actions) - 1)]
+                    fake.hits[answer] += 1
+                    fake.in_flight += 1
+                    fake.max_in_flight = max(fake.max_in_flight, fake.in_flight)
+                try:
+                    if isinstance(action, int):
+                        return self._send(action, {"error": "scripted failure"})
+                    if isinstance(action, tuple):
+                        time.sleep(action[0])
+                        action = action[1]
+                    self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": action}}]})
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client timed out and hung up
+                    pass
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            block_on_close = False
+
+        self.server = Server(("127.0.0.1", 0), Handler)  # port 0: a free one
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake():
+    server = FakeVerifier()
+    yield server
+    server.close()
+
+
+def _cfg(url: str, **kw) -> TinyVConfig:
+    return TinyVConfig(base_url=url, timeout_s=5.0, backoff_s=0.01, **kw)
+
+
+def _client(url: str, **kw) -> VerifierClient:
+    args = dict(model="", timeout_s=5.0, max_retries=3, backoff_s=0.01, concurrency=4) | kw
+    return VerifierClient(url, **args)
+
+
+# --- pure parts ---------------------------------------------------------------
+def test_parse_verdict_takes_the_first_true_or_false_word():
+    assert parse_verdict("True") is True
+    assert parse_verdict(" false.") is False
+    assert parse_verdict("FALSE") is False
+    assert parse_verdict("The answer is true, not false") is True
+    for reply in ("", "maybe", "Trueish", "untrue", "yes"):
+        assert parse_verdict(reply) is None
+
+
+def test_final_answer_is_the_last_box_else_the_last_line():
+    assert final_answer("so \\boxed{1} then \\boxed{\\frac{1}{2}}\nDone.") == "\\frac{1}{2}"
+    assert final_answer("work\n\n  The answer is 7.  \n\n") == "The answer is 7."
+    assert final_answer("   ") == ""
+    assert final_answer("x" * 5000) == "x" * 1000
+
+
+RULE = [Out(1.0, True), Out(0.0, False), Out(0.2, False), Out(0.0, False, error="TimeoutError: t", timed_out=True)]
+VERDICTS = [False, True, False, None]
+
+
+@pytest.mark.parametrize("mode, scores, correct", [
+    ("tinyv_only", [0.0, 1.0, 0.0, 0.0], [False, True, False, False]),
+    ("addon", [1.0, 1.0, 0.2, 0.0], [True, True, False, False]),
+    ("mixed", [0.75, 0.25, 0.15, 0.0], [True, True, False, False]),  # 0.75 * rule + 0.25 * verdict
+])
+def test_tinyv_scores_by_hand(mode, scores, correct):
+    out = tinyv_scores(RULE, VERDICTS, mode, weight=0.25)
+    assert [o.score for o in out] == pytest.approx(scores)
+    assert [o.correct for o in out] == correct
+    assert out[3] == RULE[3]  # no verdict: the rule outcome, its error and timeout kept
+
+
+def test_tinyv_scores_rejects_an_unknown_mode():
+    with pytest.raises(ValueError, match="tinyv_only, addon or mixed"):
+        tinyv_scores(RULE, VERDICTS, "both", 0.5)
+
+
+# --- the client against the stub ----------------------------------------------
+def test_client_keeps_request_order_under_concurrency_and_sends_a_greedy_short_request(fake):
+    # Later items answer sooner, so replies arrive in reverse order.
+    fake.script = {f"a{i}": [(0.04 * (8 - i), "True" if i % 2 == 0 else "false.")] for i in range(8)}
+    items = [VerifyItem(f"question {i}?", f"ref {i}", f"a{i}") for i in range(8)]
+    assert _client(fake.url, concurrency=8).verify_batch(items) == [i % 2 == 0 for i in range(8)]
+    assert fake.max_in_flight > 1
+    body = fake.bodies[0]
+    assert body["model"] == "fake-verifier"  # the first model /v1/models lists
+    assert body["temperature"] == 0 and 1 <= body["max_tokens"] <= 16
+    assert "structured_outputs" not in body and "guided_choice" not in body
+    prompts = {b["messages"][0]["content"] for b in fake.bodies}
+    assert any("question 3?" in p and "ref 3" in p for p in prompts)
+
+
+def test_client_constrains_choices_with_structured_outputs_and_uses_a_given_model(fake):
+    client = _client(fake.url, model="tinyv", choices=CHOICES)
+    assert client.verify_batch([VerifyItem("q", "1", "x")]) == [False]
+    assert fake.bodies[0]["structured_outputs"] == {"choice": ["True", "False"]}
+    assert fake.bodies[0]["model"] == "tinyv"
+    assert _client(fake.url).verify_batch([]) == []
+
+
+def test_unparseable_replies_give_no_verdict(fake):
+    fake.script = {"g": ["I cannot tell"], "t": ["TRUE"], "e": [""]}
+    items = [VerifyItem("q", "1", a) for a in ("g", "t", "e")]
+    assert _client(fake.url).verify_batch(items) == [None, True, None]
+
+
+def test_5xx_and_timeouts_are_retried_4xx_is_not(fake):
+    fake.script = {"flaky": [500, 503, "True"], "down": [502], "bad": [400, "True"], "slow": [(1.0, "True")]}
+    assert _client(fake.url, max_retries=3).verify_batch([VerifyItem("q", "1", "flaky")]) == [True]
+    assert fake.hits["flaky"] == 3
+    assert _client(fake.url, max_retries=2).verify_batch([VerifyItem("q", "1", "down")]) == [None]
+    assert fake.hits["down"] == 3  # 1 + 2 retries
+    assert _client(fake.url).verify_batch([VerifyItem("q", "1", "bad")]) == [None]
+    assert fake.hits["bad"] == 1
+    assert _client(fake.url, timeout_s=0.2, max_retries=1).verify_batch([VerifyItem("q", "1", "slow")]) == [None]
+    assert fake.hits["slow"] == 2
+
+
+def test_backoff_doubles_between_retries(fake):
+    fake.script = {"flaky": [500, 500, 500, "True"]}
+    t0 = time.monotonic()
+    assert _client(fake.url, backoff_s=0.1, max_retries=3).verify_batch([VerifyItem("q", "1", "flaky")]) == [True]
+    assert time.monotonic() - t0 >= 0.1 + 0.2 + 0.4
+
+
+# --- apply_tinyv: modes, stats, fallbacks ------------------------------------------
+REQUESTS = [ScoreRequest("math_tinyv", f"work\n\\boxed{{r{i}}}", "1", {"question": f"Q{i}"}) for i in range(4)]
+RULE4 = [Out(1.0, True), Out(0.0, False), Out(0.3, False), Out(0.2, False)]
+SCRIPT = {"r0": ["False"], "r1": ["True"], "r2": ["no idea"], "r3": ["False"]}
+
+
+@pytest.mark.parametrize("mode, scores, stats", [
+    ("addon", [1.0, 1.0, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),
+    ("tinyv_only", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+    ("mixed", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+])
+def test_apply_tinyv_modes_by_hand(fake, mode, scores, stats):
+    fake.script = SCRIPT
+    outcomes, got = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url, mode=mode, weight=0.5))
+    assert [o.score for o in outcomes] == pytest.approx(scores)
+    assert got == stats
+    assert fake.hits["r0"] == (0 if mode == "addon" else 1)  # addon asks only what the rule marked wrong
+    assert outcomes[2].error.startswith(FALLBACK_ERROR) and not outcomes[1].error
+    assert any("<question>\nQ1\n</question>" in b["messages"][0]["content"] for b in fake.bodies)
+
+
+def test_fallback_zero_scores_samples_without_a_verdict_0(fake):
+    fake.script = SCRIPT
+    outcomes, stats = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url, mode="addon", fallback="zero"))
+    assert [o.score for o in outcomes] == [1.0, 1.0, 0.0, 0.2]
+    assert stats["fallbacks"] == 1
+
+
+@pytest.mark.parametrize("fallback, scores", [("rule", [1.0, 0.0, 0.3, 0.2]), ("zero", [0.0, 0.0, 0.0, 0.0])])
+def test_nothing_listening_falls_back_and_is_counted(fallback, scores):
+    cfg = TinyVConfig(base_url=f"http://127.0.0.1:{free_port()}", mode="tinyv_only", fallback=fallback,
+                      max_retries=1, backoff_s=0.01, timeout_s=2.0)
+    outcomes, stats = apply_tinyv(REQUESTS, RULE4, cfg)
+    assert [o.score for o in outcomes] == scores
+    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
+    assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
+
+
+# --- routing: registry, start-up checks, runner.score ---------------------------
+def test_tinyv_names_resolve_to_their_base_rule_reward(monkeypatch):
+    import megareason.rewards.registry as registry
+
+    assert base_source("math_tinyv") == "math" and base_source("math") == "math"
+    assert get_reward_fn("math_tinyv") is get_reward_fn("math")
+    assert get_reward_fn("gsm8k_tinyv") is get_reward_fn("gsm8k")
+    with pytest.raises(ValueError, match="unknown data_source 'nope_tinyv'"):
+        get_reward_fn("nope_tinyv")
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    with pytest.raises(ValueError, match="must not end in '_tinyv': x_tinyv"):
+        register("x", "x_tinyv")(lambda r, g, e: None)
+    records = [PromptRecord([{"role": "user", "content": "q"}], src, "1") for src in ("math_tinyv", "nope_tinyv")]
+    assert scorer_from(Config(), records[:1])("math_tinyv", "\\boxed{1}", "1", {}).correct
+    with pytest.raises(DataError, match="nope_tinyv"):
+        scorer_from(Config(), records)
+
+
+def _prompt(source: str, question: str, truth: str, **extra) -> TokenizedPrompt:
+    return TokenizedPrompt(PromptRecord([{"role": "user", "content": question}], source, truth, extra), "", [])
+
+
+def _completions(*texts: str) -> list[Completion]:
+    return [Completion([1, 2], t, [0.0, 0.0], "stop") for t in texts]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_runner_sends_only_tinyv_samples_to_the_verifier_in_one_batch(fake, workers):
+    fake.script = {"so it is one half": ["True"]}
+    prompts = [_prompt("math_tinyv", "What is half of 1?", "0.5", index=0), _prompt("math", "7+1?", "8", index=1)]
+    groups = [_completions("\\boxed{0.5}", "so it is one half", "no idea"), _completions("\\boxed{7}")]
+    cfg = _cfg(fake.url, mode="addon")
+    if workers:
+        with ScorePool(workers=workers) as pool:
+            samples = score(prompts, groups, pool=pool, tinyv=cfg)
+    else:
+        samples = score(prompts, groups, tinyv=cfg)
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0, 0.0]
+    assert [s.correct for s in samples] == [True, True, False, False]
+    assert [s.data_source for s in samples] == ["math_tinyv"] * 3 + ["math"]
+    assert sum(fake.hits.values()) == 2  # the two wrong math_tinyv samples; never the plain math one
+    # No extra_info["question"]: the verifier sees the prompt's last message.
+    assert all("<question>\nWhat is half of 1?\n</question>" in b["messages"][0]["content"] for b in fake.bodies)
+    assert not samples[1].score_error and not samples[2].score_error  # "False" is a verdict, not a failure
+
+
+def test_runner_without_tinyv_samples_needs_no_server():
+    samples = score([_prompt("math", "q", "8")], [_completions("\\boxed{8}")], tinyv=replace(
+        TinyVConfig(), base_url=f"http://127.0.0.1:{free_port()}"))
+    assert [s.reward for s in samples] == [1.0] and not samples[0].score_error
+
+
+# --- config ---------------------------------------------------------------------
+def test_tinyv_config_defaults_overrides_and_errors():
+    source = {"kind": "reasoning_gym", "name": "basic_arithmetic", "size": 4}
+    cfg = from_dict({"data": {"sources": [source]}})
+    assert cfg.reward.tinyv == TinyVConfig() and cfg.reward.tinyv.mode == "addon"
+    cfg = load_config("eval", ["reward.tinyv.mode=mixed", "reward.tinyv.weight=0.3", "reward.tinyv.fallback=zero"])
+    assert (cfg.reward.tinyv.mode, cfg.reward.tinyv.weight, cfg.reward.tinyv.fallback) == ("mixed", 0.3, "zero")
+    for bad, field in [({"mode": "both"}, "reward.tinyv.mode"), ({"weight": 1.5}, "reward.tinyv.weight"),
+                       ({"concurrency": 0}, "reward.tinyv.concurrency"), ({"fallback": "one"}, "reward.tinyv.fallback"),
+                       ({"base_url": "127.0.0.1:8000"}, "reward.tinyv.base_url")]:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            from_dict({"data": {"sources": [source]}, "reward": {"tinyv": bad}})
+
+
+# --- verifier server lifecycle, on a stand-in for vLLM -------------------------------
+STAND_IN = """
+import http.server, subprocess, sys, time
+print("loading model", flush=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine core
+open(sys.argv[2], "w").write(str(child.pid))
+time.sleep(0.5)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v1/models" else 404); self.end_headers(); self.wfile.write(b"{}")
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_waits_until_ready_then_stops_its_whole_process_group(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-c", STAND_IN, str(port), str(tmp_path / "child.pid")]
+    server = VerifierServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "server.log")
+    try:
+        server.wait_ready(30)
+        child = int((tmp_path / "child.pid").read_text())
+        assert set(group_alive(server.pid)) == {server.pid, child}
+    finally:
+        server.stop(grace_s=5)
+    assert server.process.returncode is not None
+    assert group_alive(server.pid) == []
+    assert "loading model" in server.log_tail()
+
+
+def test_server_start_up_failures_say_why(tmp_path):
+    crash = VerifierServer([sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"],
+                           f"http://127.0.0.1:{free_port()}", tmp_path / "crash.log")
+    with pytest.raises(VerifierServerError, match=r"(?s)exited with code 3.*boom: no such model"):
+        crash.wait_ready(30)
+    crash.stop()
+    hang = VerifierServer([sys.executable, "-c", "print('still loading', flush=True); import time; time.sleep(600)"],
+                          f"http://127.0.0.1:{free_port()}", tmp_path / "hang.log")
+    with pytest.raises(VerifierServerError, match=r"(?s)not ready after 1s; stopped it.*still loading"):
+        hang.wait_ready(1.0)
+    assert group_alive(hang.pid) == [] and hang.process.returncode is not None
+
+
+def test_serve_verifier_refuses_a_busy_port_and_an_unknown_model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(VerifierServerError, match="already in use"):
+            with serve_verifier(str(tmp_path), port=busy.getsockname()[1]):
+                pass
+    with pytest.raises(FileNotFoundError):
+        with serve_verifier(str(tmp_path / "missing")):
+            pass
+    assert main(["serve-verifier", str(tmp_path / "missing"), "--port", str(free_port())]) == 2

@@ -1,0 +1,89 @@
+"""TinyV against a real vLLM OpenAI server (``serve_verifier``) on a tiny random Qwen2 model.
+
+The tiny model's verdicts are arbitrary, so the reply is constrained to "True"/"False" (greedy, hence
+deterministic) and the test checks consistency: every verdict is a bool, the same on a second ask,
+and each mode's scores and counts follow from the verdicts by the mode's arithmetic. Then the server
+is stopped by its pid (the whole process group gone) and a stopped server must lead to the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from megareason.config.schema import TinyVConfig
+from megareason.models.tiny import build_tokenizer
+from megareason.rewards import compute_score
+from megareason.rewards.pool import ScoreRequest, score_one
+from megareason.rewards.tinyv import (
+    FALLBACK_ERROR,
+    PROMPT,
+    VerifierClient,
+    VerifyItem,
+    apply_tinyv,
+    final_answer,
+    needs_verdict,
+    tinyv_scores,
+)
+from megareason.rewards.verifier_server import group_alive, serve_verifier
+from megareason.utils import free_port
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 1024
+WEIGHT = 0.25
+# (question, response, ground truth): rule-correct, a false negative, wrong, and unboxed.
+CASES = [
+    ("What is 2 + 2?", "2 + 2 = 4, so \\boxed{4}", "4"),
+    ("What is half of 1?", "Half of one is \\boxed{50\\%}", "0.5"),
+    ("What is 3 * 3?", "I think \\boxed{10}", "9"),
+    ("Name the capital of France.", "It is Paris", "Paris"),
+]
+
+
+def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_qwen2):
+    requests = [ScoreRequest("math_tinyv", r, gt, {"question": q}) for q, r, gt in CASES]
+    rule = [score_one(compute_score, r) for r in requests]
+    assert [o.correct for o in rule] == [True, False, False, False] and not any(o.error for o in rule)
+    items = [VerifyItem(q, gt, final_answer(r)) for q, r, gt in CASES]
+    tok = build_tokenizer()
+    longest = max(len(tok(PROMPT.format(question=i.question, reference=i.reference, answer=i.answer))["input_ids"])
+                  for i in items)
+    assert longest + 64 < MAX_MODEL_LEN  # room for the chat template and the reply
+
+    with serve_verifier(str(tiny_qwen2), port=free_port(), max_model_len=MAX_MODEL_LEN,
+                        start_timeout_s=300) as server:
+        cfg = TinyVConfig(base_url=server.base_url, constrain_choices=True, timeout_s=60.0, max_retries=1,
+                          backoff_s=0.5, weight=WEIGHT)
+        client = VerifierClient.from_config(cfg)
+        verdicts = client.verify_batch(items)
+        again = client.verify_batch(items)
+        results = {mode: apply_tinyv(requests, rule, replace(cfg, mode=mode))
+                   for mode in ("tinyv_only", "addon", "mixed")}
+        pid = server.pid
+    assert server.process.returncode is not None
+    assert group_alive(pid) == []  # the API server and its engine-core process
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+    assert all(isinstance(v, bool) for v in verdicts), verdicts
+    assert again == verdicts
+    for mode, (outcomes, stats) in results.items():
+        asked = [needs_verdict(o, mode) for o in rule]
+        expected = [v if a else None for v, a in zip(verdicts, asked, strict=True)]
+        assert outcomes == tinyv_scores(rule, expected, mode, WEIGHT), mode
+        upgraded = sum(v and not o.correct for v, o, a in zip(verdicts, rule, asked, strict=True) if a)
+        assert stats == {"asked": sum(asked), "upgraded": upgraded, "fallbacks": 0}, mode
+    only, addon, mixed = (results[m][0] for m in ("tinyv_only", "addon", "mixed"))
+    for v, r, o_only, o_addon, o_mixed in zip(verdicts, rule, only, addon, mixed, strict=True):
+        assert o_only.score == float(v) and o_only.correct == v
+        assert o_addon.score == (1.0 if r.correct or v else r.score)
+        assert o_mixed.score == pytest.approx((1 - WEIGHT) * r.score + WEIGHT * float(v))
+
+    # The server is gone: every sample asked falls back to its rule outcome, counted.
+    outcomes, stats = apply_tinyv(requests, rule, replace(cfg, mode="tinyv_only", timeout_s=5.0, backoff_s=0.1))
+    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
+    assert [(o.score, o.correct) for o in outcomes] == [(o.score, o.correct) for o in rule]
+    assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
