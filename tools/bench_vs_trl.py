@@ -83,7 +83,7 @@ def run_trl(args) -> list[float]:
     batch = args.prompts * args.group
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, bf16=False, max_steps=args.steps,
-        per_device_train_batch_size=batch, generation_batch_size=batch, steps_per_generation=1,
+        per_device_train_batch_size=batch, generation_batch_size=batch,
         gradient_accumulation_steps=1, num_generations=args.group, max_completion_length=args.max_tokens,
         temperature=0.8, learning_rate=1e-5, beta=0.0, loss_type="dapo", num_iterations=1, logging_steps=1,
         report_to="none", save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0,
