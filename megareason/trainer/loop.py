@@ -55,7 +55,8 @@ def train(cfg: Config) -> Path:
         _check_cluster(cfg)
         groups = _start_workers(cfg)
         try:
-            _train_loop(cfg, run, groups, prompts, val_prompts, partial(score, scorer=scorer, pool=pool))
+            score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv)
+            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn)
         finally:
             for g in groups:
                 g.shutdown()
