@@ -221,6 +221,27 @@ def validate_training(cfg: Config) -> None:
     _check(opt.lr > 0, "optim.lr", "must be > 0", opt.lr)
     _check(opt.critic_lr > 0, "optim.critic_lr", "must be > 0", opt.critic_lr)
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", opt.warmup_steps)
+    if alg.name == "raro":
+        _validate_raro(cfg)
+
+
+def _validate_raro(cfg: Config) -> None:
+    r = cfg.raro
+    _check(cfg.rollout.n >= 2, "rollout.n", "must be >= 2 for RARO (policy groups need a baseline)", cfg.rollout.n)
+    _check(r.critic_n >= 2, "raro.critic_n", "must be >= 2 (critic groups need a baseline)", r.critic_n)
+    _check(r.critic_max_tokens >= 1, "raro.critic_max_tokens", "must be >= 1", r.critic_max_tokens)
+    _check(r.max_response_length >= 0, "raro.max_response_length", "must be >= 0", r.max_response_length)
+    _check(0 <= r.replay_buffer_ratio < 1, "raro.replay_buffer_ratio", "must be in [0, 1)", r.replay_buffer_ratio)
+    _check(r.replay_buffer_size >= 1, "raro.replay_buffer_size", "must be >= 1", r.replay_buffer_size)
+    for name in ("tau_pol", "tau_crit"):
+        _check(0 <= getattr(r, name) <= 1, f"raro.{name}", "must be in [0, 1]", getattr(r, name))
+    for name in ("lambda_pol", "lambda_crit"):
+        _check(getattr(r, name) >= 0, f"raro.{name}", "must be >= 0", getattr(r, name))
+    _check(r.lambda_pol + r.lambda_crit > 0, "raro.lambda_crit", "lambda_pol + lambda_crit must be > 0",
+           r.lambda_crit)
+    _check(r.critic_max_tokens < cfg.rollout.max_model_len, "raro.critic_max_tokens",
+           f"must leave room for the critic's prompt in rollout.max_model_len = {cfg.rollout.max_model_len}",
+           r.critic_max_tokens)
 
 
 def _check(ok: bool, path: str, what: str, value: Any) -> None:

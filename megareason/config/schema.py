@@ -138,7 +138,7 @@ class ParallelConfig:
 class AlgorithmConfig:
     """The RL algorithm: advantages, policy loss, KL and entropy terms (see megareason/algorithms/)."""
 
-    name: Literal["grpo", "ppo"] = "grpo"
+    name: Literal["grpo", "ppo", "raro"] = "grpo"
     # GRPO advantage baseline: std (GRPO), no_std (Dr. GRPO), loo (RLOO leave-one-out).
     grpo_mode: Literal["std", "no_std", "loo"] = "std"
     # PPO: GAE over response tokens, the outcome reward on the last one; whitened over the batch.
@@ -159,6 +159,37 @@ class AlgorithmConfig:
     # Each step's rollouts are split into mini_batches optimizer steps, repeated ppo_epochs times.
     ppo_epochs: int = 1
     mini_batches: int = 1
+
+
+@dataclass
+class RaroConfig:
+    """RARO (algorithm.name=raro, see megareason/raro/): the policy and the critic are one model.
+
+    The policy answers each question rollout.n times; the critic sees (question, expert answer,
+    policy answer) triplets with the answers in random order and samples ``critic_n`` judgements of
+    which is the expert's (or Tie). Under RARO the policy's system prompt replaces data.system_prompt,
+    and the registered reward of a data_source (if any) only monitors accuracy: training uses the
+    critic's verdicts alone."""
+
+    # Empty: the built-in prompts of megareason/raro/prompts.py.
+    policy_system_prompt: str = ""
+    critic_system_prompt: str = ""
+    critic_n: int = 4
+    critic_max_tokens: int = 256
+    # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
+    # filtered: not judged, no gradient.
+    max_response_length: int = 0
+    # Fraction of the critic's batch drawn from earlier steps' triplets.
+    replay_buffer_ratio: float = 0.5
+    replay_buffer_size: int = 10_000
+    replay_buffer_kind: Literal["fifo", "reservoir"] = "reservoir"
+    shuffle_answers: bool = True
+    # Rewards for a Tie verdict (Expert: policy 0 / critic 1; Policy: policy 1 / critic 0).
+    tau_pol: float = 0.6
+    tau_crit: float = 0.55
+    # loss = lambda_pol * J_policy + lambda_crit * J_critic (+ KL, entropy terms).
+    lambda_pol: float = 1 / 9
+    lambda_crit: float = 8 / 9
 
 
 @dataclass
@@ -207,5 +238,6 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    raro: RaroConfig = field(default_factory=RaroConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

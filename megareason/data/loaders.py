@@ -167,7 +167,11 @@ def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
             extra["solution"] = meta["answer_cot"]
         if "numbers" in meta:
             extra["numbers"] = [int(x) for x in meta["numbers"]]
-        truth = str(meta["target"]) if source.name == "countdown" else str(item["answer"])
+        truth = str(item["answer"])
+        if source.name == "countdown":  # scored against the target; the expression is the expert's answer
+            truth = str(meta["target"])
+            extra["expert_answer"] = item["answer"]
+            extra.setdefault("solution", f"{item['answer']} = {truth}")
         records.append(PromptRecord(
             prompt=[{"role": "user", "content": item["question"]}],
             data_source=source.data_source or source.name,

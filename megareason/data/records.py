@@ -14,7 +14,9 @@ class PromptRecord:
     data_source:  selects the reward function (see ``megareason.rewards``).
     ground_truth: the reference final answer, as text.
     extra_info:   JSON-safe per-row details: ``index``, ``question``, ``solution`` (the expert's
-                  reasoning, when known) and whatever a reward needs (e.g. countdown's ``numbers``).
+                  reasoning, when known), ``expert_answer`` (the expert's final answer for RARO when
+                  it is not ``ground_truth``, e.g. countdown's expression) and whatever a reward needs
+                  (e.g. countdown's ``numbers``).
     """
 
     prompt: list[dict[str, str]]

@@ -1,6 +1,7 @@
-"""``megareason train``: the RL loop, one function read top to bottom (GRPO and PPO).
+"""``megareason train``: the RL loop, one function read top to bottom (GRPO, PPO and RARO).
 
-Per step: sample prompts -> rollout (rollout.n per prompt, vLLM) -> rewards -> old log-probs (and the
+Per step: sample prompts -> rollout (rollout.n per prompt, vLLM) -> rewards (RARO: the critic's
+verdicts, ``raro.critic``) -> old log-probs (and the
 train/generation mismatch) -> reference log-probs (KL) -> critic values (PPO) -> advantages ->
 mini-batch updates for algorithm.ppo_epochs -> weight sync into vLLM -> metrics, rollout dump,
 validation, checkpoint. The driver holds no model: it moves ``Experience`` records between Ray
@@ -23,12 +24,16 @@ from tqdm import tqdm
 
 from megareason.algorithms.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
 from megareason.algorithms.kl import kl_in_reward, kl_penalty
+from megareason.algorithms.raro import role_advantage_scale
 from megareason.config import Config, ConfigError, validate_training
 from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.data.sampler import PromptSampler
 from megareason.evaluation.runner import SampleResult, score, scorer_from, scoring_pool, summarize
+from megareason.raro.critic import critic_round
+from megareason.raro.prompts import POLICY_SYSTEM_PROMPT
+from megareason.raro.replay import ReplayBuffer
 from megareason.rollout.engine import Sampling
 from megareason.rollout.metrics import logprob_mismatch
 from megareason.trainer.experience import Experience, build_experience
@@ -40,6 +45,8 @@ from megareason.utils import atomic_write
 
 log = logging.getLogger(__name__)
 
+_REPLAY_FILE = "raro_replay.json"  # RARO's replay buffer, in each checkpoint
+
 # (prompts, completions per prompt) -> scored samples, in (prompt, sample) order
 ScoreFn = Callable[[list[TokenizedPrompt], list[list]], list[SampleResult]]
 
@@ -49,14 +56,14 @@ def train(cfg: Config) -> Path:
     validate_training(cfg)
     run = RunDir(cfg.trainer.output_dir)
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
-    prompts, val_prompts = _load_prompts(cfg)
+    prompts, val_prompts, tokenizer = _load_prompts(cfg)
     scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
     with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address):
         _check_cluster(cfg)
         groups = _start_workers(cfg)
         try:
             score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv)
-            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn)
+            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer)
         finally:
             for g in groups:
                 g.shutdown()
@@ -64,13 +71,14 @@ def train(cfg: Config) -> Path:
 
 
 def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: list[TokenizedPrompt],
-                val_prompts: list[TokenizedPrompt], score_fn: ScoreFn) -> None:
+                val_prompts: list[TokenizedPrompt], score_fn: ScoreFn, tokenizer=None) -> None:
     t, alg = cfg.trainer, cfg.algorithm
     actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
     # One update per rollout and no KL in the reward: the update's own forward pass gives the old
     # log-probs (detached) and the train/generation mismatch, so no separate pass is needed.
     on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1 and not (alg.kl_in_reward and alg.kl_coef > 0)
     state = TrainerState()
+    buffer = ReplayBuffer(cfg.raro.replay_buffer_size, cfg.raro.replay_buffer_kind, t.seed)  # RARO
     latest = run.latest() if t.resume_mode == "auto" else None
     if latest is not None:
         state = run.read_state(latest)
@@ -78,6 +86,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         for g in groups:
             g.call("load", str(latest / g.name))
         actors.call("sync_weights")  # the engines start from the HF weights
+        if alg.name == "raro":
+            buffer = ReplayBuffer.from_state(json.loads((latest / _REPLAY_FILE).read_text()))
     run.root.mkdir(parents=True, exist_ok=True)
     atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
     sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
@@ -93,9 +103,22 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         with _timed(timer, "generate"):
             completions = _generate(actors, batch, _sampling(cfg, step))
         with _timed(timer, "reward"):
-            scored = score_fn(batch, completions)
-        exp = build_experience(batch, completions)
-        reward_B = torch.tensor([s.reward for s in scored])
+            scored = score_fn(batch, completions)  # RARO: monitors accuracy only
+        if alg.name == "raro":
+            with _timed(timer, "critic"):
+                rb = critic_round(cfg.raro, step, t.seed, batch, completions, buffer, tokenizer,
+                                  partial(_generate, actors), _sampling(cfg, step),
+                                  cfg.rollout.max_model_len - cfg.raro.critic_max_tokens)
+            scored = [replace(s, reward=float(r)) for s, r in zip(scored, rb.reward_B, strict=False)]
+            # Masked rows (filtered, unjudged, unparseable) leave the batch: they get no gradient.
+            keep = rb.keep_B.nonzero().flatten().tolist()
+            exp = build_experience(rb.prompts, rb.groups).select(keep)
+            reward_B, group_B, is_critic_B = rb.reward_B[keep], rb.group_B[keep], rb.is_critic_B[keep]
+        else:
+            exp = build_experience(batch, completions)
+            reward_B = torch.tensor([s.reward for s in scored])
+            group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
+            is_critic_B = None
 
         with _timed(timer, "logprobs"):
             if not on_policy:
@@ -107,15 +130,13 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             if critic is not None:
                 exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
 
-        group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
-        exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B))
+        exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B, is_critic_B))
 
         with _timed(timer, "train"):
             actor_stats, critic_stats = [], []
-            rows = len(exp) // alg.mini_batches
             for _ in range(alg.ppo_epochs):
                 for m in range(alg.mini_batches):
-                    mini = exp.select(slice(m * rows, (m + 1) * rows))
+                    mini = exp.select(slice(len(exp) * m // alg.mini_batches, len(exp) * (m + 1) // alg.mini_batches))
                     actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
                     if critic is not None:
                         critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
@@ -124,6 +145,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
 
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, scored, actor_stats, critic_stats, sync, timer)
+        if alg.name == "raro":
+            metrics.update(rb.metrics)
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
             _dump_rollouts(run.root, step, scored)
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
@@ -134,18 +157,26 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             tmp = run.begin_checkpoint(step)
             for g in groups:
                 g.call("save", str(tmp / g.name), {"step": step})
+            if alg.name == "raro":
+                atomic_write(tmp / _REPLAY_FILE, json.dumps(buffer.state_dict()))
             run.commit_checkpoint(tmp, state, t.keep_last)
     tracker.close()
 
 
-def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor,
-                       group_B: torch.Tensor) -> dict[str, torch.Tensor]:
-    """GRPO: the group-relative outcome advantage on every response token. PPO: the outcome reward on
-    the last response token (minus the per-token KL when kl_in_reward), GAE with the critic's values,
-    whitened advantages; also the critic's targets (``returns_BT``)."""
+def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, group_B: torch.Tensor,
+                       is_critic_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """GRPO: the group-relative outcome advantage on every response token. RARO: the same within the
+    policy groups and within the critic groups, scaled so the loss is lambda_pol * J_pol +
+    lambda_crit * J_crit. PPO: the outcome reward on the last response token (minus the per-token KL
+    when kl_in_reward), GAE with the critic's values, whitened advantages; also the critic's targets
+    (``returns_BT``)."""
     alg, mask_BT = cfg.algorithm, exp.mask_BT
-    if alg.name == "grpo":
-        return {"adv_BT": broadcast_to_tokens(grpo_advantages(reward_B, group_B, mode=alg.grpo_mode), mask_BT)}
+    if alg.name in ("grpo", "raro"):
+        adv_B = grpo_advantages(reward_B, group_B, mode=alg.grpo_mode)
+        if alg.name == "raro":
+            adv_B = adv_B * role_advantage_scale(is_critic_B, mask_BT, alg.loss_agg_mode,
+                                                 lambda_pol=cfg.raro.lambda_pol, lambda_crit=cfg.raro.lambda_crit)
+        return {"adv_BT": broadcast_to_tokens(adv_B, mask_BT)}
     last_B = exp.lengths_B - 1
     token_reward_BT = torch.zeros_like(mask_BT)
     token_reward_BT[torch.arange(len(exp)), last_B] = reward_B
@@ -250,7 +281,7 @@ def _timed(timer: dict[str, float], name: str):
     timer[name] = time.perf_counter() - start
 
 
-def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt]]:
+def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt], object]:
     from transformers import AutoTokenizer
 
     from megareason.models.build import HFCheckpoint
@@ -262,6 +293,8 @@ def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPro
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
     d = cfg.data
+    if cfg.algorithm.name == "raro":
+        d = replace(d, system_prompt=cfg.raro.policy_system_prompt or POLICY_SYSTEM_PROMPT)
     prompts = tokenize_prompts(load_records(d), tokenizer, d.max_prompt_length, d.truncation)
     if len(prompts) < cfg.trainer.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} but the training data has "
@@ -270,7 +303,7 @@ def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPro
     if d.val_sources:
         val = tokenize_prompts(load_records(replace(d, sources=d.val_sources)), tokenizer, d.max_prompt_length,
                                d.truncation)
-    return prompts, val
+    return prompts, val, tokenizer
 
 
 def _check_cluster(cfg: Config) -> None:

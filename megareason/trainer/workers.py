@@ -20,9 +20,11 @@ from megareason.trainer.experience import Experience, pack_experience, unpack_to
 
 
 def share(n: int, dp: int, dp_rank: int) -> slice:
-    """Replica ``dp_rank``'s contiguous share of ``n`` rows (the config check makes n divisible by dp)."""
-    size = n // dp
-    return slice(dp_rank * size, (dp_rank + 1) * size)
+    """Replica ``dp_rank``'s contiguous share of ``n`` rows; shares differ by at most one row (RARO's
+    row count varies from step to step)."""
+    if n < dp:
+        raise ValueError(f"{n} rows cannot be shared by {dp} data-parallel replicas")
+    return slice(n * dp_rank // dp, n * (dp_rank + 1) // dp)
 
 
 def optimizer_settings(cfg: Config, lr: float):

@@ -1,0 +1,334 @@
+"""RARO: labels, the reward matrix, the joint-loss weights, the replay buffer and the critic pass.
+
+The critic pass runs here with a scripted critic (a function of the prompt it is shown) in place of
+vLLM, so every verdict, and so every reward, is known in advance.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from megareason.algorithms.losses import aggregate, ppo_policy_loss
+from megareason.algorithms.raro import Verdict, parse_label, reward_matrix, role_advantage_scale, to_role
+from megareason.config.schema import AlgorithmConfig, Config, RaroConfig
+from megareason.data.records import PromptRecord, TokenizedPrompt
+from megareason.raro.critic import critic_round
+from megareason.raro.prompts import policy_answer
+from megareason.raro.replay import ReplayBuffer, Triplet
+from megareason.rollout.engine import Completion, Sampling
+from megareason.trainer.experience import build_experience
+from megareason.trainer.loop import compute_advantages
+
+# --- labels and the reward matrix -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, label", [
+    ("The first answer checks out.\nVerdict: A", "A"),
+    ("**Verdict:** B", "B"),
+    ("verdict - (B)", "B"),
+    ("I cannot tell.\nVerdict: Tie", "tie"),
+    ("VERDICT: TIE", "tie"),
+    ("so the answer is \\boxed{A}", "A"),
+    ("Verdict: A\n(repeating) Verdict: A", "A"),
+])
+def test_parse_label_valid(text, label):
+    assert parse_label(text) == label
+
+
+@pytest.mark.parametrize("text", [
+    "",
+    "A is the expert's answer",  # no 'Verdict:' line
+    "verdict: a tie",  # lower-case article, not the label A
+    "Verdict: C",
+    "Verdict: A ... on reflection, Verdict: B",  # ambiguous
+    "Verdict: Tie \\boxed{A}",  # ambiguous across forms
+])
+def test_parse_label_invalid_or_ambiguous(text):
+    assert parse_label(text) is None
+
+
+@pytest.mark.parametrize("expert_first", [True, False])
+def test_reward_matrix_every_label_with_and_without_shuffling(expert_first):
+    # Expert shown as A (expert_first) or as B (shuffled): the label naming the expert's position
+    # pays the critic 1 and the policy 0, the other position the reverse, Tie the taus.
+    expert_label, policy_label = ("A", "B") if expert_first else ("B", "A")
+    taus = {"tau_pol": 0.6, "tau_crit": 0.55}
+    assert to_role(expert_label, expert_first) is Verdict.EXPERT
+    assert to_role(policy_label, expert_first) is Verdict.POLICY
+    assert reward_matrix(to_role(expert_label, expert_first), **taus) == (0.0, 1.0)
+    assert reward_matrix(to_role(policy_label, expert_first), **taus) == (1.0, 0.0)
+    assert reward_matrix(to_role("tie", expert_first), **taus) == (0.6, 0.55)
+    assert reward_matrix(to_role(None, expert_first), **taus) is None
+
+
+def test_policy_answer_extraction():
+    assert policy_answer("<think>try 3*4</think> <answer> 3*4+1 </answer>") == "3*4+1"
+    assert policy_answer("<think>hmm</think>\n12") == "12"
+    assert policy_answer("<answer>1</answer> then <answer>2</answer>") == "2"
+    assert policy_answer("<think>unfinished") == "<think>unfinished"
+    assert policy_answer("<think>x</think>") == "(empty answer)"
+
+
+# --- joint loss weights --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_role_weights_give_lambda_weighted_role_losses(mode):
+    g = torch.Generator().manual_seed(0)
+    B, T = 7, 9
+    mask_BT = (torch.rand(B, T, generator=g) > 0.3).float()
+    mask_BT[2] = 0  # a row without scored tokens
+    is_critic_B = torch.tensor([False, True, False, True, True, False, True])
+    adv_B = torch.randn(B, generator=g)
+    logp_BT = torch.randn(B, T, generator=g, requires_grad=True)
+    old_BT = logp_BT.detach() + 0.3 * torch.randn(B, T, generator=g)
+
+    def J(rows, adv_BT):
+        num, den, _ = ppo_policy_loss(logp_BT[rows], old_BT[rows], adv_BT[rows], mask_BT[rows], mode=mode)
+        return num / den
+
+    w_B = role_advantage_scale(is_critic_B, mask_BT, mode, lambda_pol=1 / 9, lambda_crit=8 / 9)
+    joint = J(slice(None), (adv_B * w_B)[:, None].expand(B, T))
+    plain = adv_B[:, None].expand(B, T)
+    separate = J(~is_critic_B, plain) / 9 + J(is_critic_B, plain) * 8 / 9
+    torch.testing.assert_close(joint, separate, rtol=1e-5, atol=1e-7)
+    grad_joint, = torch.autograd.grad(joint, logp_BT)
+    grad_sep, = torch.autograd.grad(separate, logp_BT)
+    torch.testing.assert_close(grad_joint, grad_sep, rtol=1e-5, atol=1e-7)
+
+
+def test_role_weights_without_critic_rows():
+    mask_BT = torch.ones(3, 4)
+    w_B = role_advantage_scale(torch.zeros(3, dtype=torch.bool), mask_BT, "token-mean", lambda_pol=0.5,
+                               lambda_crit=0.5)
+    torch.testing.assert_close(w_B, torch.full((3,), 0.5))  # J = 0.5 * J_pol: weight lambda_pol
+    num, den = aggregate(torch.ones(3, 4) * w_B[:, None], mask_BT, "token-mean")
+    assert float(num / den) == pytest.approx(0.5)
+
+
+# --- replay buffer ------------------------------------------------------------------------------------
+
+
+def _t(i: int) -> Triplet:
+    return Triplet(question=f"q{i}", expert="e", policy=f"p{i}", index=i)
+
+
+def test_fifo_keeps_the_last_items_in_order():
+    buf = ReplayBuffer(3, "fifo")
+    buf.add([_t(i) for i in range(5)])
+    assert [t.index for t in buf.items] == [2, 3, 4]
+    assert buf.seen == 5
+
+
+def test_reservoir_is_uniform_over_the_stream():
+    # Each of 100 streamed items should be kept with probability 10/100. Over 2,000 independent
+    # buffers the inclusion counts are checked with a chi-square test (99 degrees of freedom; 148.2
+    # is the 0.999 quantile, so a correct sampler fails 1 run in 1,000; this seed set passes).
+    runs, stream, capacity = 2000, 100, 10
+    counts = [0] * stream
+    for seed in range(runs):
+        buf = ReplayBuffer(capacity, "reservoir", seed=seed)
+        buf.add([_t(i) for i in range(stream)])
+        for t in buf.items:
+            counts[t.index] += 1
+    expected = runs * capacity / stream
+    chi2 = sum((c - expected) ** 2 / expected for c in counts)
+    assert chi2 < 148.2, f"chi-square {chi2:.1f}: inclusion counts {counts}"
+    # And a FIFO buffer is maximally non-uniform on the same test (sanity of the statistic).
+    fifo = [0] * stream
+    for i in range(stream - capacity, stream):
+        fifo[i] = runs
+    assert sum((c - expected) ** 2 / expected for c in fifo) > 1000
+
+
+@pytest.mark.parametrize("kind", ["fifo", "reservoir"])
+def test_buffer_state_survives_a_checkpoint_round_trip(kind):
+    buf = ReplayBuffer(5, kind, seed=3)
+    buf.add([_t(i) for i in range(12)])
+    restored = ReplayBuffer.from_state(json.loads(json.dumps(buf.state_dict())))
+    assert restored.items == buf.items and restored.seen == buf.seen
+    for b in (buf, restored):  # and it goes on exactly as the original would
+        b.add([_t(i) for i in range(12, 40)])
+    assert restored.items == buf.items
+    assert restored.sample(3, seed=7) == buf.sample(3, seed=7)
+
+
+def test_buffer_rejects_bad_settings():
+    with pytest.raises(ValueError, match="capacity"):
+        ReplayBuffer(0)
+    with pytest.raises(ValueError, match="kind"):
+        ReplayBuffer(3, "lifo")
+
+
+# --- the critic pass, with a scripted critic ------------------------------------------------------------
+
+
+class _Tokenizer:
+    """Characters as tokens; the chat template joins the messages."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+
+def _completion(text: str, finish: str = "stop") -> Completion:
+    ids = [ord(c) % 50 for c in text] or [1]
+    return Completion(token_ids=ids, text=text, logprobs_T=[-0.5] * len(ids), finish_reason=finish)
+
+
+def _policy_batch(n_prompts: int, n: int):
+    prompts, groups = [], []
+    for i in range(n_prompts):
+        rec = PromptRecord(prompt=[{"role": "user", "content": f"question {i}"}], data_source="countdown",
+                           ground_truth=str(10 + i), extra_info={"index": i, "question": f"question {i}",
+                                                                  "expert_answer": f"E{i}"})
+        prompts.append(TokenizedPrompt(record=rec, text=f"question {i}", token_ids=[1, 2, 3]))
+        groups.append([_completion(f"<answer>P{i}.{j}</answer>") for j in range(n)])
+    return prompts, groups
+
+
+def _scripted_critic(decide):
+    """A critic whose j-th judgement of a prompt is ``decide(record, j)``; records every prompt."""
+    seen = []
+
+    def generate(prompts, sampling: Sampling):
+        seen.append((prompts, sampling))
+        return [[_completion(decide(p.record, j)) for j in range(sampling.n)] for p in prompts]
+
+    return generate, seen
+
+
+def _round(cfg: RaroConfig, prompts, groups, buffer, generate, step=1):
+    return critic_round(cfg, step, 0, prompts, groups, buffer, _Tokenizer(), generate,
+                        Sampling(n=4, temperature=1.0, max_tokens=8, seed=100), max_prompt_tokens=10_000)
+
+
+def _expert_position(rec) -> str:
+    return rec.ground_truth  # "A" or "B": where the expert's answer was shown
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_perfect_critic_pays_the_critic_and_not_the_policy(shuffle):
+    prompts, groups = _policy_batch(3, 2)
+    generate, seen = _scripted_critic(lambda rec, j: f"Verdict: {_expert_position(rec)}")
+    cfg = RaroConfig(critic_n=2, shuffle_answers=shuffle, replay_buffer_ratio=0.0)
+    rb = _round(cfg, prompts, groups, ReplayBuffer(10), generate)
+    (critic_prompts, _), = seen
+    positions = [p.record.ground_truth for p in critic_prompts]
+    assert set(positions) == ({"A", "B"} if shuffle else {"A"})
+    for p in critic_prompts:  # the expert's answer is where the record says it is
+        user = p.record.prompt[-1]["content"]
+        expert_text = user.split(f"Answer {p.record.ground_truth}:\n")[1].split("\n")[0]
+        assert expert_text.startswith("E")
+    assert rb.reward_B[:6].tolist() == [0.0] * 6 and rb.reward_B[6:].tolist() == [1.0] * 12
+    assert rb.keep_B.all()
+    assert rb.metrics["raro/critic_accuracy"] == 1.0 and rb.metrics["raro/policy_fool_rate"] == 0.0
+
+
+def test_fooled_and_tied_critic_rewards_per_triplet():
+    prompts, groups = _policy_batch(2, 2)
+    # Triplet of prompt 0: always fooled (names the policy's position); prompt 1: Tie, then fooled.
+    def decide(rec, j):
+        fooled = "B" if rec.ground_truth == "A" else "A"
+        return f"Verdict: {fooled}" if rec.extra_info["index"] == 0 or j == 1 else "Verdict: Tie"
+
+    generate, _ = _scripted_critic(decide)
+    rb = _round(RaroConfig(critic_n=2, replay_buffer_ratio=0.0, tau_pol=0.6, tau_crit=0.55), prompts, groups,
+                ReplayBuffer(10), generate)
+    assert rb.reward_B[:4].tolist() == pytest.approx([1.0, 1.0, 0.8, 0.8])  # mean of (0.6, 1.0)
+    assert rb.reward_B[4:].tolist() == pytest.approx([0.0, 0.0, 0.0, 0.0, 0.55, 0.0, 0.55, 0.0])
+    assert rb.metrics["raro/tie_rate"] == pytest.approx(2 / 8)
+    assert rb.metrics["raro/policy_fool_rate"] == pytest.approx(6 / 8)
+    assert rb.metrics["raro/critic_accuracy"] == 0.0
+
+
+def test_unparseable_judgements_and_long_responses_are_masked_out_of_the_update():
+    prompts, groups = _policy_batch(2, 2)
+    groups[1][1] = _completion("<answer>cut off", finish="length")  # over the length limit: filtered
+    # Prompt 0, sample 0: both judgements unparseable -> that policy row has no reward either.
+    def decide(rec, j):
+        if "P0.0" in rec.prompt[-1]["content"]:
+            return "I think it is the first one"
+        return f"Verdict: {_expert_position(rec)}" if j == 0 else "Verdict: maybe"
+
+    generate, _ = _scripted_critic(decide)
+    rb = _round(RaroConfig(critic_n=2, replay_buffer_ratio=0.0), prompts, groups, ReplayBuffer(10), generate)
+    # Policy rows: P0.0 (no parseable judgement), P0.1, P1.0 kept, P1.1 filtered (never judged).
+    assert rb.keep_B[:4].tolist() == [False, True, True, False]
+    assert len(rb.prompts) == 2 + 3  # three triplets judged
+    assert rb.keep_B[4:].tolist() == [False, False, True, False, True, False]
+    assert rb.metrics["raro/format_error_rate"] == pytest.approx(4 / 6)
+    assert rb.metrics["raro/policy_filtered_rate"] == pytest.approx(1 / 4)
+
+    # The update's batch holds the kept rows only, so the masked ones contribute no gradient: the
+    # loss over it equals the loss with the masked samples deleted from the input altogether.
+    keep = rb.keep_B.nonzero().flatten().tolist()
+    exp = build_experience(rb.prompts, rb.groups).select(keep)
+    assert len(exp) == 4
+    response_texts = [c.text for g in rb.groups for c in g]
+    kept_texts = {response_texts[k] for k in keep}
+    assert "<answer>cut off" not in kept_texts and "I think it is the first one" not in kept_texts
+    cfg = Config(algorithm=AlgorithmConfig(name="raro"))
+    adv = compute_advantages(cfg, exp, rb.reward_B[keep], rb.group_B[keep], rb.is_critic_B[keep])["adv_BT"]
+    assert torch.isfinite(adv).all()
+    # Every group kept a single row here (no baseline): advantages exactly 0.
+    assert adv.abs().sum() == 0
+
+
+@pytest.mark.parametrize("ratio, fresh, historical", [(0.5, 8, 8), (0.25, 8, 3), (0.0, 8, 0)])
+def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, historical):
+    buffer = ReplayBuffer(100, "fifo")
+    buffer.add([_t(1000 + i) for i in range(50)])
+    prompts, groups = _policy_batch(4, 2)
+    generate, seen = _scripted_critic(lambda rec, j: "Verdict: Tie")
+    rb = _round(RaroConfig(critic_n=2, replay_buffer_ratio=ratio), prompts, groups, buffer, generate)
+    (critic_prompts, sampling), = seen
+    flags = [p.record.extra_info["historical"] for p in critic_prompts]
+    assert flags.count(False) == fresh and flags.count(True) == historical
+    assert all(p.record.extra_info["index"] >= 1000 for p in critic_prompts if p.record.extra_info["historical"])
+    assert rb.metrics["raro/historical_fraction"] == pytest.approx(historical / (fresh + historical))
+    assert len(buffer) == 58  # this step's triplets were added after sampling
+    assert sampling.n == 2 and sampling.seed == 100 + 4  # critic seeds follow the policy prompts'
+
+
+def test_historical_sample_is_uniform_and_reproducible():
+    buffer = ReplayBuffer(100, "fifo")
+    buffer.add([_t(i) for i in range(20)])
+    assert buffer.sample(5, seed=1) == buffer.sample(5, seed=1)
+    counts = [0] * 20
+    for s in range(2000):
+        for t in buffer.sample(5, seed=s):
+            counts[t.index] += 1
+    assert min(counts) > 400 and max(counts) < 600  # expected 500 each
+    assert len(buffer.sample(50, seed=0)) == 20
+
+
+def test_raro_config_is_validated():
+    from megareason.config import ConfigError, validate_training
+
+    cfg = Config()
+    cfg.algorithm.name = "raro"
+    cfg.raro.replay_buffer_ratio = 1.0
+    with pytest.raises(ConfigError, match="raro.replay_buffer_ratio"):
+        validate_training(cfg)
+    cfg.raro.replay_buffer_ratio = 0.5
+    cfg.raro.critic_n = 1
+    with pytest.raises(ConfigError, match="raro.critic_n"):
+        validate_training(cfg)
+
+
+def test_random_module_untouched():
+    # The critic pass draws from its own seeded generators, never the global one.
+    random.seed(5)
+    before = random.random()
+    random.seed(5)
+    prompts, groups = _policy_batch(2, 2)
+    generate, _ = _scripted_critic(lambda rec, j: "Verdict: A")
+    _round(RaroConfig(critic_n=2), prompts, groups, ReplayBuffer(10), generate)
+    assert random.random() == before
