@@ -206,7 +206,7 @@ def _scripted_critic(decide):
 
 def _round(cfg: RaroConfig, prompts, groups, buffer, generate, step=1):
     return critic_round(cfg, step, 0, prompts, groups, buffer, _Tokenizer(), generate,
-                        Sampling(n=4, temperature=1.0, max_tokens=8, seed=100), max_prompt_tokens=10_000)
+                        Sampling(n=4, temperature=1.0, max_tokens=8, seed=100, stop=("</answer>",)), max_prompt_tokens=10_000)
 
 
 def _expert_position(rec) -> str:
@@ -295,6 +295,7 @@ def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, 
     assert rb.metrics["raro/historical_fraction"] == pytest.approx(historical / (fresh + historical))
     assert len(buffer) == 58  # this step's triplets were added after sampling
     assert sampling.n == 2 and sampling.seed == 100 + 4  # critic seeds follow the policy prompts'
+    assert sampling.stop == ()  # the policy's stop strings are not the critic's
 
 
 def test_historical_sample_is_uniform_and_reproducible():
@@ -332,3 +333,16 @@ def test_random_module_untouched():
     generate, _ = _scripted_critic(lambda rec, j: "Verdict: A")
     _round(RaroConfig(critic_n=2), prompts, groups, ReplayBuffer(10), generate)
     assert random.random() == before
+
+
+def test_constrained_verdict_regex_matches_what_the_parser_reads():
+    import re
+
+    from megareason.raro.critic import verdict_regex
+
+    assert verdict_regex(0) is None
+    rx = verdict_regex(20)
+    for reply, label in [("short reason\nVerdict: A", "A"), ("\nVerdict: Tie", "tie"), ("x" * 20 + "\nVerdict: B", "B")]:
+        assert re.fullmatch(rx, reply) and parse_label(reply) == label
+    assert not re.fullmatch(rx, "x" * 21 + "\nVerdict: B")  # the reasoning budget is enforced
+    assert not re.fullmatch(rx, "no verdict")

@@ -124,3 +124,46 @@ def test_bad_setups_fail_before_any_worker_starts(tiny_qwen2, tmp_path, override
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
     assert "PolicyWorker" not in proc.stderr  # no worker was started
+
+
+def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
+    # The tiny model's critic is constrained to end with a verdict line (raro.constrain_verdict_chars:
+    # 12 characters, up to 4 byte-level tokens each, fit in 64 tokens with the verdict),
+    # and its policy answers stop at the first "e" (so they are not cut at max_tokens and filtered).
+    return _args(model, tmp, out, "algorithm.name=raro", "raro.critic_n=2", "raro.critic_max_tokens=64",
+                 "raro.constrain_verdict_chars=12", "raro.policy_system_prompt=Answer briefly.",
+                 "raro.critic_system_prompt='Which answer is the expert one? End with Verdict: A, B or Tie.'",
+                 "rollout.stop=[e]", "rollout.max_model_len=1024", "trainer.micro_batch_tokens=1024",
+                 "data.max_prompt_length=512", "raro.replay_buffer_size=6", "raro.replay_buffer_kind=reservoir",
+                 "data.sources=[{kind: reasoning_gym, name: countdown, size: 16, options: {min_numbers: 3, "
+                 "max_numbers: 3, min_target: 10, max_target: 60, max_value: 20}}]",
+                 "data.val_sources=[{kind: reasoning_gym, name: countdown, size: 4, seed: 9, options: "
+                 "{min_numbers: 3, max_numbers: 3, min_target: 10, max_target: 60, max_value: 20}}]", *extra)
+
+
+def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qwen2, tmp_path):
+    straight = tmp_path / "straight"
+    _run(_raro_args(tiny_qwen2, tmp_path, straight, "trainer.steps=3", "trainer.save_every=2"))
+    reference = _metrics(straight)
+    assert sorted(reference) == [1, 2, 3]
+    for key in ("raro/critic_accuracy", "raro/tie_rate", "raro/format_error_rate", "raro/policy_fool_rate",
+                "raro/expert_win_rate", "raro/buffer_size", "raro/critic_fresh", "raro/critic_historical",
+                "raro/historical_fraction", "accuracy", "reward/mean", "actor/grad_norm",
+                "rollout/token_mult_prob_error"):
+        assert key in reference[3], key
+    assert all(reference[s]["raro/format_error_rate"] == 0 for s in (1, 2, 3))  # constrained verdicts
+    assert reference[1]["raro/critic_historical"] == 0 and reference[2]["raro/critic_historical"] > 0
+    assert reference[3]["raro/buffer_size"] == 6  # full: capacity 6 < the triplets of three steps
+    assert reference[2]["actor/grad_norm"] > 1e-4
+    state = json.loads((straight / "checkpoints" / "step_00000002" / "raro_replay.json").read_text())
+    assert state["seen"] == reference[1]["raro/critic_fresh"] + reference[2]["raro/critic_fresh"]
+
+    # Stop after step 2, resume for step 3: the same step 3, replay buffer included.
+    resumed = tmp_path / "resumed"
+    _run(_raro_args(tiny_qwen2, tmp_path, resumed, "trainer.steps=2", "trainer.save_every=2"))
+    proc = _run(_raro_args(tiny_qwen2, tmp_path, resumed, "trainer.steps=3", "trainer.save_every=2"))
+    assert "resuming from" in proc.stderr
+    again = _metrics(resumed)
+    for key in ("actor/loss", "actor/grad_norm", "reward/mean", "raro/critic_accuracy", "raro/tie_rate",
+                "raro/critic_historical", "raro/buffer_size"):
+        assert again[3][key] == reference[3][key], (key, again[3][key], reference[3][key])

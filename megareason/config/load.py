@@ -230,6 +230,9 @@ def _validate_raro(cfg: Config) -> None:
     _check(cfg.rollout.n >= 2, "rollout.n", "must be >= 2 for RARO (policy groups need a baseline)", cfg.rollout.n)
     _check(r.critic_n >= 2, "raro.critic_n", "must be >= 2 (critic groups need a baseline)", r.critic_n)
     _check(r.critic_max_tokens >= 1, "raro.critic_max_tokens", "must be >= 1", r.critic_max_tokens)
+    _check(r.constrain_verdict_chars == 0 or r.critic_max_tokens >= r.constrain_verdict_chars + 8,
+           "raro.critic_max_tokens", f"must be >= raro.constrain_verdict_chars + 8 = {r.constrain_verdict_chars + 8} "
+           "(room for the reasoning and the verdict line)", r.critic_max_tokens)
     _check(r.max_response_length >= 0, "raro.max_response_length", "must be >= 0", r.max_response_length)
     _check(0 <= r.replay_buffer_ratio < 1, "raro.replay_buffer_ratio", "must be in [0, 1)", r.replay_buffer_ratio)
     _check(r.replay_buffer_size >= 1, "raro.replay_buffer_size", "must be >= 1", r.replay_buffer_size)

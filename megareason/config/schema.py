@@ -176,6 +176,11 @@ class RaroConfig:
     critic_system_prompt: str = ""
     critic_n: int = 4
     critic_max_tokens: int = 256
+    # > 0: constrain each critic reply (vLLM structured outputs) to at most this many characters of
+    # reasoning, then a line "Verdict: A|B|Tie", so no judgement is lost to format errors (small
+    # models). The constraint steers sampling, so expect a larger train/generation mismatch on
+    # the critic's rows. 0: free text, unparseable replies are masked.
+    constrain_verdict_chars: int = 0
     # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
     # filtered: not judged, no gradient.
     max_response_length: int = 0

@@ -55,6 +55,12 @@ def expert_answer(record: PromptRecord) -> str:
     return str(record.extra_info.get("expert_answer", record.ground_truth))
 
 
+def verdict_regex(reasoning_chars: int) -> str | None:
+    """The critic's reply as a regular expression: up to ``reasoning_chars`` characters, then the
+    verdict line ``parse_label`` reads. None (unconstrained) for 0."""
+    return rf"[\s\S]{{0,{reasoning_chars}}}\nVerdict: (A|B|Tie)" if reasoning_chars else None
+
+
 def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedPrompt],
                  completions: list[list[Completion]], buffer: ReplayBuffer, tokenizer, generate: GenerateFn,
                  sampling: Sampling, max_prompt_tokens: int) -> RaroBatch:
@@ -91,8 +97,10 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
         if len(ids) <= max_prompt_tokens:
             critic_prompts.append(TokenizedPrompt(record=rec, text=text, token_ids=ids))
             kept.append(k)
-    critic_sampling = replace(sampling, n=cfg.critic_n, max_tokens=cfg.critic_max_tokens,
-                              seed=None if sampling.seed is None else sampling.seed + len(prompts))
+    # The policy's stop strings (rollout.stop) are its own: the critic stops at EOS or its verdict.
+    critic_sampling = replace(sampling, n=cfg.critic_n, max_tokens=cfg.critic_max_tokens, stop=(),
+                              seed=None if sampling.seed is None else sampling.seed + len(prompts),
+                              regex=verdict_regex(cfg.constrain_verdict_chars))
     judgements = generate(critic_prompts, critic_sampling) if critic_prompts else []
 
     # 4: rewards from the matrix; the policy's averaged over its triplet's parseable judgements.

@@ -48,6 +48,8 @@ class Sampling:
     # Prompt i is sampled with seed ``seed + i`` when set: the same call gives the same samples
     # whatever ran before it (what exact resume needs). None uses the engine's generator.
     seed: int | None = None
+    # Constrain every response to match this regular expression (vLLM structured outputs); None: free.
+    regex: str | None = None
 
 
 @dataclass
@@ -143,6 +145,7 @@ class VLLMEngine:
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import StructuredOutputsParams
 
         def params(i: int) -> SamplingParams:
             return SamplingParams(
@@ -153,6 +156,7 @@ class VLLMEngine:
                 stop=list(sampling.stop) or None,
                 seed=None if sampling.seed is None else sampling.seed + i,
                 logprobs=0,  # only the sampled token's log-prob
+                structured_outputs=None if sampling.regex is None else StructuredOutputsParams(regex=sampling.regex),
             )
 
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_token_ids]

@@ -120,28 +120,12 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             group_B = torch.arange(len(exp)) // cfg.rollout.n  # rows are in (prompt, sample) order
             is_critic_B = None
 
-        with _timed(timer, "logprobs"):
-            if not on_policy:
-                old_logp_BT, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
-                                                            strict=True))
-                exp = exp.with_fields(old_logp_BT=old_logp_BT)
-            if alg.kl_coef > 0:
-                exp = exp.with_fields(ref_logp_BT=torch.cat(actors.replicas(actors.call("ref_logprobs", exp))))
-            if critic is not None:
-                exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
-
-        exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B, is_critic_B))
-
-        with _timed(timer, "train"):
-            actor_stats, critic_stats = [], []
-            for _ in range(alg.ppo_epochs):
-                for m in range(alg.mini_batches):
-                    mini = exp.select(slice(len(exp) * m // alg.mini_batches, len(exp) * (m + 1) // alg.mini_batches))
-                    actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
-                    if critic is not None:
-                        critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
-        with _timed(timer, "sync"):
-            sync = [s for s in actors.call("sync_weights") if s is not None]
+        if len(exp) >= alg.mini_batches * cfg.parallel.data_parallel_size:
+            exp, actor_stats, critic_stats, sync = _update(cfg, step, actors, critic, exp, reward_B, group_B,
+                                                           is_critic_B, on_policy, timer)
+        else:  # RARO, when (nearly) every row was masked: nothing to learn from this step
+            log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
+            actor_stats, critic_stats, sync = [], [], []
 
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, scored, actor_stats, critic_stats, sync, timer)
@@ -161,6 +145,38 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
                 atomic_write(tmp / _REPLAY_FILE, json.dumps(buffer.state_dict()))
             run.commit_checkpoint(tmp, state, t.keep_last)
     tracker.close()
+
+
+def _update(cfg: Config, step: int, actors: WorkerGroup, critic: WorkerGroup | None, exp: Experience,
+            reward_B: torch.Tensor, group_B: torch.Tensor, is_critic_B: torch.Tensor | None, on_policy: bool,
+            timer: dict[str, float]) -> tuple[Experience, list[dict], list[dict], list[dict]]:
+    """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x mini_batches updates ->
+    weight sync. Returns the completed experience and the actor's, critic's and sync's stats."""
+    alg = cfg.algorithm
+    with _timed(timer, "logprobs"):
+        if not on_policy:
+            old_logp_BT, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),
+                                                        strict=True))
+            exp = exp.with_fields(old_logp_BT=old_logp_BT)
+        if alg.kl_coef > 0:
+            exp = exp.with_fields(ref_logp_BT=torch.cat(actors.replicas(actors.call("ref_logprobs", exp))))
+        if critic is not None:
+            exp = exp.with_fields(values_BT=torch.cat(critic.replicas(critic.call("values", exp))))
+
+    exp = exp.with_fields(**compute_advantages(cfg, exp, reward_B, group_B, is_critic_B))
+
+    with _timed(timer, "train"):
+        actor_stats, critic_stats = [], []
+        for _ in range(alg.ppo_epochs):
+            for m in range(alg.mini_batches):
+                mini = exp.select(slice(len(exp) * m // alg.mini_batches, len(exp) * (m + 1) // alg.mini_batches))
+                actor_stats.append(actors.call("train", mini, _lr(cfg.optim.lr, cfg, step))[0])
+                if critic is not None:
+                    critic_stats.append(critic.call("train", mini, _lr(cfg.optim.critic_lr, cfg, step))[0])
+    with _timed(timer, "sync"):
+        sync = [s for s in actors.call("sync_weights") if s is not None]
+
+    return exp, actor_stats, critic_stats, sync
 
 
 def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, group_B: torch.Tensor,
@@ -206,11 +222,12 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
     if exp.old_logp_BT is not None:
         m.update({f"rollout/{k}": v for k, v in logprob_mismatch(exp.old_logp_BT, exp.rollout_logp_BT,
                                                                  exp.mask_BT).items()})
-    else:  # measured in the (single) update's forward pass
+    elif actor_stats:  # measured in the (single) update's forward pass
         m["rollout/token_mult_prob_error"] = actor_stats[0]["mismatch_sum"] / max(actor_stats[0]["tokens"], 1)
         m["rollout/max_abs_logp_diff"] = actor_stats[0]["logp_diff_max"]
-    m.update(_train_metrics("actor", actor_stats, {"clipfrac": "clipfrac_sum", "ppo_kl": "ppo_kl_sum",
-                                                   "entropy": "entropy_sum", "kl": "kl_sum"}, "pg_loss"))
+    if actor_stats:
+        m.update(_train_metrics("actor", actor_stats, {"clipfrac": "clipfrac_sum", "ppo_kl": "ppo_kl_sum",
+                                                       "entropy": "entropy_sum", "kl": "kl_sum"}, "pg_loss"))
     m["actor/lr"] = _lr(cfg.optim.lr, cfg, step)
     if critic_stats:
         m.update(_train_metrics("critic", critic_stats, {"vf_clipfrac": "vf_clipfrac_sum", "vpred": "vpred_sum"},
