@@ -206,7 +206,8 @@ def _scripted_critic(decide):
 
 def _round(cfg: RaroConfig, prompts, groups, buffer, generate, step=1):
     return critic_round(cfg, step, 0, prompts, groups, buffer, _Tokenizer(), generate,
-                        Sampling(n=4, temperature=1.0, max_tokens=8, seed=100, stop=("</answer>",)), max_prompt_tokens=10_000)
+                        Sampling(n=4, temperature=1.0, max_tokens=8, seed=100, stop=("</answer>",)),
+                        max_prompt_tokens=10_000)
 
 
 def _expert_position(rec) -> str:
@@ -342,7 +343,72 @@ def test_constrained_verdict_regex_matches_what_the_parser_reads():
 
     assert verdict_regex(0) is None
     rx = verdict_regex(20)
-    for reply, label in [("short reason\nVerdict: A", "A"), ("\nVerdict: Tie", "tie"), ("x" * 20 + "\nVerdict: B", "B")]:
+    replies = [("short reason\nVerdict: A", "A"), ("\nVerdict: Tie", "tie"), ("x" * 20 + "\nVerdict: B", "B")]
+    for reply, label in replies:
         assert re.fullmatch(rx, reply) and parse_label(reply) == label
     assert not re.fullmatch(rx, "x" * 21 + "\nVerdict: B")  # the reasoning budget is enforced
     assert not re.fullmatch(rx, "no verdict")
+
+
+# --- reranking ---------------------------------------------------------------------------------------------
+
+
+def test_tournament_winner_counts_wins_ties_and_breaks_ties_by_index():
+    from megareason.raro.rerank import tournament_winner
+
+    # 0 vs 1: 1 wins (shown as A); 0 vs 2: tie; 1 vs 2: 1 wins (shown as B); 2 vs 3 unparseable, ...
+    results = {(1, 0): "A", (0, 2): "tie", (2, 1): "B", (2, 3): None, (0, 3): "A", (3, 1): "A"}
+    # points: 0 -> 0.5 + 1 = 1.5; 1 -> 1 + 1 = 2; 2 -> 0.5 + 0.5 = 1; 3 -> 0.5 + 1 = 1.5
+    assert tournament_winner(4, results) == 1
+    assert tournament_winner(2, {(0, 1): "tie"}) == 0
+    assert tournament_winner(2, {(1, 0): "A"}) == 1
+
+
+def test_rerank_asks_every_pair_once_and_picks_the_critics_favourite():
+    from megareason.raro.rerank import rerank
+
+    class Engine:
+        """Replays scripted verdicts, in the order rerank asks."""
+
+        tokenizer = _Tokenizer()
+
+        def __init__(self, verdicts):
+            self.verdicts = verdicts
+
+        def generate(self, token_ids, sampling):
+            assert sampling.temperature == 0.0 and sampling.n == 1 and len(token_ids) == len(self.verdicts)
+            return [[_completion(v)] for v in self.verdicts]
+
+    prompts, groups = _policy_batch(2, 3)
+    groups[0][2] = _completion("<answer>42</answer>")
+    groups[1][0] = _completion("<answer>42</answer>")
+    # A critic that always prefers the answer "42", in whichever position rerank shows it.
+    import itertools
+
+    rng = random.Random("rerank:0")
+    queue = []
+    for group in groups:
+        for i, j in itertools.combinations(range(3), 2):
+            a, b = (i, j) if rng.random() < 0.5 else (j, i)
+            if "42" in group[a].text:
+                queue.append("Verdict: A")
+            elif "42" in group[b].text:
+                queue.append("Verdict: B")
+            else:
+                queue.append("Verdict: Tie")
+    assert rerank(Engine(queue), prompts, groups, RaroConfig(critic_max_tokens=16)) == [2, 0]
+
+
+def test_summarize_reports_the_reranked_accuracy():
+    from megareason.evaluation.runner import SampleResult, summarize
+
+    def s(index, sample, correct):
+        return SampleResult(index=index, sample=sample, data_source="countdown", question="q", ground_truth="1",
+                            response="r", reward=float(correct), correct=correct, response_tokens=3, truncated=False)
+
+    samples = [s(0, 0, False), s(0, 1, True), s(1, 0, True), s(1, 1, False), s(2, 0, False), s(2, 1, False)]
+    (summary,) = summarize(samples, 2, [1], picks=[1, 1, 0])
+    assert summary.accuracy == pytest.approx(2 / 6)
+    assert summary.rerank_accuracy == pytest.approx(1 / 3)  # picks: correct, wrong, wrong
+    (summary,) = summarize(samples, 2, [1])
+    assert summary.rerank_accuracy is None

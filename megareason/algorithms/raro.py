@@ -21,12 +21,12 @@ in the advantage (``max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r))`` for w > 
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 
-class Verdict(str, Enum):
+class Verdict(StrEnum):
     """What the critic said, by role (after mapping positions back)."""
 
     EXPERT = "expert"

@@ -121,6 +121,10 @@ class EvalConfig:
     output_dir: str = "outputs/eval"
     # pass@k is reported for each k here that is <= rollout.n.
     pass_k: list[int] = field(default_factory=lambda: [1, 4])
+    # critic: also pick one of each prompt's rollout.n answers by a pairwise tournament judged by the
+    # model itself as a RARO critic (raro.critic_* settings; megareason/raro/rerank.py) and report
+    # that answer's accuracy ("critic@n") beside the single-sample accuracy.
+    rerank: Literal["none", "critic"] = "none"
 
 
 @dataclass

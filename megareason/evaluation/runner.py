@@ -21,6 +21,8 @@ from megareason.config.schema import Config, TinyVConfig
 from megareason.data import DataError, PromptRecord, TokenizedPrompt, load_records, tokenize_prompts
 from megareason.evaluation.metrics import pass_at_k
 from megareason.models.hub import resolve_model_path
+from megareason.raro.prompts import policy_data
+from megareason.raro.rerank import rerank
 from megareason.rewards import compute_score, get_reward_fn
 from megareason.rewards.custom import Scorer, load_custom
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
@@ -59,6 +61,8 @@ class SourceSummary:
     max_response_tokens: int
     clip_ratio: float  # fraction of responses cut at rollout.max_tokens
     score_errors: int
+    # eval.rerank=critic: accuracy of the answer the critic tournament picked from each prompt's n.
+    rerank_accuracy: float | None = None
 
 
 @dataclass
@@ -93,7 +97,7 @@ def sampling_from(cfg: Config) -> Sampling:
 def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = True) -> EvalReport:
     """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given."""
     t0 = time.perf_counter()
-    records = load_records(cfg.data)  # data and reward errors surface before the engine starts
+    records = load_records(policy_data(cfg))  # data and reward errors surface before the engine starts
     scorer = scorer_from(cfg, records)
     own_engine = engine is None
     if own_engine:
@@ -103,6 +107,10 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         prompts = tokenize_prompts(records, engine.tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
         log.info("generating %d x %d samples", len(prompts), cfg.rollout.n)
         groups = engine.generate([p.token_ids for p in prompts], sampling_from(cfg))
+        picks = None
+        if cfg.eval.rerank == "critic":
+            log.info("critic tournament over %d x %d answers", len(prompts), cfg.rollout.n)
+            picks = rerank(engine, prompts, groups, cfg.raro, seed=cfg.rollout.seed)
         t2 = time.perf_counter()
     finally:
         if own_engine:
@@ -111,7 +119,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         samples = score(prompts, groups, scorer, pool, tinyv=cfg.reward.tinyv)
     t3 = time.perf_counter()
     report = EvalReport(
-        summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k),
+        summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k, picks),
         samples=samples,
         seconds={"setup": t1 - t0, "generate": t2 - t1, "score": t3 - t2},
     )
@@ -183,7 +191,14 @@ def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManag
     return ScorePool(scorer, workers=cfg.reward.workers, timeout=cfg.reward.timeout)
 
 
-def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int]) -> list[SourceSummary]:
+def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int],
+              picks: list[int] | None = None) -> list[SourceSummary]:
+    """Per data_source. ``picks`` (one per prompt, in prompt order) selects each prompt's reranked sample."""
+    samples = list(samples)
+    picked = set()
+    if picks is not None:
+        starts = [i for i, s in enumerate(samples) if s.sample == 0]  # samples are in (prompt, sample) order
+        picked = {start + pick for start, pick in zip(starts, picks, strict=True)}
     by_source: dict[str, list[SampleResult]] = defaultdict(list)
     for s in samples:
         by_source[s.data_source].append(s)
@@ -206,17 +221,20 @@ def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int]) -> lis
             max_response_tokens=max(s.response_tokens for s in rows),
             clip_ratio=sum(s.truncated for s in rows) / len(rows),
             score_errors=sum(bool(s.score_error) for s in rows),
+            rerank_accuracy=(sum(samples[i].correct for i in picked if samples[i].data_source == source)
+                             / len(by_prompt)) if picks is not None else None,
         ))
     return out
 
 
 def format_table(summaries: list[SourceSummary]) -> str:
     ks = sorted({k for s in summaries for k in s.pass_at})
+    reranked = any(s.rerank_accuracy is not None for s in summaries)
     header = ["data_source", "prompts", "samples", "accuracy", *[f"pass@{k}" for k in ks],
-              "reward", "resp_len", "clipped", "errors"]
+              *(["critic@n"] if reranked else []), "reward", "resp_len", "clipped", "errors"]
     rows = [[s.data_source, str(s.prompts), str(s.samples), f"{s.accuracy:.3f}",
-             *[f"{s.pass_at[k]:.3f}" for k in ks], f"{s.mean_reward:.3f}",
-             f"{s.mean_response_tokens:.0f}", f"{s.clip_ratio:.2f}", str(s.score_errors)]
+             *[f"{s.pass_at[k]:.3f}" for k in ks], *([f"{s.rerank_accuracy:.3f}"] if reranked else []),
+             f"{s.mean_reward:.3f}", f"{s.mean_response_tokens:.0f}", f"{s.clip_ratio:.2f}", str(s.score_errors)]
             for s in summaries]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731

@@ -39,7 +39,8 @@ class Experience:
 
     def select(self, rows: Sequence[int] | slice) -> Experience:
         """The same record restricted to ``rows`` (and trimmed to their longest row)."""
-        idx = torch.arange(len(self))[rows] if isinstance(rows, slice) else torch.as_tensor(list(rows), dtype=torch.long)
+        idx = (torch.arange(len(self))[rows] if isinstance(rows, slice)
+               else torch.as_tensor(list(rows), dtype=torch.long))
         width = int(self.lengths_B[idx].max()) if len(idx) else 0
         return Experience(**{f.name: None if (v := getattr(self, f.name)) is None else
                              (v[idx] if v.dim() == 1 else v[idx, :width]) for f in fields(self)})

@@ -32,7 +32,7 @@ from megareason.data.records import TokenizedPrompt
 from megareason.data.sampler import PromptSampler
 from megareason.evaluation.runner import SampleResult, score, scorer_from, scoring_pool, summarize
 from megareason.raro.critic import critic_round
-from megareason.raro.prompts import POLICY_SYSTEM_PROMPT
+from megareason.raro.prompts import policy_data
 from megareason.raro.replay import ReplayBuffer
 from megareason.rollout.engine import Sampling
 from megareason.rollout.metrics import logprob_mismatch
@@ -309,9 +309,7 @@ def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPro
     HFCheckpoint(path).arch.check_parallelism(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
-    d = cfg.data
-    if cfg.algorithm.name == "raro":
-        d = replace(d, system_prompt=cfg.raro.policy_system_prompt or POLICY_SYSTEM_PROMPT)
+    d = policy_data(cfg)
     prompts = tokenize_prompts(load_records(d), tokenizer, d.max_prompt_length, d.truncation)
     if len(prompts) < cfg.trainer.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} but the training data has "

@@ -1,0 +1,61 @@
+"""Test-time reranking with a RARO critic: pick the best of k sampled answers by a pairwise tournament.
+
+Every pair (i, j) of a prompt's k answers is shown to the critic once (its order drawn from a seeded
+generator, so position bias averages out over pairs); the critic is asked, as in training, which
+answer is "the expert's". That answer scores 1, the other 0; Tie or an unparseable judgement gives
+both 0.5. The answer with the most points wins (the lowest index among equals).
+``megareason eval`` with ``eval.rerank=critic`` reports the winner's accuracy beside the
+single-sample accuracy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+from megareason.algorithms.raro import parse_label
+from megareason.config.schema import RaroConfig
+from megareason.data.records import TokenizedPrompt
+from megareason.raro.critic import verdict_regex
+from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer
+from megareason.rollout.engine import Completion, Sampling
+
+
+def tournament_winner(k: int, results: dict[tuple[int, int], str | None]) -> int:
+    """``results[(i, j)]`` is the label for answer i shown as A and j as B ("A", "B", "tie" or None);
+    every unordered pair appears once, in either order. Returns the index of the winner."""
+    points = [0.0] * k
+    for (i, j), label in results.items():
+        if label == "A":
+            points[i] += 1
+        elif label == "B":
+            points[j] += 1
+        else:
+            points[i] += 0.5
+            points[j] += 0.5
+    return max(range(k), key=lambda a: (points[a], -a))
+
+
+def rerank(engine, prompts: Sequence[TokenizedPrompt], groups: Sequence[Sequence[Completion]], cfg: RaroConfig,
+           seed: int = 0) -> list[int]:
+    """The index of the winning completion of each prompt (greedy critic judgements)."""
+    rng = random.Random(f"rerank:{seed}")
+    tokenizer = engine.tokenizer
+    system = cfg.critic_system_prompt or CRITIC_SYSTEM_PROMPT
+    pairs, token_ids = [], []
+    for p, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
+        question = str(prompt.record.extra_info.get("question", prompt.record.prompt[-1]["content"]))
+        for i, j in itertools.combinations(range(len(group)), 2):
+            a, b = (i, j) if rng.random() < 0.5 else (j, i)
+            messages = critic_messages(system, question, policy_answer(group[a].text), policy_answer(group[b].text))
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            token_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            pairs.append((p, a, b))
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.critic_max_tokens,
+                      regex=verdict_regex(cfg.constrain_verdict_chars))
+    judgements = engine.generate(token_ids, greedy) if token_ids else []
+    results: list[dict[tuple[int, int], str | None]] = [{} for _ in prompts]
+    for (p, a, b), (c,) in zip(pairs, judgements, strict=True):
+        results[p][(a, b)] = parse_label(c.text)
+    return [tournament_winner(len(g), r) for g, r in zip(groups, results, strict=True)]
