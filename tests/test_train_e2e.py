@@ -167,3 +167,7 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
     for key in ("actor/loss", "actor/grad_norm", "reward/mean", "raro/critic_accuracy", "raro/tie_rate",
                 "raro/critic_historical", "raro/buffer_size"):
         assert again[3][key] == reference[3][key], (key, again[3][key], reference[3][key])
+    plots = subprocess.run([sys.executable, "-m", "megareason.cli", "report", str(straight)], capture_output=True,
+                           text=True, env=_env(), timeout=120)
+    assert plots.returncode == 0, plots.stderr
+    assert (straight / "plots" / "raro.png").stat().st_size > 1000

@@ -14,7 +14,11 @@ PANELS = {
     "grad_norm": ("actor/grad_norm", "critic/grad_norm"),
     "critic": ("critic/vf_loss", "critic/vpred"),
     "mismatch": ("rollout/token_mult_prob_error",),
-    "time": ("time/generate", "time/reward", "time/logprobs", "time/train", "time/sync", "time/step"),
+    "raro": ("raro/critic_accuracy", "raro/tie_rate", "raro/format_error_rate", "raro/policy_fool_rate",
+             "raro/expert_win_rate"),
+    "raro_buffer": ("raro/buffer_size", "raro/critic_fresh", "raro/critic_historical"),
+    "time": ("time/generate", "time/reward", "time/critic", "time/logprobs", "time/train", "time/sync",
+             "time/step"),
 }
 
 
