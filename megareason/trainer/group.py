@@ -35,7 +35,8 @@ def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(_node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+        # address="local": always a new private cluster, never one a `ray start` left on this machine.
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                  runtime_env=env, log_to_driver=True, configure_logging=False)
     try:
         yield
