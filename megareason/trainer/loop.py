@@ -133,6 +133,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             metrics.update(rb.metrics)
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
             _dump_rollouts(run.root, step, scored)
+            if alg.name == "raro":
+                _dump_judgements(run.root, step, rb, len(batch))
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
             metrics.update(validate(actors, val_prompts, cfg, score_fn))
         tracker.log(step, metrics)
@@ -278,6 +280,18 @@ def _dump_rollouts(root: Path, step: int, scored: list[SampleResult]) -> None:
     folder = root / "rollouts"
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(folder / f"step_{step:08d}.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in scored))
+
+
+def _dump_judgements(root: Path, step: int, rb, n_policy_prompts: int) -> None:
+    """RARO: the critic's prompts and judgements of the step, one line per judgement."""
+    rows, b = [], sum(len(g) for g in rb.groups[:n_policy_prompts])
+    for prompt, group in zip(rb.prompts[n_policy_prompts:], rb.groups[n_policy_prompts:], strict=True):
+        for c in group:
+            rows.append({"index": prompt.record.extra_info["index"], "expert_shown_as": prompt.record.ground_truth,
+                         "historical": prompt.record.extra_info["historical"], "critic_prompt": prompt.text,
+                         "judgement": c.text, "critic_reward": float(rb.reward_B[b]), "kept": bool(rb.keep_B[b])})
+            b += 1
+    atomic_write(root / "rollouts" / f"step_{step:08d}_critic.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _sampling(cfg: Config, step: int) -> Sampling:
