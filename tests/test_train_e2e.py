@@ -155,7 +155,8 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
     assert reference[1]["raro/critic_historical"] == 0 and reference[2]["raro/critic_historical"] > 0
     assert reference[3]["raro/buffer_size"] == 6  # full: capacity 6 < the triplets of three steps
     assert reference[2]["actor/grad_norm"] > 1e-4
-    judgements = [json.loads(x) for x in (straight / "rollouts" / "step_00000002_critic.jsonl").read_text().splitlines()]
+    lines = (straight / "rollouts" / "step_00000002_critic.jsonl").read_text().splitlines()
+    judgements = [json.loads(x) for x in lines]
     assert len(judgements) == 2 * (reference[2]["raro/critic_fresh"] + reference[2]["raro/critic_historical"])
     assert all("Verdict: " in j["judgement"] and j["expert_shown_as"] in ("A", "B") for j in judgements)
     state = json.loads((straight / "checkpoints" / "step_00000002" / "raro_replay.json").read_text())
