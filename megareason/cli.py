@@ -53,7 +53,6 @@ examples:
   megareason eval reward.tinyv.model=smollm2-135m-instruct    # data rows with data_source: math_tinyv
 """
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
 
+    from megareason.launch import nemo_run, plan
+
+    plan.add_arguments(sub.add_parser("plan", help="per-GPU memory and time per step of a training config on an "
+                                      "allocation", description=plan.HELP,
+                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    nemo_run.add_arguments(sub.add_parser("launch", help="launch a recipe with NeMo-Run (local or Slurm executor)",
+                                          description=nemo_run.HELP,
+                                          formatter_class=argparse.RawDescriptionHelpFormatter))
+
     args = parser.parse_args(argv)
     # Models and data come from local files only; never let a library reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -127,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "serve-verifier":
             return _serve_verifier(args)
+        if args.command == "plan":
+            return plan.run_cli(args)
+        if args.command == "launch":
+            return nemo_run.run_cli(args, list(sys.argv[1:] if argv is None else argv))
         return _models(args)
     except (ConfigError, DataError, ArchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,540 @@
+"""``megareason plan``: will a training config fit an allocation of GPUs, and how long will a step take?
+
+A back-of-the-envelope model, written out so that every number can be checked by hand:
+
+* **Memory per GPU**, per phase of the colocated layout (vLLM and Megatron share every GPU):
+  generation (Megatron's resident states + vLLM's ``gpu_memory_utilization`` share), training (states +
+  activations; vLLM asleep) and log-probs (states + the reference model onloaded + a forward's working
+  set). Megatron states assume megatron-core bf16 mixed precision: bf16 parameters (2 bytes), fp32 gradient
+  buffer (4, ``grad_reduce_in_fp32``), fp32 master weights and two Adam moments (12, divided over DP by the
+  distributed optimizer). The most loaded pipeline stage is counted.
+* **Activations** follow Korthikanti et al. (2022) for a Llama block with flash attention and no sequence
+  parallelism: per token and layer, 8h bytes replicated over TP (two norm inputs, two linear inputs) plus
+  2(2q + 2kv + 3f)/TP bytes (q/k/v and attention output, fc1 gate+up and the SwiGLU output), all bf16.
+  1F1B keeps up to PP micro-batches in flight on the first stage. Full recomputation keeps only each
+  layer's input (2h bytes per token) and one layer's working set.
+* **Time per step** from FLOPs (6·N·tokens to train, 2·N·tokens per forward, plus causal attention) at an
+  assumed MFU, and from bandwidth for decoding: every decode step of a vLLM engine reads its weight shard
+  and the KV cache of the running sequences from HBM. Refit is bytes over the network (PP stages live on
+  other nodes) and NVLink plus a per-bucket RPC cost.
+
+``make_plan`` is pure (config + shape + allocation in, numbers out); ``format_plan`` prints it; problems
+that make a plan impossible raise :class:`PlanError` naming the config field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megareason.config.load import ConfigError
+from megareason.config.schema import Config
+from megareason.models.arch import ModelArch
+
+GiB = 1024**3
+
+
+class PlanError(ConfigError):
+    """The config cannot run on the allocation; the message names the field and the numbers."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float  # as nvidia-smi reports it
+    bf16_flops: float  # dense peak, FLOP/s
+    hbm_bytes_s: float  # HBM bandwidth, bytes/s
+    nvlink_bytes_s: float  # per GPU, one direction
+    network_bytes_s: float  # inter-node, per GPU (one NIC per GPU)
+    max_num_seqs: int  # vLLM's default for LLM(...) on this GPU (engine/arg_utils.py)
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("H100-80GB", 79.6, 989e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
+        GPU("H200", 140.4, 989e12, 4.8e12, 450e9, 50e9, 1024),
+        GPU("A100-80GB", 80.0, 312e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
+    )
+}
+
+
+def _llama(vocab, hidden, ffn, layers, heads, kv, *, family="llama", tied=False, theta=500000.0, factor=8.0,
+           eps=1e-5, max_pos=131072) -> ModelArch:
+    return ModelArch(family=family, vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+                     num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, rms_norm_eps=eps, rope_theta=theta,
+                     rope_scaling_factor=factor, max_position_embeddings=max_pos, tie_word_embeddings=tied,
+                     qkv_bias=family == "qwen2")
+
+
+# Shapes from the models' published config.json files, for planning without the weights.
+MODEL_SHAPES = {
+    "llama-3.1-70b": _llama(128256, 8192, 28672, 80, 64, 8),  # also Llama-3.3-70B
+    "llama-3.1-8b": _llama(128256, 4096, 14336, 32, 32, 8),
+    "qwen2.5-72b": _llama(152064, 8192, 29568, 80, 64, 8, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
+                          max_pos=32768),
+    "qwen2.5-7b": _llama(152064, 3584, 18944, 28, 28, 4, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
+                         max_pos=32768),
+    "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, tied=True, theta=100000.0, factor=0.0, max_pos=8192),
+}
+
+# Assumptions of the time model (stated in the printed plan).
+HBM_EFFICIENCY = 0.8  # share of peak HBM bandwidth that decode kernels reach
+NET_EFFICIENCY = 0.8  # share of link bandwidth reached by NCCL broadcasts / gathers
+DECODE_MFU = 0.5  # compute-bound decode steps (large batches) reach this share of peak
+STEP_OVERHEAD_S = 2e-3  # per decode step: scheduling, sampling, detokenization
+ALLREDUCE_S = 10e-6  # per TP all-reduce (two per layer) in a decode step
+EAGER_LAUNCH_S_PER_LAYER = 50e-6  # rollout.enforce_eager=true: kernels launched one by one, no CUDA graphs
+VLLM_RESERVE_GIB = 2.0  # inside vLLM's share: its profiled activation peak and non-torch allocations
+RUNTIME_OVERHEAD_GIB = 2.0  # per Megatron process: CUDA context, NCCL buffers, allocator slack
+REFIT_RPC_S = 0.01  # per weight bucket: collective_rpc round trip + opening the CUDA IPC handle
+CRITIC_PROMPT_EXTRA = 256  # tokens the RARO critic prompt adds to the question (instructions, two answers)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The allocation and the assumptions a plan is made under (the CLI flags of ``megareason plan``)."""
+
+    gpu: str = "H100-80GB"
+    nodes: int = 0  # 0: as many as the layout needs (TP x PP x DP / gpus_per_node)
+    gpus_per_node: int = 8
+    # auto: on only when the plan does not fit without it (megareason's trainer builds neither today).
+    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
+    recompute: Literal["auto", "on", "off"] = "auto"
+    mfu: float = 0.4  # training and log-prob passes, pipeline bubble excluded
+    prompt_fraction: float = 0.5  # mean prompt length / data.max_prompt_length
+    response_fraction: float = 0.5  # mean response length / rollout.max_tokens (the longest reaches it)
+
+
+@dataclass
+class Plan:
+    """Per-GPU bytes per phase and seconds per phase of one training step."""
+
+    config_name: str
+    arch: ModelArch
+    arch_source: str
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    dp: int
+    engines: int
+    vllm_tp: int
+    distributed_optimizer: bool
+    recompute: bool
+    options: PlanOptions
+    params_per_gpu: int
+    total_params: int
+    memory: dict[str, dict[str, float]]  # phase -> line -> bytes
+    activations_off_on: tuple[float, float]  # training activations without / with recomputation
+    kv_tokens_per_engine: int
+    kv_bytes_per_token: int  # per GPU of an engine
+    seconds: dict[str, float]
+    notes: dict[str, str] = field(default_factory=dict)  # phase -> how its seconds were computed
+    generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# ----------------------------------------------------------------------------------------- shapes
+
+
+def params_per_gpu(arch: ModelArch, tp: int, pp: int) -> int:
+    """Parameters on one GPU of the most loaded pipeline stage (the first holds the embedding, the last
+    the final norm and the output layer, which with PP > 1 is a separate copy even when tied)."""
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    linear = h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size
+    bias = q + 2 * kv if arch.qkv_bias else 0
+    layer = (linear + bias) // tp + 2 * h  # the two RMSNorm weights are replicated over TP
+    vocab = arch.padded_vocab_size(tp) * h // tp
+    layers = arch.num_layers // pp * layer
+    output = 0 if arch.tie_word_embeddings and pp == 1 else vocab
+    if pp == 1:
+        return layers + vocab + h + output
+    return max(layers + vocab, layers + h + output)
+
+
+def total_params(arch: ModelArch) -> int:
+    return params_per_gpu(arch, 1, 1)
+
+
+def flop_params(arch: ModelArch) -> int:
+    """Parameters that cost FLOPs per token (the input embedding is a lookup)."""
+    untied_embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    return total_params(arch) - untied_embedding
+
+
+def activation_bytes_per_token_layer(arch: ModelArch, tp: int) -> int:
+    """bf16 bytes one transformer layer saves for backward per token (no sequence parallelism)."""
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    return 2 * 4 * h + 2 * (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) // tp
+
+
+def kv_bytes_per_token(arch: ModelArch, vllm_tp: int, dtype_bytes: int) -> int:
+    """KV cache bytes per token on one GPU of an engine (kv heads are replicated when fewer than TP)."""
+    heads = max(arch.num_kv_heads // vllm_tp, 1)
+    return 2 * arch.num_layers * heads * arch.head_dim * dtype_bytes
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2  # "auto" is bf16 for these models
+
+
+# ----------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One generation pass: ``samples`` sequences of ``prompt`` + ``response`` tokens on average, the
+    longest response ``max_response`` tokens."""
+
+    name: str
+    samples: int
+    prompt: float
+    response: float
+    max_response: int
+
+    @property
+    def tokens(self) -> float:
+        return self.samples * (self.prompt + self.response)
+
+
+def workload(cfg: Config, opt: PlanOptions) -> list[Pass]:
+    """The generation passes of one step; their sequences are also the rows trained on."""
+    r, t = cfg.rollout, cfg.trainer
+    prompt = opt.prompt_fraction * cfg.data.max_prompt_length
+    passes = [Pass("policy", t.prompts_per_step * r.n, prompt, opt.response_fraction * r.max_tokens, r.max_tokens)]
+    if cfg.algorithm.name == "raro":
+        raro = cfg.raro
+        fresh = t.prompts_per_step * r.n
+        triplets = fresh + round(fresh * raro.replay_buffer_ratio / (1 - raro.replay_buffer_ratio))
+        passes.append(Pass("critic", triplets * raro.critic_n, prompt + CRITIC_PROMPT_EXTRA,
+                           opt.response_fraction * raro.critic_max_tokens, raro.critic_max_tokens))
+    return passes
+
+
+# ----------------------------------------------------------------------------------------- the plan
+
+
+def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: str = "",
+              arch_source: str = "") -> Plan:
+    """The plan of ``cfg`` on ``opt``'s allocation. Raises :class:`PlanError` (or ``ArchError``) when
+    the layout does not match the allocation or a phase does not fit in GPU memory."""
+    if opt.gpu not in GPUS:
+        raise PlanError(f"--gpu {opt.gpu!r} is not known; known: {', '.join(GPUS)}")
+    gpu = GPUS[opt.gpu]
+    p, r = cfg.parallel, cfg.rollout
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    world = tp * pp * dp
+    nodes = opt.nodes or max(1, math.ceil(world / opt.gpus_per_node))
+    if world != nodes * opt.gpus_per_node:
+        raise PlanError(
+            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size x data_parallel_size = "
+            f"{tp} x {pp} x {dp} = {world} GPUs does not equal the allocation's {nodes} nodes x "
+            f"{opt.gpus_per_node} GPUs = {nodes * opt.gpus_per_node}")
+    arch.check_parallelism(tp, pp)
+    vtp = r.tensor_parallel_size
+    if vtp > tp * pp:
+        raise PlanError(f"rollout.tensor_parallel_size={vtp} exceeds the {tp * pp} GPUs of a data-parallel "
+                        f"replica (parallel.tensor_model_parallel_size x pipeline_model_parallel_size), which "
+                        f"its colocated vLLM engine runs on")
+    if arch.num_heads % vtp or (arch.num_kv_heads % vtp and vtp % arch.num_kv_heads):
+        raise PlanError(f"rollout.tensor_parallel_size={vtp} does not split {arch.num_heads} attention heads / "
+                        f"{arch.num_kv_heads} kv heads (vLLM needs heads % TP == 0 and kv heads % TP == 0 or "
+                        f"TP % kv heads == 0)")
+
+    # auto: the cheapest settings that fit (the distributed optimizer first: it costs only communication).
+    dists = [False, True] if opt.distributed_optimizer == "auto" else [opt.distributed_optimizer == "on"]
+    recomputes = [False, True] if opt.recompute == "auto" else [opt.recompute == "on"]
+    tries = [(dist, recompute) for recompute in recomputes for dist in dists]
+    for dist, recompute in tries:
+        plan = _plan(cfg, arch, opt, gpu, nodes, dist, recompute, config_name, arch_source)
+        problem = _problem(plan, cfg)
+        if problem is None:
+            return plan
+    raise PlanError(problem)
+
+
+def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, dist: bool, recompute: bool,
+          config_name: str, arch_source: str) -> Plan:
+    p, r, t, alg = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algorithm
+    tp, pp, dp, vtp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
+                       r.tensor_parallel_size)
+    n_gpu, n_total, n_flop = params_per_gpu(arch, tp, pp), total_params(arch), flop_params(arch)
+    critic = alg.name == "ppo"
+    shards = dp if dist else 1
+    states = {
+        "parameters (bf16)": 2 * n_gpu,
+        "gradients (fp32)": 4 * n_gpu,
+        f"optimizer: fp32 master + 2 Adam moments{f' (/ DP {dp})' if shards > 1 else ''}": 12 * n_gpu / shards,
+    }
+    if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
+        states["critic: parameters + gradients + optimizer"] = sum(states.values())
+    overhead = {"runtime overhead (CUDA contexts, NCCL)": RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)}
+
+    # Training activations of the most loaded stage.
+    passes = workload(cfg, opt)
+    rows_tokens = sum(ps.tokens for ps in passes)
+    per_rank = rows_tokens / (dp * alg.mini_batches)
+    micro = max(1, math.ceil(per_rank / t.micro_batch_tokens))
+    in_flight = min(pp, micro)
+    tok, layers = t.micro_batch_tokens, arch.num_layers // pp
+    layer_tok = activation_bytes_per_token_layer(arch, tp)
+    logits = tok * arch.padded_vocab_size(tp) // tp * 6  # bf16 logits + their fp32 log-softmax
+    working = tok * layer_tok  # one layer's full activations for one micro-batch
+    act_off = max(in_flight * layers * working, layers * working + logits)
+    saved = tok * 2 * arch.hidden_size  # a layer's input, kept for recomputation
+    act_on = max(in_flight * layers * saved + working, layers * saved + working + logits)
+
+    # vLLM's share while it generates.
+    dbytes = _dtype_bytes(r.dtype)
+    budget = r.gpu_memory_utilization * gpu.memory_gib * GiB
+    vllm_weights = n_total * dbytes / vtp
+    kv = budget - vllm_weights - VLLM_RESERVE_GIB * GiB
+    kv_tok = kv_bytes_per_token(arch, vtp, dbytes)
+    memory = {
+        "generation": {**states, **overhead, "vLLM weights": vllm_weights,
+                       "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB, "vLLM KV cache": kv},
+        "training": {**states, **overhead,
+                     f"activations ({'full recomputation' if recompute else 'no recomputation'})":
+                         act_on if recompute else act_off},
+        "logprobs": {**states, **overhead, "forward working set": working + logits},
+    }
+    if alg.kl_coef > 0:
+        memory["logprobs"]["reference model (onloaded)"] = 2 * n_gpu
+    engines = dp  # one engine per data-parallel replica (trainer/workers.py)
+    plan = Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
+                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=engines, vllm_tp=vtp,
+                distributed_optimizer=dist, recompute=recompute, options=opt, params_per_gpu=n_gpu,
+                total_params=n_total, memory=memory, activations_off_on=(act_off, act_on),
+                kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, seconds={})
+
+    # Time per phase.
+    gen, gen_note = generation_seconds(plan, cfg, passes, engines)
+    plan.seconds["generation"], plan.notes["generation"] = gen, gen_note
+    plan.generation_all_gpus = generation_seconds(plan, cfg, passes, plan.gpus // vtp)[0]
+    world = plan.gpus
+    flops_rate = world * gpu.bf16_flops * opt.mfu
+    bubble = (pp - 1) / (micro * alg.mini_batches) if pp > 1 else 0.0
+    attn = sum(ps.samples * 2 * arch.num_layers * arch.num_heads * arch.head_dim * (ps.prompt + ps.response) ** 2
+               for ps in passes)  # causal attention, forward: 2·L·d_attn·s per token
+    forward = 2 * n_flop * rows_tokens + attn
+    off_policy = alg.ppo_epochs > 1 or alg.mini_batches > 1
+    kinds = [k for k, on in (("reference", alg.kl_coef > 0), ("old log-probs", off_policy),
+                             ("critic values", critic)) if on]
+    plan.seconds["logprobs"] = len(kinds) * forward / flops_rate * (1 + bubble)
+    plan.notes["logprobs"] = (f"{' + '.join(kinds)} forward over {rows_tokens / 1e6:.1f}M tokens" if kinds else
+                              "none (on-policy, kl_coef = 0: the update's own forward gives the ratio)")
+    per_update = (4 if recompute else 3) * forward
+    plan.seconds["training"] = alg.ppo_epochs * per_update * (2 if critic else 1) / flops_rate * (1 + bubble)
+    plan.notes["training"] = (f"{'8' if recompute else '6'}·N·tokens + attention, {alg.ppo_epochs} epoch(s)"
+                              f"{' x actor and critic' if critic else ''}; {micro} micro-batches of "
+                              f"{tok} tokens per DP rank, PP bubble {bubble:.1%}")
+    plan.seconds["weight refit"], plan.notes["weight refit"] = refit_seconds(plan, cfg)
+    return plan
+
+
+def decode_step_seconds(plan: Plan, cfg: Config, concurrent: int, context: float) -> float:
+    """One decode step of an engine: read the weight shard and the running sequences' KV cache from HBM
+    (or, for large batches, compute), plus TP all-reduces and launch overheads."""
+    gpu, arch = plan.gpu, plan.arch
+    weights = plan.total_params * _dtype_bytes(cfg.rollout.dtype) / plan.vllm_tp
+    kv = concurrent * context * plan.kv_bytes_per_token
+    memory_s = (weights + kv) / (gpu.hbm_bytes_s * HBM_EFFICIENCY)
+    compute_s = 2 * flop_params(arch) * concurrent / plan.vllm_tp / (gpu.bf16_flops * DECODE_MFU)
+    step = max(memory_s, compute_s) + STEP_OVERHEAD_S
+    if plan.vllm_tp > 1:
+        step += 2 * arch.num_layers * ALLREDUCE_S
+    if cfg.rollout.enforce_eager:
+        step += arch.num_layers * EAGER_LAUNCH_S_PER_LAYER
+    return step
+
+
+def generation_seconds(plan: Plan, cfg: Config, passes: list[Pass], engines: int) -> tuple[float, str]:
+    """Sum over passes of prefill (compute bound) and decoding, each engine taking 1/engines of the samples.
+    Decoding runs the bulk of the tokens at the concurrency the KV cache and vLLM's max_num_seqs allow,
+    then a tail of a few sequences until the longest response reaches its max_tokens."""
+    total, notes = 0.0, []
+    for ps in passes:
+        seqs = math.ceil(ps.samples / engines)
+        fits = max(1, int(plan.kv_tokens_per_engine // (ps.prompt + ps.response)))
+        concurrent = min(seqs, plan.gpu.max_num_seqs, fits)
+        bulk = math.ceil(seqs * ps.response / concurrent)
+        tail = max(0, ps.max_response - bulk)
+        bulk_s = decode_step_seconds(plan, cfg, concurrent, ps.prompt + ps.response / 2)
+        tail_s = decode_step_seconds(plan, cfg, 1, ps.prompt + ps.max_response)
+        rate = plan.vllm_tp * plan.gpu.bf16_flops * plan.options.mfu
+        prefill = seqs * ps.prompt * 2 * flop_params(plan.arch) / rate
+        total += prefill + bulk * bulk_s + tail * tail_s
+        notes.append(f"{ps.name}: {seqs} seqs/engine, {concurrent} at once: {bulk} steps x {bulk_s * 1e3:.1f} ms"
+                     f" + tail {tail} x {tail_s * 1e3:.1f} ms")
+    return total, "; ".join(notes)
+
+
+def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
+    """Every engine receives the whole model: PP stages on other nodes broadcast over the network, TP
+    shards gather over NVLink, and each of the engine's vLLM ranks reads every bucket over NVLink from
+    the consumer GPU (CUDA IPC), one RPC per bucket."""
+    gpu = plan.gpu
+    size = plan.total_params * _dtype_bytes(cfg.rollout.dtype)
+    stages_per_node = max(1, plan.gpus_per_node // plan.tp)
+    remote = size * max(0, plan.pp - stages_per_node) / plan.pp
+    network = remote / (gpu.network_bytes_s * NET_EFFICIENCY)
+    nvlink = size * (1 + plan.vllm_tp) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
+    rpc = buckets * REFIT_RPC_S
+    return network + nvlink + rpc, (f"{size / 1e9:.0f} GB per engine: {network:.1f} s network (PP), "
+                                   f"{nvlink:.1f} s NVLink (TP gather + {plan.vllm_tp} vLLM ranks), "
+                                   f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
+
+
+def _problem(plan: Plan, cfg: Config) -> str | None:
+    """Why the plan cannot run (naming the field), or None."""
+    cap = plan.gpu.memory_gib * GiB
+    gen = plan.memory["generation"]
+    kv = gen["vLLM KV cache"]
+    hint = (f" (distributed optimizer {'on' if plan.distributed_optimizer else 'off'}, recomputation "
+            f"{'on' if plan.recompute else 'off'})")
+    if kv <= 0:
+        return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
+                f"{cfg.rollout.gpu_memory_utilization * plan.gpu.memory_gib:.1f} GiB per GPU, less than its weights "
+                f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
+                f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache")
+    if plan.kv_tokens_per_engine < cfg.rollout.max_model_len:
+        return (f"rollout.max_model_len={cfg.rollout.max_model_len} does not fit the KV cache of "
+                f"{plan.kv_tokens_per_engine} tokens (rollout.gpu_memory_utilization="
+                f"{cfg.rollout.gpu_memory_utilization})")
+    for phase, lines in plan.memory.items():
+        need = sum(lines.values())
+        if need > cap:
+            big = max(lines, key=lines.get)
+            field = {"generation": "rollout.gpu_memory_utilization", "training": "trainer.micro_batch_tokens"}.get(
+                phase, "parallel.tensor_model_parallel_size")
+            if not big.startswith(("activations", "vLLM")):
+                field = "parallel.tensor_model_parallel_size / pipeline_model_parallel_size"
+            return (f"does not fit: the {phase} phase needs {need / GiB:.1f} GiB per GPU > {plan.gpu.memory_gib} GiB "
+                    f"on {plan.gpu.name}{hint}; largest: {big} {lines[big] / GiB:.1f} GiB; lower it through {field}")
+    return None
+
+
+# ----------------------------------------------------------------------------------------- printing
+
+
+def format_plan(plan: Plan) -> str:
+    a, g, o = plan.arch, plan.gpu, plan.options
+    out = [
+        f"plan: {plan.config_name} on {plan.nodes} node(s) x {plan.gpus_per_node} {g.name} = {plan.gpus} GPUs "
+        f"({g.memory_gib} GiB, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_s / 1e12:.2f} TB/s HBM each)",
+        f"model: {plan.arch_source}: {a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
+        f"{a.num_heads} heads / {a.num_kv_heads} kv heads x {a.head_dim}, vocab {a.vocab_size}; "
+        f"{plan.total_params / 1e9:.2f}B parameters, {plan.params_per_gpu / 1e9:.3f}B on the most loaded GPU",
+        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp}; vLLM: {plan.engines} engine(s) (one per DP "
+        f"replica) x TP {plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
+        f"assumed: bf16 mixed precision; distributed optimizer {'on' if plan.distributed_optimizer else 'off'} "
+        f"({o.distributed_optimizer}), recomputation {'full' if plan.recompute else 'off'} ({o.recompute}); "
+        f"MFU {o.mfu:.0%}; prompts {o.prompt_fraction:.0%} of data.max_prompt_length, responses "
+        f"{o.response_fraction:.0%} of their max_tokens on average",
+        "",
+        f"{'memory per GPU (GiB)':<52}{'generation':>11}{'training':>10}{'logprobs':>10}",
+    ]
+    lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
+    for line in lines:
+        cells = [plan.memory[ph].get(line) for ph in ("generation", "training", "logprobs")]
+        out.append(f"  {line:<50}" + "".join(f"{'-' if c is None else f'{c / GiB:.1f}':>{w}}"
+                                           for c, w in zip(cells, (11, 10, 10), strict=True)))
+    totals = [sum(plan.memory[ph].values()) / GiB for ph in ("generation", "training", "logprobs")]
+    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<50}{totals[0]:>11.1f}{totals[1]:>10.1f}{totals[2]:>10.1f}")
+    off, on = plan.activations_off_on
+    out += [
+        f"  activations without / with full recomputation: {off / GiB:.1f} / {on / GiB:.1f} GiB",
+        f"  KV cache: {plan.kv_tokens_per_engine:,} tokens per engine ({plan.kv_bytes_per_token / 1024:.0f} KiB per "
+        f"token per GPU)",
+        "",
+        f"{'time per step (estimate)':<26}{'seconds':>8}   basis",
+    ]
+    for phase, s in plan.seconds.items():
+        out.append(f"  {phase:<24}{s:>8.1f}   {plan.notes[phase]}")
+    out.append(f"  {'total':<24}{sum(plan.seconds.values()):>8.1f}")
+    if plan.engines * plan.vllm_tp < plan.gpus:
+        out.append(f"  (generation with an engine on every GPU, {plan.gpus // plan.vllm_tp} engines: "
+                   f"{plan.generation_all_gpus:.1f} s)")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------- entry point
+
+
+def resolve_arch(cfg: Config, model_shape: str) -> tuple[ModelArch, str]:
+    """The model's shape: a ``--model-shape`` preset, else the HF config.json at model.path."""
+    if model_shape:
+        if model_shape not in MODEL_SHAPES:
+            raise PlanError(f"--model-shape {model_shape!r} is not known; known: {', '.join(MODEL_SHAPES)}")
+        return MODEL_SHAPES[model_shape], f"{model_shape} (--model-shape)"
+    from megareason.models.hub import resolve_model_path
+
+    try:
+        path = resolve_model_path(cfg.model.path)
+    except FileNotFoundError as e:
+        raise PlanError(f"model.path={cfg.model.path!r}: no config.json here ({e}); pass --model-shape "
+                        f"({', '.join(MODEL_SHAPES)}) to plan without the weights") from e
+    return ModelArch.from_pretrained(path), str(path)
+
+
+def plan_config(config: str, overrides: list[str], opt: PlanOptions, model_shape: str = "") -> Plan:
+    """Load ``config`` (a name in configs/ or a path to a YAML file), validate it for training and plan it."""
+    from megareason.config import load_config, validate_training
+
+    path = Path(config)
+    if path.suffix in (".yaml", ".yml") or "/" in config:
+        cfg = load_config(path.stem, overrides, path.parent)
+    else:
+        cfg = load_config(config, overrides)
+    validate_training(cfg)
+    arch, source = resolve_arch(cfg, model_shape)
+    return make_plan(cfg, arch, opt, config_name=config, arch_source=source)
+
+
+HELP = """\
+Print, per GPU, the memory of parameters, gradients, optimizer states, activations and the vLLM KV cache
+in each phase of a step (generation, training, log-probs), and the estimated seconds per phase from FLOPs
+and memory bandwidth. Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not the
+allocation's GPU count, or a config that does not fit. The model's shape comes from model.path's
+config.json, or from --model-shape to plan without the weights. See docs/planner.md.
+
+examples:
+  megareason plan --model-shape llama-3.1-70b --nodes 8 --gpus-per-node 8 configs/raro_70b.yaml
+  megareason plan --gpus-per-node 1 --gpu A100-80GB grpo_smollm2_cpu
+"""
+
+
+def add_arguments(p) -> None:
+    d = PlanOptions()
+    p.add_argument("config", help="a config name in configs/ or a path to a YAML file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--nodes", type=int, default=d.nodes, help="default: as many as the layout needs")
+    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
+    p.add_argument("--gpu", choices=list(GPUS), default=d.gpu)
+    p.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="",
+                   help="plan this architecture instead of reading model.path's config.json")
+    p.add_argument("--distributed-optimizer", choices=["auto", "on", "off"], default=d.distributed_optimizer,
+                   help="shard optimizer states over DP (auto: only if needed to fit)")
+    p.add_argument("--recompute", choices=["auto", "on", "off"], default=d.recompute,
+                   help="full activation recomputation (auto: only if needed to fit)")
+    p.add_argument("--mfu", type=float, default=d.mfu, help="assumed model FLOPs utilization")
+    p.add_argument("--prompt-fraction", type=float, default=d.prompt_fraction,
+                   help="mean prompt length / data.max_prompt_length")
+    p.add_argument("--response-fraction", type=float, default=d.response_fraction,
+                   help="mean response length / max_tokens")
+
+
+def run_cli(args) -> int:
+    opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                      distributed_optimizer=args.distributed_optimizer, recompute=args.recompute, mfu=args.mfu,
+                      prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction)
+    print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
+    return 0
