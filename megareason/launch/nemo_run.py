@@ -36,41 +36,51 @@ examples:
 """
 
 # Runs on every node of the allocation (one Slurm task per node). Placeholders: {port}, {python},
-# {timeout}, {command}. Workers leave (exit 0) once the head stops answering, well within srun's
-# --wait=60 grace after the head's task ends, so only the driver's exit code reaches sbatch.
+# {timeout}, {command}. Ray is stopped by ending the `ray start --block` process this script started,
+# never by `ray stop` (which stops every Ray on the node). Workers leave, exit 0, once the head's port
+# closes, well within srun's --wait=60 grace after the head's task ends, so the driver's exit code is the
+# job's.
 RAY_NODE_SCRIPT = """\
 set -uo pipefail
 head_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 head_ip=$(getent ahostsv4 "$head_host" | awk 'NR == 1 {{print $1}}')
+head_ip=${{head_ip:-$head_host}}
 head="$head_ip:{port}"
 nodes=${{SLURM_JOB_NUM_NODES:-${{SLURM_NNODES:-1}}}}
+ray_args=(--block --disable-usage-stats --temp-dir="/tmp/mr-ray-${{SLURM_JOB_ID:-0}}-${{SLURM_NODEID:-0}}")
+head_open() {{ (exec 3<>"/dev/tcp/$head_ip/{port}") 2>/dev/null; }}
+deadline=$((SECONDS + {timeout}))
 if [ "${{SLURM_NODEID:-0}}" = 0 ]; then
-    ray start --head --node-ip-address="$head_ip" --port={port} --disable-usage-stats || exit 1
-    deadline=$((SECONDS + {timeout}))
+    ray start --head --node-ip-address="$head_ip" --port={port} --include-dashboard=false "${{ray_args[@]}}" &
+    ray_pid=$!
     until [ "$({python} -c "import ray; ray.init(address='$head', logging_level='ERROR'); \\
 print(sum(n['Alive'] for n in ray.nodes()))" 2>/dev/null | tail -n 1)" = "$nodes" ]; do
-        if [ $SECONDS -ge $deadline ]; then
+        if [ $SECONDS -ge $deadline ] || ! kill -0 $ray_pid 2>/dev/null; then
             echo "error: $nodes Ray nodes did not join $head within {timeout} s" >&2
-            ray stop; exit 1
+            kill $ray_pid 2>/dev/null; wait $ray_pid; exit 1
         fi
         sleep 5
     done
     echo "Ray cluster at $head has $nodes nodes"
     {command} "trainer.ray_address=$head"
     rc=$?
-    ray stop
+    kill $ray_pid; wait $ray_pid
     exit $rc
 else
-    deadline=$((SECONDS + {timeout}))
-    until ray start --address="$head" --disable-usage-stats; do
-        if [ $SECONDS -ge $deadline ]; then echo "error: cannot join Ray head $head" >&2; exit 1; fi
+    until head_open; do
+        if [ $SECONDS -ge $deadline ]; then echo "error: no Ray head at $head" >&2; exit 1; fi
         sleep 5
     done
-    while ray health-check --address "$head" >/dev/null 2>&1; do sleep 5; done
-    ray stop
+    ray start --address="$head" "${{ray_args[@]}}" &
+    ray_pid=$!
+    while kill -0 $ray_pid 2>/dev/null && head_open; do sleep 5; done
+    kill $ray_pid 2>/dev/null; wait $ray_pid
     exit 0
 fi
 """
+# A private Ray auth token per job, made when the batch script runs (NeMo-Run writes executor env_vars
+# as unquoted `export KEY=VALUE` lines in the sbatch script) and inherited by every srun task.
+RAY_AUTH_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "$(od -An -N32 -tx1 /dev/urandom | tr -d ' \\n')"}
 
 
 @dataclass
@@ -141,6 +151,7 @@ def build_executor(spec: LaunchSpec):
         container_mounts=list(spec.container_mounts),
         packager=run.Packager(),  # the container (or the shared file system) already holds megareason
         tunnel=run.LocalTunnel(job_dir=job_dir),  # submit from this machine (a Slurm login node)
+        env_vars=dict(RAY_AUTH_ENV),
     )
 
 
