@@ -3,6 +3,11 @@
 A ``WorkerGroup`` is ``tp x pp x dp`` Ray actors of one worker class. ``call`` runs a method on every
 rank and returns the results in rank order; ``replicas`` keeps the result of each data-parallel
 replica's first rank (where a replica's outputs are complete), in replica order.
+
+Placement is explicit: one placement-group bundle per rank (a CPU on CPU, a GPU on GPU), shared by every
+role's rank i, so colocated roles (PPO's actor and critic) sit in the same process slot and the ranks
+spread over the cluster's nodes as their resources require (PACK: consecutive ranks, a TP group, fill a
+node before the next one is used).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
         # address="local": always a new private cluster, never one a `ray start` left on this machine.
-        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 runtime_env=env, log_to_driver=True, configure_logging=False)
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(),
+                 include_dashboard=False, runtime_env=env, log_to_driver=True, configure_logging=False)
     try:
         yield
     finally:
@@ -58,15 +63,59 @@ def cluster_size() -> tuple[int, int]:
     return int(res.get("CPU", 0)), int(res.get("GPU", 0))
 
 
+# (Ray job id, ranks, on GPU) -> the placement group every role of that driver shares.
+_placements: dict[tuple[str, int, bool], object] = {}
+_PLACEMENT_TIMEOUT_S = 300.0
+
+
+def rank_placement(world: int, gpus: bool):
+    """The placement group with one bundle per rank ({"GPU": 1} or {"CPU": 1}), created on first use by
+    this Ray job and reused by its other roles; raises ``RuntimeError`` if the cluster cannot hold it."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    key = (ray.get_runtime_context().get_job_id(), world, gpus)
+    if key not in _placements:
+        pg = placement_group([{"GPU": 1} if gpus else {"CPU": 1}] * world, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(pg)
+            raise RuntimeError(f"Ray could not place {world} ranks of 1 {'GPU' if gpus else 'CPU'} each within "
+                               f"{_PLACEMENT_TIMEOUT_S:g} s; cluster resources: {ray.cluster_resources()}") from None
+        _placements[key] = pg
+    return _placements[key]
+
+
+def _node_of(_actor) -> tuple[str, str]:
+    """(IP, node id) of the Ray node this actor runs on (called through ``__ray_call__``)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+
 class WorkerGroup:
     def __init__(self, worker_cls, cfg: Config, name: str, gpus_per_worker: float, threads: int):
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         p = cfg.parallel
         self.world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
         self.name = name
-        remote = ray.remote(worker_cls).options(num_cpus=0, num_gpus=gpus_per_worker)
-        self.workers = [remote.remote(cfg, rank, self.world) for rank in range(self.world)]
+        pg = rank_placement(self.world, gpus_per_worker > 0)
+        # num_cpus=0: on CPU the bundle's CPU is the rank's slot, shared by the colocated roles, and the
+        # bundle still pins the actor to its node. On GPU the roles split the bundle's GPU.
+        self.workers = [ray.remote(worker_cls).options(
+            num_cpus=0, num_gpus=gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+        ).remote(cfg, rank, self.world) for rank in range(self.world)]
+        nodes = ray.get([w.__ray_call__.remote(_node_of) for w in self.workers])
+        log.info("%s: ranks on %d Ray node(s): %s", name, len({node for _, node in nodes}),
+                 ", ".join(f"rank {r} -> {ip} ({node[:12]})" for r, (ip, node) in enumerate(nodes)))
+        tp = p.tensor_model_parallel_size
+        if any(len({node for _, node in nodes[g:g + tp]}) > 1 for g in range(0, self.world, tp)):
+            log.warning("%s: a tensor-parallel group spans nodes (slow): give each node a multiple of TP=%d "
+                        "GPUs", name, tp)
         master = ray.get(self.workers[0].address.remote())
         log.info("%s: %d workers, rendezvous at %s:%d", name, self.world, *master)
         ranks = ray.get([w.setup.remote(master, threads) for w in self.workers])
