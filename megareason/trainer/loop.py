@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from functools import partial
@@ -46,6 +47,9 @@ from megareason.utils import atomic_write
 log = logging.getLogger(__name__)
 
 _REPLAY_FILE = "raro_replay.json"  # RARO's replay buffer, in each checkpoint
+# `megareason train`'s exit code when SIGUSR1 or SIGTERM stopped it after a step and a checkpoint: run it
+# again to resume (EX_TEMPFAIL). slurm/ray_cluster.sh requeues the job on it.
+EXIT_STOPPED = 75
 
 # (prompts, completions per prompt) -> scored samples, in (prompt, sample) order
 ScoreFn = Callable[[list[TokenizedPrompt], list[list]], list[SampleResult]]
@@ -58,12 +62,12 @@ def train(cfg: Config) -> Path:
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts, tokenizer = _load_prompts(cfg)
     scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
-    with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address):
+    with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
         _check_cluster(cfg)
         groups = _start_workers(cfg)
         try:
             score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv)
-            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer)
+            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer, stop)
         finally:
             for g in groups:
                 g.shutdown()
@@ -71,7 +75,8 @@ def train(cfg: Config) -> Path:
 
 
 def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: list[TokenizedPrompt],
-                val_prompts: list[TokenizedPrompt], score_fn: ScoreFn, tokenizer=None) -> None:
+                val_prompts: list[TokenizedPrompt], score_fn: ScoreFn, tokenizer=None,
+                stop: StopRequest | None = None) -> None:
     t, alg = cfg.trainer, cfg.algorithm
     actors, critic = groups[0], (groups[1] if len(groups) > 1 else None)
     # One update per rollout and no KL in the reward: the update's own forward pass gives the old
@@ -138,7 +143,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
             metrics.update(validate(actors, val_prompts, cfg, score_fn))
         tracker.log(step, metrics)
-        if step == t.steps or (t.save_every and step % t.save_every == 0):
+        stopping = stop is not None and stop.signal is not None  # read once: save and exit agree
+        if step == t.steps or (t.save_every and step % t.save_every == 0) or stopping:
             state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
             tmp = run.begin_checkpoint(step)
             for g in groups:
@@ -146,7 +152,37 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             if alg.name == "raro":
                 atomic_write(tmp / _REPLAY_FILE, json.dumps(buffer.state_dict()))
             run.commit_checkpoint(tmp, state, t.keep_last)
+        if stopping and step < t.steps:
+            log.warning("%s: stopped after step %d with a checkpoint; run again to resume (exit code %d)",
+                        signal.Signals(stop.signal).name, step, EXIT_STOPPED)
+            tracker.close()
+            raise SystemExit(EXIT_STOPPED)
     tracker.close()
+
+
+class StopRequest:
+    """Signal handler: records the first SIGUSR1/SIGTERM (``signal``); the loop then finishes the step in
+    progress, saves a checkpoint and exits with ``EXIT_STOPPED``. A second SIGTERM kills as usual."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        # Nothing else here: a handler runs between two bytecodes of the main thread (no logging locks).
+        self.signal = self.signal or signum
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def stop_signals() -> Iterator[StopRequest]:
+    """SIGUSR1 and SIGTERM set a ``StopRequest`` instead of ending the process, for the block."""
+    stop = StopRequest()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _update(cfg: Config, step: int, actors: WorkerGroup, critic: WorkerGroup | None, exp: Experience,
