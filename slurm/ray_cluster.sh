@@ -153,9 +153,9 @@ megareason_slurm_run() {
     MR_HEAD_IP=${MR_HEAD_IP:-$addr}
     MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_RAY_STEPS=() MR_DRIVER=
     # Per-job files (the driver's PID) on the shared filesystem, also seen from inside the container.
-    local jobdir="$MR_ROOT/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID"
-    MR_DRIVER_PIDFILE="$jobdir/driver.pid"
-    mkdir -p "$jobdir" && rm -f "$MR_DRIVER_PIDFILE"
+    MR_JOBDIR="$MR_ROOT/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID"
+    MR_DRIVER_PIDFILE="$MR_JOBDIR/driver.pid"
+    mkdir -p "$MR_JOBDIR" && rm -f "$MR_DRIVER_PIDFILE"
     # This job's own Ray auth token: Ray 2.60 turns token auth on for a head when ~/.ray/auth_token
     # exists, and its workers then fail without the token; an explicit one works everywhere.
     RAY_AUTH_TOKEN=$("$MR_PYTHON" -c 'import secrets; print(secrets.token_hex(32))') ||
@@ -163,7 +163,7 @@ megareason_slurm_run() {
     export RAY_AUTH_MODE=token RAY_AUTH_TOKEN RAY_USAGE_STATS_ENABLED=0
     export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP
     trap _mr_on_usr1 USR1
-    trap _mr_teardown EXIT
+    trap '_mr_teardown; rm -rf "$MR_JOBDIR"' EXIT
     local n=${#nodes[@]} gpus=$(( ${#nodes[@]} * ${SLURM_GPUS_ON_NODE:-0} ))
     _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes ($MR_NODES)," \
             "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE, container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
@@ -204,7 +204,6 @@ megareason_slurm_run() {
     MR_DRIVER=$!
     local rc
     _mr_wait "$MR_DRIVER"; rc=$?
-    rm -rf "$jobdir"
     _mr_log "driver exited with $rc"
     _mr_teardown
     if (( MR_STOP_REQUESTED && rc == MEGAREASON_EXIT_STOPPED )); then

@@ -113,6 +113,7 @@ def _port_block(size: int) -> int:
 
 @dataclass
 class Cluster:
+    name: str
     dir: Path
     env: dict[str, str]
     ray_tmp: Path
@@ -136,7 +137,8 @@ def slurm(tmp_path_factory):
     for sub in ("state", "spool", "run", "log"):
         (d / sub).mkdir()
     conf = d / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(name=f"mr{os.getpid()}", dir=d, ctld_port=free_port("127.0.0.1"),
+    name = f"mr{os.getpid()}"
+    conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=free_port("127.0.0.1"),
                                       n1_port=free_port("127.0.0.1"), n2_port=free_port("127.0.0.1")))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths are limited
     env = {**os.environ, "SLURM_CONF": str(conf), "MEGAREASON_PYTHON": sys.executable,
@@ -154,7 +156,7 @@ def slurm(tmp_path_factory):
             assert all(p.poll() is None for p in daemons), "a Slurm daemon exited; logs in " + str(d / "log")
             assert time.time() < deadline, "the two nodes did not become idle: " + _run(env, "sinfo").stdout
             time.sleep(1)
-        yield Cluster(d, env, ray_tmp)
+        yield Cluster(name, d, env, ray_tmp)
     finally:
         if daemons and daemons[0].poll() is None:  # cancel what a failed test left running, then stop
             _run(env, "scancel", "--partition=debug")
@@ -179,8 +181,9 @@ def _sbatch(cluster: Cluster, name: str, *overrides: str, timeout: float = 900) 
     return proc.returncode, (log.read_text() if log.exists() else "") + proc.stderr
 
 
-def _assert_ray_gone(cluster: Cluster) -> None:
-    """No process of this job's Ray (they all name its temp dir) is left."""
+def _assert_cleaned_up(cluster: Cluster) -> None:
+    """No process of the jobs' Ray (they all name its temp dir) and no per-job folder is left."""
+    assert not list((REPO / "outputs" / "slurm").glob(f"{cluster.name}-*"))
     deadline = time.time() + 60
     while True:
         left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).find(str(cluster.ray_tmp)) >= 0]
@@ -222,14 +225,14 @@ def test_raro_70b_recipe_spans_two_nodes_and_a_broken_override_fails_the_job(slu
     assert [m["step"] for m in metrics] == [1, 2] and "raro/critic_accuracy" in metrics[-1]
     assert (out / "checkpoints" / "step_00000002").is_dir()
     assert "driver exited with 0" in log and "Ray stopped" in log
-    _assert_ray_gone(slurm)
+    _assert_cleaned_up(slurm)
 
     rc, log = _sbatch(slurm, "broken", *_tiny_raro(tiny_qwen2, tmp_path, tmp_path / "broken"),
                       "model.path=/nonexistent/model")
     assert rc != 0, log[-6000:]
     assert re.search(r"error: .*/nonexistent/model", log), log[-6000:]
     assert "driver exited with 2" in log and "Ray stopped" in log
-    _assert_ray_gone(slurm)
+    _assert_cleaned_up(slurm)
 
 
 @pytest.mark.slow
@@ -259,4 +262,4 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_next_run_resume
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3], steps  # each step once: the stop came after a step, never inside one
     assert "Restarts=1" in _run(slurm.env, "scontrol", "show", "job", job).stdout
-    _assert_ray_gone(slurm)
+    _assert_cleaned_up(slurm)
