@@ -202,11 +202,11 @@ def _cmdline(proc_dir: Path) -> str:
 
 def _tiny_raro(tiny_qwen2: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
     """configs/raro_70b.yaml cut down to the tiny model on CPU: the e2e RARO test's settings, 2 DP ranks,
-    no reference model (as raro_smollm2_cpu.yaml)."""
+    with its KL term (the reference log-probs of both replicas are concatenated by the driver)."""
     args = _raro_args(tiny_qwen2, tmp, out, "trainer.steps=2", "parallel.tensor_model_parallel_size=1",
                       "parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=2",
                       "rollout.tensor_parallel_size=1", "rollout.dtype=float32", "optim.warmup_steps=0",
-                      "algorithm.kl_coef=0", *extra)
+                      "algorithm.kl_coef=0.001", *extra)
     assert args[:4] == [sys.executable, "-m", "megareason.cli", "train"]
     return args[4:]
 

@@ -72,7 +72,8 @@ class _Worker:
         mine = self._share(exp)
         micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens)
         outs = forward_outputs(model, micro, head, num)
-        width = mine.tokens_BT.shape[1]
+        # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
+        width = exp.tokens_BT.shape[1]
         return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
 
     def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float) -> dict[str, float]:
