@@ -50,17 +50,31 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the driver, then everything it started (Ray, vLLM, checkpoint writers): a crash."""
+    """SIGKILL the driver, then everything it started (Ray, vLLM, checkpoint writers): a crash. Ray
+    workers put themselves (and the vLLM engines they start) in process groups of their own, so the
+    whole session the driver leads is killed, not only its group."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     deadline = time.time() + 30
     while time.time() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
+        left = [int(p) for p in os.listdir("/proc") if p.isdigit() and _session(int(p)) == proc.pid]
+        if not left:
             return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         time.sleep(0.5)
+    raise AssertionError(f"processes of the killed run survive: {left}")
 
 
 def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path):
