@@ -28,7 +28,7 @@ import torch
 from megareason.algorithms.raro import Verdict, parse_label, reward_matrix, to_role
 from megareason.config.schema import RaroConfig
 from megareason.data.records import PromptRecord, TokenizedPrompt
-from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer
+from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.raro.replay import ReplayBuffer, Triplet
 from megareason.rollout.engine import Completion, Sampling
 
@@ -81,7 +81,7 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
     ratio = cfg.replay_buffer_ratio
     want = round(len(fresh) * ratio / (1 - ratio))
     historical = buffer.sample(want, seed=rng.randrange(2**31))
-    judged = [(b, t) for b, t in fresh] + [(None, t) for t in historical]
+    judged = fresh + [(None, t) for t in historical]
 
     # 3: the critic's prompts, answers in random order.
     critic_prompts, kept = [], []
@@ -92,8 +92,7 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
         rec = PromptRecord(prompt=critic_messages(system, t.question, a, bb), data_source="raro_critic",
                            ground_truth="A" if expert_first else "B",
                            extra_info={"index": t.index, "expert_first": expert_first, "historical": b is None})
-        text = tokenizer.apply_chat_template(rec.prompt, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text, ids = render(tokenizer, rec.prompt)
         if len(ids) <= max_prompt_tokens:
             critic_prompts.append(TokenizedPrompt(record=rec, text=text, token_ids=ids))
             kept.append(k)

@@ -38,6 +38,12 @@ def policy_answer(response: str) -> str:
     return text[-MAX_ANSWER_CHARS:]
 
 
+def render(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """A chat as the engine is given it: (text with the generation prompt, its token ids)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def critic_messages(system_prompt: str, question: str, answer_a: str, answer_b: str) -> list[dict[str, str]]:
     """The critic's chat: its system prompt, then the question and the two answers labelled A and B."""
     user = (f"Question:\n{question.strip()}\n\n"

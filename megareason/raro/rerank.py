@@ -18,7 +18,7 @@ from megareason.algorithms.raro import parse_label
 from megareason.config.schema import RaroConfig
 from megareason.data.records import TokenizedPrompt
 from megareason.raro.critic import verdict_regex
-from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer
+from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.rollout.engine import Completion, Sampling
 
 
@@ -49,8 +49,7 @@ def rerank(engine, prompts: Sequence[TokenizedPrompt], groups: Sequence[Sequence
         for i, j in itertools.combinations(range(len(group)), 2):
             a, b = (i, j) if rng.random() < 0.5 else (j, i)
             messages = critic_messages(system, question, policy_answer(group[a].text), policy_answer(group[b].text))
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            token_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            token_ids.append(render(tokenizer, messages)[1])
             pairs.append((p, a, b))
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.critic_max_tokens,
                       regex=verdict_regex(cfg.constrain_verdict_chars))
