@@ -95,3 +95,31 @@ def test_llama3_rope_scaling_is_read():
     }))
     arch = ModelArch.from_hf_config(cfg)
     assert (arch.rope_theta, arch.rope_scaling_factor, arch.head_dim, arch.qkv_bias) == (500000.0, 8.0, 2, False)
+
+
+def test_transformer_engine_names_map_to_the_local_ones():
+    """TransformerEngine fuses each pre-norm into the next linear layer: a model built with its spec
+    shows the same tensors under other names, and ``model_state`` hands them back under the rules'."""
+    te = "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight"
+    assert weight_map.local_name(te) == "decoder.layers.3.input_layernorm.weight"
+    assert weight_map.local_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.0.pre_mlp_layernorm.weight"
+    for name in ("decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.input_layernorm.weight"):
+        assert weight_map.local_name(name) == name
+
+    class Fused(torch.nn.Module):  # the shape of TE's LayerNormColumnParallelLinear's parameters
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(6, 4))
+            self.layer_norm_weight = torch.nn.Parameter(torch.full((4,), 2.0))
+
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.decoder.layers[0].self_attention = torch.nn.Module()
+    model.decoder.layers[0].self_attention.linear_qkv = Fused()
+    state = weight_map.model_state(model)
+    assert set(state) == {"decoder.layers.0.self_attention.linear_qkv.weight",
+                          "decoder.layers.0.input_layernorm.weight"}
+    state["decoder.layers.0.input_layernorm.weight"].copy_(torch.arange(4.0))  # a view: loading writes the model
+    assert torch.equal(model.decoder.layers[0].self_attention.linear_qkv.layer_norm_weight.detach(), torch.arange(4.0))

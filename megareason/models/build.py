@@ -8,6 +8,7 @@ declarative map in ``weight_map``. Missing tensors are reported before anything 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -16,14 +17,34 @@ from megareason.models import weight_map
 from megareason.models.arch import ArchError, ModelArch, transformer_config
 from megareason.models.parallel import current_layout
 
+log = logging.getLogger(__name__)
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
 
 def layer_spec():
-    """TransformerEngine layers on GPU, megatron-core's local (pure torch) layers on CPU."""
+    """TransformerEngine layers on GPU when it is installed (the NGC containers have it), else
+    megatron-core's local (pure torch) layers, on CPU and GPU alike."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if torch.cuda.is_available():
+    if transformer_engine_available():
         return specs.get_gpt_layer_with_transformer_engine_spec()
+    if torch.cuda.is_available():
+        log.warning("TransformerEngine is not installed: megatron-core's local layers on GPU (slower)")
     return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def uses_transformer_engine(model) -> bool:
+    """Whether ``model`` (or a wrapper of it) was built with TransformerEngine layers."""
+    return any(n.endswith(".layer_norm_weight") for n, _ in model.named_parameters())
 
 
 def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32):
@@ -47,9 +68,10 @@ def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32):
         rope_scaling=arch.rope_scaling_factor > 0,
         rope_scaling_factor=arch.rope_scaling_factor or 8.0,
     )
-    if not torch.cuda.is_available():
-        model = model.to(params_dtype)
-    return model
+    # megatron-core builds its parallel linears on the current device in params_dtype, but the local
+    # spec's norms on the CPU in float32 (megatron's own training moves the model afterwards too).
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return model.to(device=device, dtype=params_dtype)
 
 
 class HFCheckpoint:
@@ -92,8 +114,8 @@ def load_hf_weights(model, ckpt: HFCheckpoint, with_output_layer: bool = True) -
     layout = current_layout()
     state = weight_map.to_megatron(ckpt.get, ckpt.arch, layout.tp_rank, layout.tp, layout.pp_rank, layout.pp,
                                    with_output=with_output_layer)
-    own = {k: v for k, v in model.state_dict().items()
-           if not k.endswith("_extra_state") and (with_output_layer or not k.startswith("output_layer."))}
+    own = {k: v for k, v in weight_map.model_state(model).items()
+           if with_output_layer or not k.startswith("output_layer.")}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     assert not missing and not unexpected, f"weight map out of sync: missing {missing}, unexpected {unexpected}"
     with torch.no_grad():

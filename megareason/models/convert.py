@@ -57,7 +57,7 @@ def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     _ensure_single_process_group()
     model = build_gpt(arch)
     load_checkpoint(ckpt_dir, model)
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = {k: v.cpu() for k, v in weight_map.model_state(model).items()}
     tensors = weight_map.to_hf({(0, 0): state}, arch, tp=1, pp=1)
     return write_hf(tensors, Path(ckpt_dir) / "hf", out_dir)
 

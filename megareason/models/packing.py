@@ -75,5 +75,5 @@ def unpack_rows(x_1T: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Ten
     longest = max(lengths)
     rows = [torch.nn.functional.pad(x_1T[0, a:b], (0, longest - (b - a))) for a, b in zip(bounds[:-1], bounds[1:],
                                                                                           strict=True)]
-    mask = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None]).to(x_1T.dtype)
+    mask = (torch.arange(longest)[None] < torch.tensor(lengths)[:, None]).to(x_1T.device, x_1T.dtype)
     return torch.stack(rows), mask

@@ -89,12 +89,12 @@ class ValueHead(torch.nn.Module):
     Replicated over tensor-parallel ranks: its input is already complete on every rank.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | None = None):
         super().__init__()
         # Named like GPTModel's output layer ("output_layer.weight"), which megatron-core's
         # sharded_state_dict expects to find on the last stage of an untied model.
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
@@ -115,7 +115,8 @@ class Critic(_Trainable):
         model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), params_dtype)
         load_hf_weights(model, ckpt, with_output_layer=False)
         if current_layout().last_stage:
-            model.output_layer = ValueHead(ckpt.arch.hidden_size, params_dtype)
+            device = next(model.parameters()).device
+            model.output_layer = ValueHead(ckpt.arch.hidden_size, params_dtype, device)
         super().__init__(model, ckpt, settings)
         self.head = value_head_outputs
 

@@ -8,6 +8,7 @@ returns (loss_sum, count, metrics), and megatron-core divides the gradients by t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +46,35 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor
     return torch.arange(total) - starts, seq
 
 
+def device() -> torch.device:
+    """Where this rank's model lives: its CUDA device on GPU machines, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(batch, where: torch.device):
+    """A copy of a micro-batch (a dataclass) with its tensors, and the tensors of its dict fields, on
+    ``where``. Micro-batches are built on the CPU (the driver's experience); each step moves one."""
+    if where.type == "cpu":
+        return batch
+
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(where, non_blocking=True)
+        if isinstance(v, dict):
+            return {k: move(x) for k, x in v.items()}
+        return v
+
+    return dataclasses.replace(batch, **{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+
+
+def _uses_thd(model) -> bool:
+    """TransformerEngine layers take packed sequences in the THD layout; megatron-core's local layers
+    need an explicit block-diagonal mask instead (also on GPU when TE is not installed)."""
+    from megareason.models.build import uses_transformer_engine
+
+    return uses_transformer_engine(model)
+
+
 def _run(batch, model):
     tokens = batch.tokens_BT
     if batch.cu_seqlens is None:
@@ -53,7 +83,7 @@ def _run(batch, model):
     assert tokens.shape[0] == 1, "a packed micro-batch is a single row"
     t = tokens.shape[1]
     pos, seq = packed_positions(batch.cu_seqlens.cpu(), t)
-    if torch.cuda.is_available():
+    if _uses_thd(model):
         # TransformerEngine attention and fused RoPE take the THD layout natively.
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -66,16 +96,16 @@ def _run(batch, model):
     # causal within each sequence, nothing across sequences.
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     mask = ~(causal & (seq[:, None] == seq[None, :]))
-    return model(tokens, pos.unsqueeze(0), attention_mask=mask[None, None])
+    return model(tokens, pos.unsqueeze(0).to(tokens.device), attention_mask=mask[None, None].to(tokens.device))
 
 
 def _forward_only_step(head: Head, data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator), device())
     output = _run(batch, model)
 
     def collect(out):
         outputs = [t.detach() for t in head(out, batch)]
-        return out.new_zeros(()), torch.tensor(batch.tokens_BT.numel()), {"outputs": outputs}
+        return out.new_zeros(()), out.new_tensor(batch.tokens_BT.numel(), dtype=torch.int), {"outputs": outputs}
 
     return output, collect
 
@@ -108,12 +138,12 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
         num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=True,
     )
     model.train(was_training)
-    out = torch.zeros(len(micro_batches), num_outputs, b, t, dtype=torch.float32)
+    out = torch.zeros(len(micro_batches), num_outputs, b, t, dtype=torch.float32, device=device())
     if ps.is_pipeline_last_stage():
         for j, s in enumerate(store):
             out[j] = torch.stack([o.float() for o in s["outputs"]])
     _pipeline_broadcast(out)
-    return [list(o) for o in out]
+    return [list(o) for o in out.cpu()]
 
 
 def padded_micro_batches(tokens_BT: torch.Tensor, micro_batch_size: int) -> list[TokenBatch]:
@@ -123,7 +153,7 @@ def padded_micro_batches(tokens_BT: torch.Tensor, micro_batch_size: int) -> list
 
 
 def _train_step(head: Head, loss_fn: LossFn, data_iterator, model):
-    batch = next(data_iterator)
+    batch = to_device(next(data_iterator), device())
     output = _run(batch, model)
 
     def loss(out):
@@ -158,8 +188,10 @@ def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_f
     # Metrics add over micro-batches and data-parallel ranks, except "*_max" ones, which take the max.
     maxes = [k for k in keys if k.endswith("_max")]
     keys = [k for k in keys if not k.endswith("_max")]
+    dev = device()
     sums = torch.stack([sum(s[k] for s in store) for k in keys]) if store and keys else torch.zeros(len(keys))
     top = torch.stack([max(s[k] for s in store) for k in maxes]) if store and maxes else torch.zeros(len(maxes))
+    sums, top = sums.to(dev), top.to(dev)  # NCCL reduces device tensors only
     out = {}
     for values, op in ((sums, dist.ReduceOp.SUM), (top, dist.ReduceOp.MAX)):
         if values.numel():

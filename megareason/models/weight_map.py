@@ -5,6 +5,9 @@ ranks; layers are split evenly over pipeline stages (megatron numbers them from 
 ``to_megatron`` builds one rank's shard and ``to_hf`` merges all shards back; both are pure functions of
 tensors, used by the live loader, the converters and (later) the weight sync's naive reference.
 
+TransformerEngine layers fuse each pre-norm into the linear layer after it: the same tensor under another
+name (``TE_NAMES``); ``model_state`` shows a model of either spec under the local names the rules use.
+
 Layouts (megatron-core local and TransformerEngine specs alike):
 * ``qkv``: rows grouped per query group g: [q heads of g; k_g; v_g]; TP splits whole groups.
 * ``gate_up``: ``linear_fc1`` holds [gate; up]; each TP rank holds [gate_r; up_r].
@@ -47,6 +50,28 @@ QKV_BIAS = Rule(_M + "self_attention.linear_qkv.bias", tuple(_L + f"self_attn.{p
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "last")
 # Tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the output layer.
 TIED_OUTPUT = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
+
+
+# local-spec suffix -> TransformerEngine-spec suffix of the same tensor
+TE_NAMES = {
+    ".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
+    ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def local_name(name: str) -> str:
+    """``name`` under megatron-core's local-spec naming (unchanged if it already is)."""
+    for local, te in TE_NAMES.items():
+        if name.endswith(te):
+            return name.removesuffix(te) + local
+    return name
+
+
+def model_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensors (parameters and buffers, no ``_extra_state``) by local-spec name, detached
+    views that share storage with the model (copying into them loads the model)."""
+    return {local_name(k): v.detach() for k, v in model.state_dict(keep_vars=True).items()
+            if not k.endswith("_extra_state")}
 
 
 def rules_for(arch: ModelArch, pp: int = 1, with_output: bool = True) -> tuple[Rule, ...]:

@@ -63,7 +63,7 @@ def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
 
     layout = current_layout()
     shapes = weight_map.hf_shapes(arch)
-    params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    params = weight_map.model_state(model)
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_src = ps.get_tensor_model_parallel_src_rank()
     consumer = is_consumer()
@@ -85,8 +85,8 @@ def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
         if layout.pp > 1:
             src = dist.get_global_rank(pp_group, item.stage)
             if tensors is None:
-                dtype = next(iter(params.values())).dtype
-                tensors = [torch.empty(shapes[n], dtype=dtype) for n in names]
+                some = next(iter(params.values()))  # NCCL receives into device memory
+                tensors = [torch.empty(shapes[n], dtype=some.dtype, device=some.device) for n in names]
             tensors = [t.contiguous() for t in tensors]
             for t in tensors:
                 dist.broadcast(t, src=src, group=pp_group)
@@ -99,7 +99,7 @@ def gather_hf_naive(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
-    state = {k: v.detach() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    state = weight_map.model_state(model)
     group = ps.get_model_parallel_group()
     shards = [None] * dist.get_world_size(group)
     dist.all_gather_object(shards, ((layout.tp_rank, layout.pp_rank), state), group=group)

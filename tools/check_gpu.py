@@ -1,0 +1,412 @@
+"""The GPU path of the Megatron side, checked on one CUDA device against transformers on the same GPU.
+
+CI has no GPU, so this is what a lent GPU machine runs (see docs/architecture.md, "GPU path"): NCCL
+process groups, the model on the device, micro-batches moved to it, log-probs (padded and packed) and
+one AdamW step against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's
+offload/onload, the streaming export against the naive gather, a CUDA-IPC bucket read by another
+process (as vLLM's worker does), and a checkpoint round trip through the HF converter. Needs
+megatron-core, transformers and safetensors (not Ray or vLLM). Prints one line per check and exits 1
+if any failed:
+
+    python tools/check_gpu.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+RESULTS: dict[str, dict] = {}
+
+
+def check(name):
+    def wrap(fn):
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                detail = fn(*args) or {}
+                RESULTS[name] = {"ok": True, **detail}
+            except Exception as e:  # noqa: BLE001 - every check runs and reports
+                RESULTS[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+            RESULTS[name]["seconds"] = round(time.perf_counter() - start, 2)
+            r = RESULTS[name]
+            print(f"{'PASS' if r['ok'] else 'FAIL'} {name} {json.dumps({k: v for k, v in r.items() if k != 'trace'})}",
+                  flush=True)
+            if not r["ok"]:
+                print(r["trace"], flush=True)
+        return run
+    return wrap
+
+
+def _tokens(vocab, shape=(4, 24), seed=0):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_logp(hf, tokens):
+    with torch.no_grad():
+        logits = hf(tokens.cuda()).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens.cuda()[:, 1:, None])[..., 0].cpu()
+
+
+def _megatron_logp(out_BT):
+    return out_BT[:, 1:]  # column 0 has no prediction
+
+
+@check("logprobs_fp32_padded")
+def logprobs_fp32(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    assert next(actor.model.parameters()).is_cuda, "actor weights are not on the GPU"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    tokens = _tokens(ckpt.arch.vocab_size)
+    logp, _ = actor.logprobs(tokens, micro_batch_size=2)
+    diff = (_megatron_logp(logp) - _hf_logp(hf, tokens)).abs().max().item()
+    assert diff < 2e-4, f"max |logp - transformers| = {diff}"
+    return {"max_abs_diff": diff}
+
+
+@check("logprobs_fp32_packed")
+def logprobs_packed(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Actor
+    from megareason.models.schedule import TokenBatch
+    from megareason.models.train import OptimizerSettings
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    lengths = (9, 5, 13)
+    seqs = [_tokens(ckpt.arch.vocab_size, (1, n), seed=10 + i)[0] for i, n in enumerate(lengths)]
+    row = torch.cat([*seqs, torch.zeros(5, dtype=torch.long)])[None]
+    cu = torch.tensor([0, 9, 14, 27], dtype=torch.int32)
+    (logp, _), = actor.logprobs_of([TokenBatch(row, cu)])
+    worst = 0.0
+    for start, seq in zip(cu.tolist(), seqs, strict=False):
+        want = _hf_logp(hf, seq[None])[0]
+        got = logp[0, start + 1 : start + len(seq)]
+        worst = max(worst, (got - want).abs().max().item())
+    assert worst < 2e-4, f"max |packed logp - transformers| = {worst}"
+    return {"max_abs_diff": worst}
+
+
+@check("logprobs_bf16")
+def logprobs_bf16(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings(), params_dtype=torch.bfloat16)
+    assert next(actor.model.parameters()).dtype == torch.bfloat16
+    hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    tokens = _tokens(ckpt.arch.vocab_size)
+    logp, _ = actor.logprobs(tokens, micro_batch_size=4)
+    exact = _hf_logp(hf32, tokens)
+    err = (_megatron_logp(logp) - exact).abs()
+    hf_err = (_hf_logp(hf16, tokens) - exact).abs()
+    # The yardstick is transformers' own bf16 error against float32 on the same weights and GPU.
+    assert err.mean().item() < 1.5 * hf_err.mean().item(), (err.mean().item(), hf_err.mean().item())
+    return {"mean_abs_diff_vs_fp32": err.mean().item(), "transformers_bf16_mean_abs_diff_vs_fp32": hf_err.mean().item()}
+
+
+def _nll(logp_BT, entropy_BT, batch):
+    mask = batch.loss_mask_BT
+    return -(logp_BT * mask).sum(), mask.sum(), {"entropy_sum": (entropy_BT * mask).sum()}
+
+
+@check("train_step_vs_transformers_adamw")
+def train_step(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megareason.models import weight_map
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.packing import pack, plan_micro_batches
+    from megareason.models.schedule import forward_backward
+    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+
+    lr, eps, clip = 1e-2, 1e-3, 0.5
+    ckpt = HFCheckpoint(model_dir)
+    tokens = _tokens(ckpt.arch.vocab_size, (8, 12))
+    mask = torch.zeros(8, 12)
+    for i in range(8):
+        mask[i, 3 + i % 3 : 12 - i % 4] = 1.0
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    logits = hf(tokens.cuda()).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens.cuda()[:, 1:, None])[..., 0]
+    loss = -(logp * mask.cuda()[:, 1:]).sum() / mask.sum()
+    loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), clip).item()
+    torch.optim.AdamW(hf.parameters(), lr=lr, eps=eps, weight_decay=0.0).step()
+
+    model = build_gpt(ckpt.arch)
+    load_hf_weights(model, ckpt)
+    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=lr, eps=eps, clip_grad=clip))
+    micro = [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)]
+    opt.zero_grad()
+    # The same rows packed two to a micro-batch (block-diagonal attention) give the same gradients.
+    plan = plan_micro_batches([tokens.shape[1]] * 8, 2 * tokens.shape[1])
+    packed = [TrainBatch(b.tokens_BT, torch.cat([mask[i] for i in b.index])[None], b.cu_seqlens)
+              for b in pack(list(tokens), plan)]
+    forward_backward(ddp, packed, logprob_head(ckpt.arch.vocab_size), _nll)
+    packed_grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+    sums = forward_backward(ddp, micro, logprob_head(ckpt.arch.vocab_size), _nll)
+    packed_rel = max(((packed_grads[n] - p.main_grad).norm() / p.main_grad.norm().clamp_min(1e-12)).item()
+                     for n, p in ddp.module.named_parameters())
+    assert packed_rel < 1e-4, f"packed vs padded gradients: relative error {packed_rel}"
+    ok, grad_norm, _ = opt.step()
+    assert ok, "optimizer step skipped"
+    params = weight_map.to_hf({(0, 0): weight_map.model_state(ddp.module)}, ckpt.arch, 1, 1)
+    named = dict(hf.named_parameters())
+    worst = max((params[n].cpu() - named[n].detach().cpu()).abs().max().item() for n in params)
+    assert abs(sums["loss_sum"] / sums["count"] - loss.item()) < 1e-4, (sums, loss.item())
+    assert abs(grad_norm - ref_norm) / ref_norm < 1e-3, (grad_norm, ref_norm)
+    assert worst < 1e-4, f"max |param after AdamW - transformers'| = {worst}"
+    return {"loss": loss.item(), "grad_norm": grad_norm, "ref_grad_norm": ref_norm, "max_param_diff": worst,
+            "packed_vs_padded_grad_rel": packed_rel}
+
+
+@check("critic_values_and_update")
+def critic(model_dir):
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Critic
+    from megareason.models.train import OptimizerSettings, TrainBatch
+
+    ckpt = HFCheckpoint(model_dir)
+    c = Critic(ckpt, OptimizerSettings(lr=1e-2))
+    tokens = _tokens(ckpt.arch.vocab_size, (4, 16))
+    target = torch.linspace(-1, 1, 4)[:, None].expand(4, 16)
+
+    def vf(values_BT, batch):
+        err = (values_BT - batch.loss_mask_BT) ** 2
+        return err.sum(), torch.tensor(err.numel(), device=err.device), {}
+
+    losses = []
+    for _ in range(6):
+        r = c.train_step([TrainBatch(tokens, target.contiguous())], vf)
+        losses.append(r.loss)
+    values = c.values(tokens, micro_batch_size=2)
+    assert values.shape == (4, 16) and torch.isfinite(values).all()
+    assert losses[-1] < losses[0], f"value loss did not fall: {losses}"
+    return {"vf_loss": losses}
+
+
+@check("reference_offload_onload")
+def reference(model_dir):
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Reference
+
+    ckpt = HFCheckpoint(model_dir)
+    ref = Reference(ckpt)
+    tokens = _tokens(ckpt.arch.vocab_size)
+    before = ref.logprobs(tokens, micro_batch_size=4)
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    ref.offload()
+    torch.cuda.synchronize()
+    freed = used - torch.cuda.memory_allocated()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in ref.model.parameters())
+    ref.onload()
+    after = ref.logprobs(tokens, micro_batch_size=4)
+    assert torch.equal(before, after)
+    weights = sum(p.numel() * p.element_size() for p in ref.model.parameters())
+    assert freed >= weights, f"offload freed {freed} bytes of {weights}"
+    return {"freed_bytes": freed, "weight_bytes": weights}
+
+
+@check("stream_export_vs_naive_gather")
+def stream(model_dir):
+    from safetensors.torch import load_file
+
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+    from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    streamed = {n: t.clone() for n, t in stream_hf_tensors(actor.model, ckpt.arch)}
+    naive = gather_hf_naive(actor.model, ckpt.arch)
+    original = load_file(str(Path(model_dir) / "model.safetensors"))
+    assert set(streamed) == set(naive) == set(original) - ({"lm_head.weight"} if ckpt.arch.tie_word_embeddings
+                                                           else set())
+    for n, t in streamed.items():
+        assert t.is_cuda, f"{n} left the GPU"
+        assert torch.equal(t, naive[n].to(t.device)), n
+        assert torch.equal(t.cpu(), original[n]), n
+    return {"tensors": len(streamed)}
+
+
+def _read_in_child(transport, specs, queue):
+    from megareason.rollout.buckets import read_bucket
+
+    torch.cuda.set_device(0)
+    names, tensors = read_bucket(transport, specs)
+    queue.put({n: t.double().sum().item() for n, t in zip(names, tensors, strict=True)})
+
+
+@check("cuda_ipc_bucket_across_processes")
+def ipc(model_dir):
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+    from megareason.rollout.buckets import CudaIpcBucket, new_bucket
+    from megareason.rollout.weight_sync import stream_hf_tensors
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    tensors = list(stream_hf_tensors(actor.model, ckpt.arch))
+    ctx = mp.get_context("spawn")
+    checked, buckets = 0, 0
+    with new_bucket(256 * 1024) as bucket:
+        assert isinstance(bucket, CudaIpcBucket)
+
+        def ship():
+            nonlocal checked, buckets
+            q = ctx.Queue()
+            p = ctx.Process(target=_read_in_child, args=(bucket.transport(), list(bucket.specs), q))
+            p.start()
+            sums = q.get(timeout=120)
+            p.join(60)
+            assert p.exitcode == 0
+            want = dict(tensors)
+            for n, s in sums.items():
+                assert abs(s - want[n].double().sum().item()) <= 1e-9 * max(1.0, abs(s)), n
+            checked += len(sums)
+            buckets += 1
+            bucket.clear()
+
+        for name, t in tensors:
+            if not bucket.add(name, t):
+                ship()
+                bucket.add(name, t)
+        if bucket.specs:
+            ship()
+    assert checked == len(tensors)
+    return {"tensors": checked, "buckets": buckets}
+
+
+@check("bucket_fill_bandwidth")
+def bandwidth(_model_dir):
+    """Copying into a CUDA bucket vs a plain device-to-device copy of the same bytes."""
+    from megareason.rollout.buckets import new_bucket
+
+    src = [torch.randn(4096, 4096, device="cuda") for _ in range(8)]  # 512 MiB
+    nbytes = sum(t.numel() * t.element_size() for t in src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+
+    def timed(fn, reps=5):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / reps
+
+    def memcpy():
+        off = 0
+        for t in src:
+            n = t.numel() * 4
+            dst[off : off + n].view(torch.float32).copy_(t.view(-1))
+            off += n
+
+    with new_bucket(nbytes) as bucket:
+        def fill():
+            bucket.clear()
+            for i, t in enumerate(src):
+                bucket.add(f"t{i}", t)
+            bucket.transport()
+        t_bucket, t_copy = timed(fill), timed(memcpy)
+    return {"bytes": nbytes, "bucket_GBps": nbytes / t_bucket / 1e9, "memcpy_GBps": nbytes / t_copy / 1e9,
+            "ratio_to_memcpy": t_copy / t_bucket}
+
+
+@check("checkpoint_roundtrip_and_hf_conversion")
+def checkpoint(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from megareason.models.build import HFCheckpoint, build_gpt
+    from megareason.models.checkpoint import load_checkpoint, save_checkpoint
+    from megareason.models.convert import megatron_to_hf
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    tokens = _tokens(ckpt.arch.vocab_size)
+    want, _ = actor.logprobs(tokens, micro_batch_size=4)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(f"{tmp}/ckpt", actor.model, ckpt.arch, model_dir)
+        fresh = build_gpt(ckpt.arch)
+        load_checkpoint(f"{tmp}/ckpt", fresh)
+        same = all(torch.equal(a, b) for a, b in zip(actor.model.parameters(), fresh.parameters(), strict=True))
+        assert same, "weights differ after save/load"
+        out = megatron_to_hf(f"{tmp}/ckpt", f"{tmp}/hf")
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).cuda().eval()
+        diff = (_megatron_logp(want) - _hf_logp(hf, tokens)).abs().max().item()
+    assert diff < 2e-4, f"converted checkpoint: max |logp diff| = {diff}"
+    return {"max_abs_diff": diff}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("check_gpu.py needs a CUDA device")
+    from megareason.models.build import transformer_engine_available
+    from megareason.models.parallel import init_parallel
+    from megareason.models.tiny import build_tiny_model
+    from megareason.utils import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0")
+    init_parallel(1, 1)
+    import torch.distributed as dist
+
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {dist.get_backend()} "
+          f"transformer_engine {transformer_engine_available()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, tied in (("qwen2", False), ("llama", True)):
+            model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied))
+            for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, critic, reference, stream, ipc,
+                       checkpoint):
+                before = set(RESULTS)
+                fn(model_dir)
+                for k in set(RESULTS) - before:
+                    RESULTS[f"{family}/{k}"] = RESULTS.pop(k)
+        bandwidth(None)
+    if args.out:
+        Path(args.out).write_text(json.dumps(RESULTS, indent=2))
+    failed = [k for k, r in RESULTS.items() if not r["ok"]]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed {failed}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
