@@ -36,9 +36,9 @@ def settings(args) -> list[str]:
             "trainer.loggers=[console]"]
 
 
-def run_megareason(args, out: Path) -> list[float]:
+def run_megareason(args, out: Path, *extra: str) -> list[float]:
     cmd = [sys.executable, "-m", "megareason.cli", "train", "--config-name", CONFIG, *settings(args),
-           f"trainer.output_dir={out}", "trainer.resume_mode=disable"]
+           f"trainer.output_dir={out}", "trainer.resume_mode=disable", *extra]
     subprocess.run(cmd, check=True, cwd=ROOT)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["time/step"] for r in records if "time/step" in r]
@@ -102,12 +102,17 @@ def main() -> int:
     p.add_argument("--group", type=int, default=4, help="samples per prompt (GRPO group size)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--only", choices=["megareason", "trl"], help="run one side (for debugging)")
+    p.add_argument("--unshared", action="store_true",
+                   help="also run megareason without prompt-prefix sharing (trainer.share_prompt_prefix=false)")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results = {}
     if args.only != "trl":
         with tempfile.TemporaryDirectory(prefix="bench-megareason-") as out:
             results["megareason"] = run_megareason(args, Path(out))
+        if args.unshared:
+            with tempfile.TemporaryDirectory(prefix="bench-megareason-") as out:
+                results["unshared"] = run_megareason(args, Path(out), "trainer.share_prompt_prefix=false")
     if args.only != "megareason":
         results["trl"] = run_trl(args)
     print(f"\nGRPO, SmolLM2-135M-Instruct fp32, {args.prompts} prompts x {args.group} samples, "
@@ -118,8 +123,10 @@ def main() -> int:
         medians[name] = statistics.median(steady)
         print(f"{name:>10}: seconds per step {', '.join(f'{t:.1f}' for t in times)}  "
               f"(median after warm-up {medians[name]:.1f})")
-    if len(medians) == 2:
+    if "trl" in medians and "megareason" in medians:
         print(f"speed-up (TRL time per step / megareason time per step): {medians['trl'] / medians['megareason']:.2f}x")
+    if "unshared" in medians and "megareason" in medians:
+        print(f"prompt-prefix sharing: {medians['unshared'] / medians['megareason']:.2f}x per step")
     return 0
 
 

@@ -221,6 +221,9 @@ class TrainerConfig:
     prompts_per_step: int = 8
     # Dynamic micro-batching: sequences are packed into micro-batches of at most this many tokens.
     micro_batch_tokens: int = 4096
+    # Compute each prompt once for all its samples (an attention mask lets every response read it); the
+    # same outputs and gradients, fewer tokens. Needs megatron-core's local layers: off under TransformerEngine.
+    share_prompt_prefix: bool = True
     seed: int = 0
     # The run folder: metrics.jsonl, tensorboard events, rollouts/, checkpoints/, plots/.
     output_dir: str = "outputs/train"

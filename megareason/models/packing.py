@@ -5,6 +5,14 @@ decreasing), ``pack`` lays each micro-batch out as one packed row (``schedule.To
 ``cu_seqlens``) padded to a common width, since a pipeline schedule sends fixed-size activations, and
 ``unpack_rows`` turns a packed [1, T] output back into one padded row per sequence, so per-sequence
 losses (``algorithms.aggregate`` seq-mean modes) see one row per sequence.
+
+Prefix sharing (``plan_shared`` + ``pack_shared``): the samples of one GRPO group start with the same
+prompt. The model then runs on a shorter *physical* row where each prompt appears once, followed by its
+responses, each attending to that prompt and to itself (``SharedPrefixes.attention_mask``, positions
+continuing after the prompt); its outputs are gathered back into the usual packed (*virtual*) row, so
+heads, losses and unpacking see exactly what they would without sharing. A causal model's outputs at a
+response token depend only on the prompt and the response so far, so this is exact, gradients included
+(the shared prompt's activations sum the gradients of every response that reads them).
 """
 
 from __future__ import annotations
@@ -15,6 +23,25 @@ from dataclasses import dataclass
 import torch
 
 from megareason.models.schedule import TokenBatch
+
+
+@dataclass
+class SharedPrefixes:
+    """The physical row of a prefix-shared micro-batch (see the module docstring)."""
+
+    tokens_1P: torch.Tensor  # int64 [1, P]: each unit's prompt once, then its responses, then padding
+    positions_1P: torch.Tensor  # int64 [1, P]: a response's positions continue after its prompt
+    segment_P: torch.Tensor  # int64 [P]: one id per prompt, per response and per padding token
+    reads_P: torch.Tensor  # int64 [P]: the segment a token may read besides its own (its prompt's)
+    gather_W: torch.Tensor  # int64 [W]: the physical position behind each virtual position
+
+    def attention_mask(self) -> torch.Tensor:
+        """[1, 1, P, P], True = not attended: causal, within the own segment or the prompt read."""
+        seg, reads = self.segment_P, self.reads_P
+        p = seg.shape[0]
+        causal = torch.ones(p, p, dtype=torch.bool, device=seg.device).tril()
+        visible = (seg[None, :] == seg[:, None]) | (seg[None, :] == reads[:, None])
+        return ~(causal & visible)[None, None]
 
 
 @dataclass
@@ -65,6 +92,73 @@ def pack(seqs: Sequence[torch.Tensor], plan: list[list[int]], pad_id: int = 0,
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         out.append(PackedMicroBatch(tokens_BT=row, cu_seqlens=cu, index=list(b)))
     return out
+
+
+def plan_shared(lengths: Sequence[int], units: Sequence[Sequence[int]], max_tokens: int) -> list[list[list[int]]]:
+    """Micro-batches of units (lists of sequence indices that share a prefix), at most ``max_tokens``
+    unshared tokens each, so the virtual row is as wide as without sharing. First-fit decreasing over
+    units; a unit too large for one micro-batch is cut, in order, into parts that fit."""
+    plan_micro_batches(lengths, max_tokens)  # the same error for a sequence that fits nowhere
+    parts: list[list[int]] = []
+    for unit in units:
+        part, size = [], 0
+        for i in unit:
+            if part and size + lengths[i] > max_tokens:
+                parts.append(part)
+                part, size = [], 0
+            part.append(i)
+            size += lengths[i]
+        parts.append(part)
+    sizes = [sum(lengths[i] for i in part) for part in parts]
+    bins: list[list[list[int]]] = []
+    room: list[int] = []
+    for k in sorted(range(len(parts)), key=lambda k: (-sizes[k], parts[k][0])):
+        for b, free in enumerate(room):
+            if sizes[k] <= free:
+                bins[b].append(parts[k])
+                room[b] -= sizes[k]
+                break
+        else:
+            bins.append([parts[k]])
+            room.append(max_tokens - sizes[k])
+    return [sorted(b) for b in bins]
+
+
+def pack_shared(seqs: Sequence[torch.Tensor], prefix_lens: Sequence[int], plan: list[list[list[int]]],
+                pad_id: int = 0) -> list[PackedMicroBatch]:
+    """Like ``pack`` (the virtual rows, sequences in unit order) plus each micro-batch's physical row.
+    Every sequence of a unit must start with the same ``prefix_lens[i]`` tokens (checked)."""
+    flat = [[i for unit in b for i in unit] for b in plan]
+    virtual = pack(seqs, flat, pad_id)
+    physical = [sum(prefix_lens[u[0]] + sum(len(seqs[i]) - prefix_lens[i] for i in u) for u in b) for b in plan]
+    width = max(physical)
+    for mb, b, total in zip(virtual, plan, physical, strict=True):
+        tokens = torch.full((width,), pad_id, dtype=torch.long)
+        positions = torch.zeros(width, dtype=torch.long)
+        segment = torch.zeros(width, dtype=torch.long)
+        reads = torch.zeros(width, dtype=torch.long)
+        gather = torch.full((mb.tokens_BT.shape[1],), width - 1, dtype=torch.long)
+        at, seg, virtual_at = 0, 0, 0
+        for unit in b:
+            p = prefix_lens[unit[0]]
+            prefix = seqs[unit[0]][:p]
+            if any(prefix_lens[i] != p or not torch.equal(seqs[i][:p], prefix) for i in unit):
+                raise ValueError(f"sequences {unit} do not share a prefix of {p} tokens")
+            tokens[at : at + p], positions[at : at + p] = prefix, torch.arange(p)
+            segment[at : at + p], reads[at : at + p] = seg, seg
+            prompt_at, prompt_seg = at, seg
+            at, seg = at + p, seg + 1
+            for i in unit:
+                r = len(seqs[i]) - p
+                tokens[at : at + r], positions[at : at + r] = seqs[i][p:], torch.arange(p, p + r)
+                segment[at : at + r], reads[at : at + r] = seg, prompt_seg
+                gather[virtual_at : virtual_at + p] = torch.arange(prompt_at, prompt_at + p)
+                gather[virtual_at + p : virtual_at + p + r] = torch.arange(at, at + r)
+                at, seg, virtual_at = at + r, seg + 1, virtual_at + p + r
+        pad = torch.arange(width - total)
+        segment[total:], reads[total:] = seg + pad, seg + pad  # padding reads nothing else
+        mb.shared = SharedPrefixes(tokens[None], positions[None], segment, reads, gather)
+    return virtual
 
 
 def unpack_rows(x_1T: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ returns (loss_sum, count, metrics), and megatron-core divides the gradients by t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class TokenBatch:
 
     tokens_BT: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
+    shared: Any = None  # packing.SharedPrefixes: run on the prefix-shared physical row instead
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +64,8 @@ def to_device(batch, where: torch.device):
             return v.to(where, non_blocking=True)
         if isinstance(v, dict):
             return {k: move(x) for k, x in v.items()}
+        if dataclasses.is_dataclass(v):
+            return to_device(v, where)
         return v
 
     return dataclasses.replace(batch, **{f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)})
@@ -75,7 +79,50 @@ def _uses_thd(model) -> bool:
     return uses_transformer_engine(model)
 
 
+@contextlib.contextmanager
+def _rope_at(model, positions_P: torch.Tensor):
+    """megatron-core's RoPE rotates token i of a row by position i (``position_ids`` only feed learned
+    absolute embeddings); a prefix-shared row needs each token's own position."""
+    while hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
+    rope = model.rotary_pos_emb
+    table = rope.forward
+
+    def at_positions(max_seq_len, *args, **kwargs):
+        return table(int(positions_P.max()) + 1, *args, **kwargs).index_select(0, positions_P)
+
+    rope.forward = at_positions
+    try:
+        yield
+    finally:
+        del rope.forward  # the class's method again
+
+
+def _run_shared(batch, model):
+    """Run on the physical row; the last stage gathers its output back to the virtual positions."""
+    from megatron.core import parallel_state as ps
+
+    if _uses_thd(model):
+        raise NotImplementedError("prefix sharing needs an explicit attention mask (megatron-core's local "
+                                  "layers); set trainer.share_prompt_prefix=false with TransformerEngine")
+    s = batch.shared
+    with _rope_at(model, s.positions_1P[0]):
+        out = model(s.tokens_1P, s.positions_1P, attention_mask=s.attention_mask())
+    return out.index_select(1, s.gather_W) if ps.is_pipeline_last_stage() else out
+
+
+def _physical_width(micro_batches: Sequence[Any]) -> int:
+    """The sequence length the pipeline sends: the physical rows' when prefixes are shared."""
+    widths = {(m.shared.tokens_1P if getattr(m, "shared", None) is not None else m.tokens_BT).shape[1]
+              for m in micro_batches}
+    if len(widths) != 1:
+        raise ValueError(f"micro-batches of one call must have one width, got {sorted(widths)}")
+    return widths.pop()
+
+
 def _run(batch, model):
+    if getattr(batch, "shared", None) is not None:
+        return _run_shared(batch, model)
     tokens = batch.tokens_BT
     if batch.cu_seqlens is None:
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
@@ -135,7 +182,8 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
     model.eval()
     store = get_forward_backward_func()(
         forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro_batches), model=[model],
-        num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=True,
+        num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches), micro_batch_size=b,
+        forward_only=True,
     )
     model.train(was_training)
     out = torch.zeros(len(micro_batches), num_outputs, b, t, dtype=torch.float32, device=device())
@@ -172,12 +220,12 @@ def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_f
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    b, t = micro_batches[0].tokens_BT.shape
+    b = micro_batches[0].tokens_BT.shape[0]
     ddp_model.zero_grad_buffer()
     store = get_forward_backward_func()(
         forward_step_func=partial(_train_step, head, loss_fn), data_iterator=iter(micro_batches),
-        model=[ddp_model], num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b,
-        forward_only=False,
+        model=[ddp_model], num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches),
+        micro_batch_size=b, forward_only=False,
     )
     keys = sorted(store[0]) if store else []
     if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds the metrics

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from megareason.data.records import TokenizedPrompt
-from megareason.models.packing import PackedMicroBatch, pack, plan_micro_batches
+from megareason.models.packing import PackedMicroBatch, pack, pack_shared, plan_micro_batches, plan_shared
 from megareason.rollout.engine import Completion
 
 
@@ -76,21 +76,33 @@ class MicroBatch(PackedMicroBatch):
     fields: dict[str, torch.Tensor] | None = None
 
 
-def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = ()) -> list[MicroBatch]:
+def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = (),
+                    share_prefix: bool = False) -> list[MicroBatch]:
     """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
-    width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``."""
+    width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``.
+
+    ``share_prefix``: rows with the same prompt (a GRPO group) go into one micro-batch where the model
+    reads their prompt once (``models.packing.pack_shared``); the outputs are the same."""
     lengths = exp.lengths_B.tolist()
     seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
-    plan = plan_micro_batches(lengths, micro_batch_tokens)
+    if share_prefix:
+        prompt_lens = (exp.lengths_B - exp.mask_BT.sum(1).long()).tolist()
+        units: dict[tuple, list[int]] = {}
+        for b, p in enumerate(prompt_lens):
+            units.setdefault((p, *seqs[b][:p].tolist()), []).append(b)
+        batches = pack_shared(seqs, prompt_lens, plan_shared(lengths, list(units.values()), micro_batch_tokens))
+    else:
+        batches = pack(seqs, plan_micro_batches(lengths, micro_batch_tokens))
     out = []
-    for mb in pack(seqs, plan):
+    for mb in batches:
         packed = {}
         for name in names:
             x_BT = getattr(exp, name)
             row = x_BT.new_zeros(1, mb.tokens_BT.shape[1])
             row[0, : int(mb.cu_seqlens[-1])] = torch.cat([x_BT[b, :lengths[b]] for b in mb.index])
             packed[name] = row
-        out.append(MicroBatch(tokens_BT=mb.tokens_BT, cu_seqlens=mb.cu_seqlens, index=mb.index, fields=packed))
+        out.append(MicroBatch(tokens_BT=mb.tokens_BT, cu_seqlens=mb.cu_seqlens, shared=mb.shared, index=mb.index,
+                              fields=packed))
     return out
 
 

@@ -67,10 +67,15 @@ class _Worker:
     def _share(self, exp: Experience) -> Experience:
         return exp.select(share(len(exp), self.layout.dp, self.layout.dp_rank))
 
+    def _share_prefix(self, model) -> bool:
+        from megareason.models.build import uses_transformer_engine
+
+        return self.cfg.trainer.share_prompt_prefix and not uses_transformer_engine(model)
+
     def _outputs(self, model, head, num: int, exp: Experience) -> list[torch.Tensor]:
         """``head``'s outputs over this replica's share, as [B_share, T] rows."""
         mine = self._share(exp)
-        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens)
+        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens, share_prefix=self._share_prefix(model))
         outs = forward_outputs(model, micro, head, num)
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
@@ -79,7 +84,8 @@ class _Worker:
     def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float) -> dict[str, float]:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
-        micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names)
+        micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names,
+                                share_prefix=self._share_prefix(role.model))
         result = role.train_step(micro, loss_fn)
         return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
 

@@ -1,0 +1,119 @@
+"""Prefix sharing: a GRPO group's prompt computed once. The layout by hand, then the model's outputs and
+gradients with and without sharing (TP x PP in {1x1, 2x2} on 4 gloo processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+
+from megareason.models.packing import pack_shared, plan_shared
+from megareason.trainer.experience import Experience, pack_experience
+
+
+def _t(*xs):
+    return torch.tensor(xs, dtype=torch.long)
+
+
+def test_physical_row_positions_gather_and_mask_by_hand():
+    # Unit 1: prompt [1 2 3] with responses [4 5] and [6]; unit 2: prompt [7 8] with response [9 9 9].
+    seqs = [_t(1, 2, 3, 4, 5), _t(1, 2, 3, 6), _t(7, 8, 9, 9, 9)]
+    (mb,) = pack_shared(seqs, [3, 3, 2], [[[0, 1], [2]]])
+    s = mb.shared
+    assert mb.tokens_BT.tolist() == [[1, 2, 3, 4, 5, 1, 2, 3, 6, 7, 8, 9, 9, 9]]  # the usual packed row
+    assert mb.cu_seqlens.tolist() == [0, 5, 9, 14] and mb.index == [0, 1, 2]
+    assert s.tokens_1P.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9]]
+    assert s.positions_1P.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 3, 4]]
+    assert s.gather_W.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10]
+    allowed = ~s.attention_mask()[0, 0]
+    assert allowed[5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # "6" reads its prompt and itself
+    assert allowed[4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert allowed[8].nonzero().flatten().tolist() == [6, 7, 8]  # nothing of unit 1
+    assert allowed[2].nonzero().flatten().tolist() == [0, 1, 2]
+
+
+def test_padding_reads_nothing_and_rows_share_one_width():
+    seqs = [_t(1, 2, 3), _t(1, 2, 4), _t(5, 6, 7, 8, 9, 10)]
+    mbs = pack_shared(seqs, [2, 2, 1], [[[0, 1]], [[2]]])
+    assert [m.shared.tokens_1P.shape[1] for m in mbs] == [6, 6]  # 2 + 1 + 1 padded to 6
+    allowed = ~mbs[0].shared.attention_mask()[0, 0]
+    assert allowed[4].nonzero().flatten().tolist() == [4] and allowed[5].nonzero().flatten().tolist() == [5]
+    with pytest.raises(ValueError, match="do not share a prefix"):
+        pack_shared([_t(1, 2, 3), _t(1, 9, 3)], [2, 2], [[[0, 1]]])
+
+
+def test_plan_keeps_units_together_and_cuts_those_over_budget():
+    lengths = [5, 5, 5, 5, 3, 3]
+    plan = plan_shared(lengths, [[0, 1, 2, 3], [4, 5]], max_tokens=12)
+    # unit 1 (20 tokens) is cut into [0, 1] and [2, 3] (10 each); unit 2 (6) goes where it fits first
+    assert plan == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    plan = plan_shared(lengths, [[0, 1], [2, 3], [4, 5]], max_tokens=16)
+    assert sorted(sorted(i for u in b for i in u) for b in plan) == [[0, 1, 4, 5], [2, 3]]
+    with pytest.raises(ValueError, match="more than the micro-batch budget"):
+        plan_shared([20], [[0]], max_tokens=12)
+
+
+def _experience(vocab: int) -> Experience:
+    """Two prompts (7 and 4 tokens) with three samples each, responses of varying length."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, vocab, (7,), generator=g), torch.randint(1, vocab, (4,), generator=g)]
+    rows = [(p, torch.randint(1, vocab, (n,), generator=g)) for p in prompts for n in (5, 2, 8)]
+    width = max(len(p) + len(r) for p, r in rows)
+    tokens, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width)
+    for b, (p, r) in enumerate(rows):
+        tokens[b, : len(p) + len(r)] = torch.cat([p, r])
+        mask[b, len(p) : len(p) + len(r)] = 1.0
+    lengths = torch.tensor([len(p) + len(r) for p, r in rows])
+    return Experience(tokens_BT=tokens, lengths_B=lengths, mask_BT=mask, rollout_logp_BT=torch.zeros(len(rows), width))
+
+
+def _nll(logp_1W, entropy_1W, batch):
+    mask = batch.fields["mask_BT"]
+    return -(logp_1W * mask).sum(), mask.sum(), {"entropy_sum": (entropy_1W * mask).sum()}
+
+
+def _worker(model_dir: str, exp: Experience):
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.parallel import init_parallel
+    from megareason.models.schedule import forward_backward, forward_outputs
+    from megareason.models.train import OptimizerSettings, wrap_for_training
+    from megareason.trainer.experience import unpack_to_rows
+
+    out = {}
+    for tp, pp in [(1, 1), (2, 2)]:
+        init_parallel(tp, pp)
+        ckpt = HFCheckpoint(model_dir)
+        model = build_gpt(ckpt.arch)
+        load_hf_weights(model, ckpt)
+        ddp, _ = wrap_for_training(model, OptimizerSettings())
+        head = logprob_head(ckpt.arch.vocab_size)
+        for share in (False, True):
+            micro = pack_experience(exp, 24, ["mask_BT"], share_prefix=share)
+            outs = forward_outputs(model, micro, head, 2)
+            width = exp.tokens_BT.shape[1]
+            logp = unpack_to_rows([o[0] for o in outs], micro, exp.lengths_B, width)
+            sums = forward_backward(ddp, micro, head, _nll)
+            grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+            tokens = sum(m.shared.tokens_1P.numel() if share else m.tokens_BT.numel() for m in micro)
+            out[(tp, pp, share)] = dict(logp=logp, sums=sums, grads=grads, tokens=tokens, n=len(micro))
+    return out
+
+
+@pytest.mark.slow
+def test_shared_prefix_outputs_and_gradients_equal_unshared(tiny_qwen2):
+    from megareason.models.arch import ModelArch
+
+    exp = _experience(ModelArch.from_pretrained(tiny_qwen2).vocab_size)
+    for results in run_workers(4, _worker, str(tiny_qwen2), exp):
+        for layout in [(1, 1), (2, 2)]:
+            plain, shared = results[layout + (False,)], results[layout + (True,)]
+            assert shared["tokens"] < plain["tokens"]  # the model ran on fewer positions
+            m = exp.mask_BT.bool()
+            assert (plain["logp"][m] - shared["logp"][m]).abs().max().item() < 1e-5
+            dp = 4 // (layout[0] * layout[1])  # every DP rank passed the whole batch; the sums add over DP
+            assert plain["sums"]["count"] == shared["sums"]["count"] == dp * exp.mask_BT.sum().item()
+            assert abs(plain["sums"]["loss_sum"] / shared["sums"]["loss_sum"] - 1) < 1e-5
+            for name, g in plain["grads"].items():
+                rel = ((shared["grads"][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+                assert rel < 1e-5, f"{layout} {name}: {rel}"
