@@ -15,9 +15,17 @@ shape or a missing tensor fails loudly with the name (and both shapes), never lo
 
 from __future__ import annotations
 
+import re
 import time
 
 from megareason.rollout.buckets import Spec, Transport, read_bucket
+
+
+def _unit(name: str) -> str:
+    """The group of tensors vLLM processes together, coarsened to what the names show: a transformer
+    layer (all of its modules), else the tensor itself (embeddings, final norm, LM head)."""
+    m = re.match(r"(model\.layers\.\d+)\.", name)
+    return m.group(1) if m else name
 
 
 def _retie_embeddings(model, hf_config) -> None:
@@ -53,6 +61,9 @@ class WeightUpdateExtension:
         start = time.perf_counter()
         self._mr_expected = self._expected_shapes()
         self._mr_received: set[str] = set()
+        self._mr_pending: dict[str, set[str]] = {}  # unit -> its names not received yet
+        for name in self._mr_expected:
+            self._mr_pending.setdefault(_unit(name), set()).add(name)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.get_model())
         return time.perf_counter() - start
@@ -63,10 +74,7 @@ class WeightUpdateExtension:
         from vllm.config import set_current_vllm_config
 
         names, views = read_bucket(transport, specs)
-        # Copies, not views: vLLM's layerwise loader may hold a tensor until its layer is complete (or
-        # until the reload closes), and the trainer refills the bucket with the next one.
-        tensors = [v.clone() for v in views]
-        for name, t in zip(names, tensors, strict=True):
+        for name, t in zip(names, views, strict=True):
             want = self._mr_expected.get(name)
             if want is None:
                 raise ValueError(f"weight sync: unknown tensor '{name}' (not a weight of the served model)")
@@ -76,6 +84,12 @@ class WeightUpdateExtension:
             if name in self._mr_received:
                 raise ValueError(f"weight sync: tensor '{name}' sent twice")
             self._mr_received.add(name)
+            self._mr_pending[_unit(name)].discard(name)
+        # vLLM's layerwise loader holds a tensor until its layer is complete; the trainer refills the
+        # bucket next. A layer completed by this bucket is processed (copied into vLLM's own storage)
+        # inside load_weights, so its tensors load straight from the bucket; only those of a layer
+        # that continues in the next bucket are copied out first.
+        tensors = [v.clone() if self._mr_pending[_unit(n)] else v for n, v in zip(names, views, strict=True)]
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.get_model().load_weights(zip(names, tensors, strict=True))
