@@ -72,6 +72,10 @@ def _nll(logp_1W, entropy_1W, batch):
     return -(logp_1W * mask).sum(), mask.sum(), {"entropy_sum": (entropy_1W * mask).sum()}
 
 
+# (share the prompt, LM head on response-scoring positions only)
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+
+
 def _worker(model_dir: str, exp: Experience):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
@@ -88,32 +92,36 @@ def _worker(model_dir: str, exp: Experience):
         load_hf_weights(model, ckpt)
         ddp, _ = wrap_for_training(model, OptimizerSettings())
         head = logprob_head(ckpt.arch.vocab_size)
-        for share in (False, True):
-            micro = pack_experience(exp, 24, ["mask_BT"], share_prefix=share)
+        for share, responses_only in VARIANTS:
+            micro = pack_experience(exp, 24, ["mask_BT"], share_prefix=share, responses_only=responses_only)
             outs = forward_outputs(model, micro, head, 2)
             width = exp.tokens_BT.shape[1]
             logp = unpack_to_rows([o[0] for o in outs], micro, exp.lengths_B, width)
             sums = forward_backward(ddp, micro, head, _nll)
             grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
             tokens = sum(m.shared.tokens_1P.numel() if share else m.tokens_BT.numel() for m in micro)
-            out[(tp, pp, share)] = dict(logp=logp, sums=sums, grads=grads, tokens=tokens, n=len(micro))
+            out[(tp, pp, share, responses_only)] = dict(logp=logp, sums=sums, grads=grads, tokens=tokens)
     return out
 
 
 @pytest.mark.slow
-def test_shared_prefix_outputs_and_gradients_equal_unshared(tiny_qwen2):
+def test_shared_prefix_and_response_only_head_give_the_same_outputs_and_gradients(tiny_qwen2):
     from megareason.models.arch import ModelArch
 
     exp = _experience(ModelArch.from_pretrained(tiny_qwen2).vocab_size)
+    m = exp.mask_BT.bool()
     for results in run_workers(4, _worker, str(tiny_qwen2), exp):
         for layout in [(1, 1), (2, 2)]:
-            plain, shared = results[layout + (False,)], results[layout + (True,)]
-            assert shared["tokens"] < plain["tokens"]  # the model ran on fewer positions
-            m = exp.mask_BT.bool()
-            assert (plain["logp"][m] - shared["logp"][m]).abs().max().item() < 1e-5
-            dp = 4 // (layout[0] * layout[1])  # every DP rank passed the whole batch; the sums add over DP
-            assert plain["sums"]["count"] == shared["sums"]["count"] == dp * exp.mask_BT.sum().item()
-            assert abs(plain["sums"]["loss_sum"] / shared["sums"]["loss_sum"] - 1) < 1e-5
-            for name, g in plain["grads"].items():
-                rel = ((shared["grads"][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
-                assert rel < 1e-5, f"{layout} {name}: {rel}"
+            plain = results[layout + (False, False)]
+            assert results[layout + (True, False)]["tokens"] < plain["tokens"]  # the model ran on fewer positions
+            for variant in VARIANTS[1:]:
+                other = results[layout + variant]
+                assert (plain["logp"][m] - other["logp"][m]).abs().max().item() < 1e-5, variant
+                if variant[1]:  # only response tokens are scored
+                    assert other["logp"][~m].abs().max().item() == 0 and plain["logp"][~m].abs().max().item() > 0
+                dp = 4 // (layout[0] * layout[1])  # every DP rank passed the whole batch; the sums add over DP
+                assert plain["sums"]["count"] == other["sums"]["count"] == dp * exp.mask_BT.sum().item()
+                assert abs(plain["sums"]["loss_sum"] / other["sums"]["loss_sum"] - 1) < 1e-5
+                for name, g in plain["grads"].items():
+                    rel = ((other["grads"][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+                    assert rel < 1e-5, f"{layout} {variant} {name}: {rel}"

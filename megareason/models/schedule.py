@@ -37,6 +37,9 @@ class TokenBatch:
     tokens_BT: torch.Tensor
     cu_seqlens: torch.Tensor | None = None
     shared: Any = None  # packing.SharedPrefixes: run on the prefix-shared physical row instead
+    # Positions whose output is needed (each scores the token after it); None: all. The LM head then
+    # runs on these rows only and the head receives [B, len(keep_W), V] (see logprobs.logprob_head).
+    keep_W: torch.Tensor | None = None
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +101,28 @@ def _rope_at(model, positions_P: torch.Tensor):
         del rope.forward  # the class's method again
 
 
+@contextlib.contextmanager
+def _output_rows(model, rows: torch.Tensor | None):
+    """Run the last stage's output layer (the LM head) on sequence positions ``rows`` only: over a
+    49k vocabulary it is a fifth of a small model's FLOPs, and prompt positions are never scored."""
+    while hasattr(model, "module"):
+        model = model.module
+    layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+    if rows is None or layer is None:
+        yield
+        return
+    head = layer.forward
+
+    def selected(hidden_states, *args, **kwargs):  # hidden [S, B, H]
+        return head(hidden_states.index_select(0, rows), *args, **kwargs)
+
+    layer.forward = selected
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
 def _run_shared(batch, model):
     """Run on the physical row; the last stage gathers its output back to the virtual positions."""
     from megatron.core import parallel_state as ps
@@ -105,10 +130,13 @@ def _run_shared(batch, model):
     if _uses_thd(model):
         raise NotImplementedError("prefix sharing needs an explicit attention mask (megatron-core's local "
                                   "layers); set trainer.share_prompt_prefix=false with TransformerEngine")
-    s = batch.shared
-    with _rope_at(model, s.positions_1P[0]):
+    s, keep = batch.shared, batch.keep_W
+    rows = None if keep is None else s.gather_W.index_select(0, keep)
+    with _rope_at(model, s.positions_1P[0]), _output_rows(model, rows):
         out = model(s.tokens_1P, s.positions_1P, attention_mask=s.attention_mask())
-    return out.index_select(1, s.gather_W) if ps.is_pipeline_last_stage() else out
+    if keep is not None or not ps.is_pipeline_last_stage():
+        return out  # already at the kept positions, in their order (or hidden states for the next stage)
+    return out.index_select(1, s.gather_W)
 
 
 def _physical_width(micro_batches: Sequence[Any]) -> int:
@@ -123,6 +151,11 @@ def _physical_width(micro_batches: Sequence[Any]) -> int:
 def _run(batch, model):
     if getattr(batch, "shared", None) is not None:
         return _run_shared(batch, model)
+    with _output_rows(model, getattr(batch, "keep_W", None)):
+        return _run_plain(batch, model)
+
+
+def _run_plain(batch, model):
     tokens = batch.tokens_BT
     if batch.cu_seqlens is None:
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)

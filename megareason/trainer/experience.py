@@ -77,16 +77,18 @@ class MicroBatch(PackedMicroBatch):
 
 
 def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = (),
-                    share_prefix: bool = False) -> list[MicroBatch]:
+                    share_prefix: bool = False, responses_only: bool = False) -> list[MicroBatch]:
     """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
     width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``.
 
     ``share_prefix``: rows with the same prompt (a GRPO group) go into one micro-batch where the model
-    reads their prompt once (``models.packing.pack_shared``); the outputs are the same."""
+    reads their prompt once (``models.packing.pack_shared``); the outputs are the same.
+    ``responses_only``: outputs only where they score a response token (``keep_W``; 0 elsewhere), so
+    the LM head skips the prompts."""
     lengths = exp.lengths_B.tolist()
     seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
+    prompt_lens = (exp.lengths_B - exp.mask_BT.sum(1).long()).tolist()
     if share_prefix:
-        prompt_lens = (exp.lengths_B - exp.mask_BT.sum(1).long()).tolist()
         units: dict[tuple, list[int]] = {}
         for b, p in enumerate(prompt_lens):
             units.setdefault((p, *seqs[b][:p].tolist()), []).append(b)
@@ -101,8 +103,14 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
             row = x_BT.new_zeros(1, mb.tokens_BT.shape[1])
             row[0, : int(mb.cu_seqlens[-1])] = torch.cat([x_BT[b, :lengths[b]] for b in mb.index])
             packed[name] = row
-        out.append(MicroBatch(tokens_BT=mb.tokens_BT, cu_seqlens=mb.cu_seqlens, shared=mb.shared, index=mb.index,
-                              fields=packed))
+        keep = None
+        if responses_only:  # position t scores token t + 1: from the prompt's last token to the one before the end
+            starts = mb.cu_seqlens.tolist()
+            keep = torch.cat([torch.arange(a + max(prompt_lens[b], 1) - 1, a + lengths[b] - 1)
+                              for a, b in zip(starts[:-1], mb.index, strict=True)])
+            keep = keep if len(keep) else torch.zeros(1, dtype=torch.long)  # nothing to score: any one row
+        out.append(MicroBatch(tokens_BT=mb.tokens_BT, cu_seqlens=mb.cu_seqlens, shared=mb.shared, keep_W=keep,
+                              index=mb.index, fields=packed))
     return out
 
 

@@ -72,20 +72,22 @@ class _Worker:
 
         return self.cfg.trainer.share_prompt_prefix and not uses_transformer_engine(model)
 
-    def _outputs(self, model, head, num: int, exp: Experience) -> list[torch.Tensor]:
+    def _outputs(self, model, head, num: int, exp: Experience, responses_only: bool = False) -> list[torch.Tensor]:
         """``head``'s outputs over this replica's share, as [B_share, T] rows."""
         mine = self._share(exp)
-        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens, share_prefix=self._share_prefix(model))
+        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens, share_prefix=self._share_prefix(model),
+                                responses_only=responses_only)
         outs = forward_outputs(model, micro, head, num)
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
         return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
 
-    def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float) -> dict[str, float]:
+    def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float,
+               responses_only: bool = False) -> dict[str, float]:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
         micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names,
-                                share_prefix=self._share_prefix(role.model))
+                                share_prefix=self._share_prefix(role.model), responses_only=responses_only)
         result = role.train_step(micro, loss_fn)
         return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
 
@@ -131,14 +133,14 @@ class PolicyWorker(_Worker):
 
     def logprobs(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """(old_logp, entropy) [B_share, T] under the actor's current weights."""
-        logp, entropy = self._outputs(self.actor.model, self.actor.head, 2, exp)
+        logp, entropy = self._outputs(self.actor.model, self.actor.head, 2, exp, responses_only=True)
         return logp, entropy
 
     def ref_logprobs(self, exp: Experience) -> torch.Tensor:
         ref = self.reference
         if torch.cuda.is_available():
             ref.onload()
-        (logp, _) = self._outputs(ref.model, ref.head, 2, exp)
+        (logp, _) = self._outputs(ref.model, ref.head, 2, exp, responses_only=True)
         if torch.cuda.is_available():
             ref.offload()
         return logp
@@ -150,7 +152,7 @@ class PolicyWorker(_Worker):
         names = ["mask_BT", "adv_BT"] + [n for n in ("old_logp_BT", "ref_logp_BT") if getattr(exp, n) is not None]
         if exp.old_logp_BT is None:
             names.append("rollout_logp_BT")
-        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr)
+        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr, responses_only=True)
 
     def sync_weights(self) -> dict[str, float] | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
