@@ -186,6 +186,51 @@ def train_step(model_dir):
             "packed_vs_padded_grad_rel": packed_rel}
 
 
+@check("prefix_sharing_and_response_only_head")
+def sharing(model_dir):
+    """The trainer's packing (prompt shared by its group, LM head on response positions only) gives the
+    outputs and gradients of plain packing, on the GPU too."""
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.schedule import forward_backward, forward_outputs
+    from megareason.models.train import OptimizerSettings, wrap_for_training
+    from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
+
+    ckpt = HFCheckpoint(model_dir)
+    g = torch.Generator().manual_seed(3)
+    vocab = ckpt.arch.vocab_size
+    prompts = [torch.randint(1, vocab, (n,), generator=g) for n in (9, 5)]
+    rows = [(p, torch.randint(1, vocab, (n,), generator=g)) for p in prompts for n in (6, 3, 11, 1)]
+    width = max(len(p) + len(r) for p, r in rows)
+    tokens, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width)
+    for b, (p, r) in enumerate(rows):
+        tokens[b, : len(p) + len(r)] = torch.cat([p, r])
+        mask[b, len(p) : len(p) + len(r)] = 1.0
+    exp = Experience(tokens_BT=tokens, lengths_B=torch.tensor([len(p) + len(r) for p, r in rows]), mask_BT=mask,
+                     rollout_logp_BT=torch.zeros_like(mask))
+    model = build_gpt(ckpt.arch)
+    load_hf_weights(model, ckpt)
+    ddp, _ = wrap_for_training(model, OptimizerSettings())
+    head = logprob_head(vocab)
+    results = {}
+    for variant in ((False, False), (True, True)):
+        micro = pack_experience(exp, 32, ["mask_BT"], share_prefix=variant[0], responses_only=variant[1])
+        logp = unpack_to_rows([o[0] for o in forward_outputs(model, micro, head, 2)], micro, exp.lengths_B, width)
+        forward_backward(ddp, micro, head, _nll_fields)
+        results[variant] = (logp, {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()})
+    (plain, g_plain), (shared, g_shared) = results.values()
+    m = mask.bool()
+    diff = (plain[m] - shared[m]).abs().max().item()
+    rel = max(((g_shared[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in g_plain.items())
+    assert diff < 2e-5 and rel < 1e-4, (diff, rel)
+    return {"max_abs_logp_diff": diff, "max_grad_rel_diff": rel}
+
+
+def _nll_fields(logp_1W, entropy_1W, batch):
+    mask = batch.fields["mask_BT"]
+    return -(logp_1W * mask).sum(), mask.sum(), {}
+
+
 @check("critic_values_and_update")
 def critic(model_dir):
     from megareason.models.build import HFCheckpoint
@@ -394,8 +439,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family, tied in (("qwen2", False), ("llama", True)):
             model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied))
-            for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, critic, reference, stream, ipc,
-                       checkpoint):
+            for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
+                       ipc, checkpoint):
                 before = set(RESULTS)
                 fn(model_dir)
                 for k in set(RESULTS) - before:
