@@ -11,6 +11,7 @@ from megareason.algorithms import (
     aggregate,
     broadcast_to_tokens,
     entropy_bonus,
+    explained_variance,
     gae,
     gae_reference,
     grpo_advantages,
@@ -134,6 +135,18 @@ def test_whiten_is_global_over_masked_tokens():
     close(whiten(x, torch.zeros_like(mask)), torch.zeros(2, 3))  # nothing to whiten
     close(whiten(x, T([[0, 1, 0], [0, 0, 0]])), torch.zeros(2, 3))  # a single token centres to 0
 
+
+
+def test_explained_variance_by_hand():
+    # masked returns 0, 1, 1, 0 (padding 9s ignored): mean 0.5, population variance 0.25.
+    ret, mask = T([[0.0, 1, 9], [1, 0, 9]]), T([[1, 1, 0], [1, 1, 0]])
+    assert explained_variance(ret, ret, mask) == pytest.approx(1.0)  # perfect critic
+    assert explained_variance(torch.full_like(ret, 0.3), ret, mask) == pytest.approx(0.0)  # any constant
+    # values 0.5, 0.5, 1, 0 -> errors -0.5, 0.5, 0, 0: variance 0.125 -> 1 - 0.125 / 0.25 = 0.5
+    assert explained_variance(T([[0.5, 0.5, -7], [1, 0, -7]]), ret, mask) == pytest.approx(0.5)
+    # values 1, 0, 0, 1 -> errors -1, 1, 1, -1: variance 1 -> 1 - 1 / 0.25 = -3 (worse than a constant)
+    assert explained_variance(T([[1.0, 0, 0], [0, 1, 0]]), ret, mask) == pytest.approx(-3.0)
+    assert math.isnan(explained_variance(ret, torch.ones_like(ret), mask))  # returns do not vary
 
 # --- KL -----------------------------------------------------------------------
 LOGP, REF = T([[-1.0, -2.0]]), T([[-1.5, -1.0]])  # logp - ref = [0.5, -1.0]

@@ -120,6 +120,7 @@ def test_ppo_with_a_critic_runs_and_its_value_loss_falls(tiny_qwen2, tmp_path):
     assert (out / "checkpoints" / "step_00000006" / "critic").is_dir()
     assert all(m[s]["rollout/token_mult_prob_error"] < 1.001 for s in range(1, 7))
     assert "actor/kl" not in m[1] and m[1]["critic/grad_norm"] > 0
+    assert all("critic/explained_variance" in m[s] for s in range(1, 7))
     plots = subprocess.run([sys.executable, "-m", "megareason.cli", "report", str(out)], capture_output=True,
                            text=True, env=_env(), timeout=120)
     assert plots.returncode == 0, plots.stderr

@@ -7,6 +7,7 @@ return (numerator, denominator) pairs for one micro-batch, which is what ``model
 from megareason.algorithms.advantages import (
     GRPO_MODES,
     broadcast_to_tokens,
+    explained_variance,
     gae,
     gae_reference,
     grpo_advantages,
@@ -22,6 +23,7 @@ __all__ = [
     "aggregate",
     "broadcast_to_tokens",
     "entropy_bonus",
+    "explained_variance",
     "gae",
     "gae_reference",
     "grpo_advantages",

@@ -130,3 +130,19 @@ def whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8) -> torc
     centred = torch.where(m, x_BT - mean, zero)
     var = centred.square().sum() / (n - 1).clamp(min=1)
     return centred * torch.rsqrt(var + eps)
+
+
+def explained_variance(value_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """The critic's explained variance over the masked tokens: ``1 - Var(returns - value) / Var(returns)``.
+
+    1 is a perfect critic, 0 one no better than a constant (any constant: the variance ignores the
+    mean), negative one worse than a constant. NaN when the returns do not vary (nothing to explain).
+    Population variances over all mask-1 entries of the batch together, as in stable-baselines3/verl.
+    """
+    _same_shape(value_BT=value_BT, returns_BT=returns_BT, mask_BT=mask_BT)
+    m = mask_BT.bool()
+    v, r = value_BT[m].double(), returns_BT[m].double()
+    var_r = r.var(unbiased=False) if r.numel() else r.new_zeros(())
+    if var_r == 0:
+        return float("nan")
+    return float(1 - (r - v).var(unbiased=False) / var_r)

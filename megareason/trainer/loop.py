@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from megareason.algorithms.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
+from megareason.algorithms.advantages import broadcast_to_tokens, explained_variance, gae, grpo_advantages, whiten
 from megareason.algorithms.kl import kl_in_reward, kl_penalty
 from megareason.algorithms.raro import role_advantage_scale
 from megareason.config import Config, ConfigError, validate_training
@@ -270,6 +270,10 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
     if critic_stats:
         m.update(_train_metrics("critic", critic_stats, {"vf_clipfrac": "vf_clipfrac_sum", "vpred": "vpred_sum"},
                                 "vf_loss"))
+        # of the values the advantages used (before this step's critic update), against their targets
+        m["critic/explained_variance"] = explained_variance(exp.values_BT, exp.returns_BT, exp.mask_BT)
+        ret = exp.returns_BT[exp.mask_BT.bool()]
+        m["critic/returns_var"] = ret.var(unbiased=False) if ret.numel() else 0.0
     if sync:
         m["sync/bytes"] = sum(s["bytes"] for s in sync)
         m["sync/seconds"] = max(s["seconds"] for s in sync)

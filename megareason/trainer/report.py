@@ -12,7 +12,7 @@ PANELS = {
     "response_length": ("response_length/mean", "response_length/max"),
     "policy": ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clipfrac", "actor/ppo_kl"),
     "grad_norm": ("actor/grad_norm", "critic/grad_norm"),
-    "critic": ("critic/vf_loss", "critic/vpred"),
+    "critic": ("critic/vf_loss", "critic/vpred", "critic/explained_variance", "critic/returns_var"),
     "mismatch": ("rollout/token_mult_prob_error",),
     "raro": ("raro/critic_accuracy", "raro/tie_rate", "raro/format_error_rate", "raro/policy_fool_rate",
              "raro/expert_win_rate"),
