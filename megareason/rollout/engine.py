@@ -60,6 +60,9 @@ class Completion:
     text: str
     logprobs_T: list[float]
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (hit max_tokens)
+    # Multi-turn episodes (``megareason.envs``): 1 where the model wrote the token (trained), 0 on the
+    # tokens the environment inserted (tool results, turn markers). None: the model wrote every token.
+    mask_T: list[int] | None = None
 
     @property
     def truncated(self) -> bool:

@@ -5,7 +5,8 @@ plus each row's true length; a worker packs its share into micro-batches of at m
 ``trainer.micro_batch_tokens`` tokens (``models.packing``) and unpacks the outputs back to rows.
 
 Alignment: column t of every per-token tensor scores token t given the tokens before it (as
-``models.logprobs.logprob_head``); ``mask_BT`` is 1 on response tokens only.
+``models.logprobs.logprob_head``); ``mask_BT`` is 1 on response tokens the model wrote: a multi-turn
+episode's response also holds tool results, which are 0 (read as context, never trained on).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def build_experience(prompts: Sequence[TokenizedPrompt], groups: Sequence[Sequen
         p, r = len(ids), len(c.token_ids)
         tokens[b, :p] = torch.tensor(ids)
         tokens[b, p:p + r] = torch.tensor(c.token_ids, dtype=torch.long)
-        mask[b, p:p + r] = 1.0
+        mask[b, p:p + r] = 1.0 if c.mask_T is None else torch.tensor(c.mask_T, dtype=torch.float32)
         if c.logprobs_T:
             logp[b, p:p + r] = torch.tensor(c.logprobs_T)
         lengths[b] = p + r
@@ -76,6 +77,12 @@ class MicroBatch(PackedMicroBatch):
     fields: dict[str, torch.Tensor] | None = None
 
 
+def prompt_lengths(mask_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """Tokens before each row's first response token (the whole row when it has none)."""
+    has = mask_BT.bool().any(1)
+    return torch.where(has, mask_BT.bool().int().argmax(1), lengths_B)
+
+
 def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = (),
                     share_prefix: bool = False, responses_only: bool = False) -> list[MicroBatch]:
     """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
@@ -87,7 +94,7 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
     the LM head skips the prompts."""
     lengths = exp.lengths_B.tolist()
     seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
-    prompt_lens = (exp.lengths_B - exp.mask_BT.sum(1).long()).tolist()
+    prompt_lens = prompt_lengths(exp.mask_BT, exp.lengths_B).tolist()
     if share_prefix:
         units: dict[tuple, list[int]] = {}
         for b, p in enumerate(prompt_lens):
