@@ -43,6 +43,19 @@ examples:
   megareason report outputs/grpo_smollm2_cpu            # plots of a run
 """
 
+BENCHMARK_HELP = """\
+Evaluate every model of benchmark.models with every retriever of benchmark.retrievers on the
+environment (env.*) and data of the config; each combination is written to
+benchmark.output_dir/<model>__<retriever>/ as it finishes (a rerun skips the finished ones), then the
+tables are printed (see also `megareason analyze`).
+
+examples:
+  megareason benchmark                                   # SmolLM2, bm25 and golden, synthetic multi-hop set
+  megareason benchmark 'benchmark.models=[smollm2-135m-instruct, outputs/my_hf_model]' \\
+      'benchmark.retrievers=[bm25, dense, hybrid, golden]'
+  megareason analyze outputs/benchmark
+"""
+
 SERVE_VERIFIER_HELP = """\
 Serve MODEL with vLLM's OpenAI-compatible server on 127.0.0.1 (float32, eager) for the TinyV reward:
 samples whose data_source ends in _tinyv are rescored by it (reward.tinyv.* in the config). Waits
@@ -73,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: grpo_smollm2_cpu)")
     tr.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
     tr.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+
+    bm = sub.add_parser("benchmark", help="evaluate models x retrievers on a tool environment",
+                        description=BENCHMARK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    bm.add_argument("--config-name", default="eval_multihop", help="YAML in configs/ to start from "
+                    "(default: eval_multihop)")
+    bm.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    an = sub.add_parser("analyze", help="tables and plots of a benchmark results folder",
+                        description="Print the tables of RESULTS (a `megareason benchmark` folder), overall "
+                        "and per hop count, and save bar plots in RESULTS/plots/.")
+    an.add_argument("results", help="a benchmark results folder (benchmark.output_dir)")
 
     rep = sub.add_parser("report", help="plot a training run's curves as PNG files",
                          description="Render RUN_DIR/metrics.jsonl as PNG plots in RUN_DIR/plots/.")
@@ -131,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "benchmark":
+            return _benchmark(args)
+        if args.command == "analyze":
+            return _analyze(args)
         if args.command == "convert":
             return _convert(args)
         if args.command == "serve-verifier":
@@ -157,6 +185,11 @@ def _eval(args: argparse.Namespace) -> int:
     report = run_eval(cfg)
     print()
     print(format_table(report.summaries))
+    if report.hop_rows:
+        from megareason.envs.runner import format_rows
+
+        print(f"\n{cfg.env.name} ({cfg.env.retriever} retriever), by hop count:")
+        print(format_rows(report.hop_rows))
     timing = ", ".join(f"{k} {v:.1f}s" for k, v in report.seconds.items())
     print(f"\n{len(report.samples)} samples ({timing}); written to {report.output_dir}")
     return 0
@@ -176,6 +209,27 @@ def _train(args: argparse.Namespace) -> int:
     run = train(cfg)
     plots = render(run)
     print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
+    return 0
+
+
+def _benchmark(args: argparse.Namespace) -> int:
+    from megareason.config import load_config
+    from megareason.evaluation.benchmark import analyze, run_benchmark
+
+    out = run_benchmark(load_config(args.config_name, args.overrides, args.config_dir))
+    text, plots = analyze(out)
+    print(f"\n{text}\n\nresults in {out} ({len(plots)} plots in {out}/plots); `megareason analyze {out}` "
+          "prints this again")
+    return 0
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from megareason.evaluation.benchmark import analyze
+
+    text, plots = analyze(args.results)
+    print(text)
+    for path in plots:
+        print(path)
     return 0
 
 

@@ -163,12 +163,19 @@ def validate(cfg: Config) -> None:
     for i, s in [(f"sources[{i}]", s) for i, s in enumerate(d.sources)] + [
             (f"val_sources[{i}]", s) for i, s in enumerate(d.val_sources)]:
         p = f"data.{i}"
-        if s.kind == "file":
-            _check(bool(s.path), f"{p}.path", "is required when kind=file", s.path)
+        if s.kind in ("file", "musique"):
+            _check(bool(s.path), f"{p}.path", f"is required when kind={s.kind}", s.path)
             _check(s.size >= 0, f"{p}.size", "must be >= 0 (0 keeps every row)", s.size)
+        elif s.kind == "synthetic_multihop":
+            _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=synthetic_multihop", s.size)
         else:
             _check(bool(s.name), f"{p}.name", "is required when kind=reasoning_gym", s.name)
             _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=reasoning_gym", s.size)
+    e = cfg.env
+    _check(e.top_k >= 1, "env.top_k", "must be >= 1", e.top_k)
+    _check(e.max_turns >= 1, "env.max_turns", "must be >= 1", e.max_turns)
+    _check(e.max_calls_per_turn >= 1, "env.max_calls_per_turn", "must be >= 1", e.max_calls_per_turn)
+    _check(e.max_doc_chars >= 1, "env.max_doc_chars", "must be >= 1", e.max_doc_chars)
     for k in cfg.eval.pass_k:
         _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
     _check(cfg.reward.workers >= 0, "reward.workers", "must be >= 0", cfg.reward.workers)
@@ -203,6 +210,8 @@ def validate_training(cfg: Config) -> None:
            f"x rollout.n = {samples} samples per step must divide into algorithm.mini_batches x "
            f"parallel.data_parallel_size = {alg.mini_batches} x {par.data_parallel_size} equal shares",
            t.prompts_per_step)
+    _check(alg.name != "raro" or cfg.env.name == "none", "env.name",
+           "must be none with algorithm.name=raro (RARO judges single-turn answers)", cfg.env.name)
     _check(alg.ppo_epochs >= 1, "algorithm.ppo_epochs", "must be >= 1", alg.ppo_epochs)
     _check(alg.mini_batches >= 1, "algorithm.mini_batches", "must be >= 1", alg.mini_batches)
     _check(0 <= alg.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in [0, 1)", alg.clip_ratio_low)

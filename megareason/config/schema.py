@@ -28,12 +28,15 @@ class ModelConfig:
 class DataSourceConfig:
     """One source of prompts.
 
-    ``kind`` is ``file`` (``path`` names a local JSON/JSONL/Parquet file) or ``reasoning_gym``
+    ``kind`` is ``file`` (``path`` names a local JSON/JSONL/Parquet file), ``reasoning_gym``
     (``name`` is a reasoning-gym generator such as ``basic_arithmetic``; ``size`` items from ``seed``,
-    generator options from ``options``). ``size`` 0 keeps every row of a file.
+    generator options from ``options``), ``musique`` (``path`` names a file in MuSiQue's official
+    JSONL format) or ``synthetic_multihop`` (the built-in offline multi-hop QA set: ``size`` questions
+    from ``seed``; ``options``: ``hops`` (a list, e.g. [2, 3]), ``distractors``). ``size`` 0 keeps
+    every row of a file. The multi-hop kinds are meant for ``env.name=retrieval_qa``.
     """
 
-    kind: Literal["file", "reasoning_gym"] = "reasoning_gym"
+    kind: Literal["file", "reasoning_gym", "musique", "synthetic_multihop"] = "reasoning_gym"
     name: str = ""
     path: str = ""
     size: int = 0
@@ -117,6 +120,24 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    """A multi-turn tool environment for rollouts, training and eval (megareason/envs/); ``none``: each
+    prompt gets one response. ``retrieval_qa``: the model searches its question's own documents
+    (``retriever``: bm25, dense, hybrid or golden) with a ``search`` tool, up to ``max_turns`` messages,
+    and answers; rewards by the ``multihop_qa`` family. rollout.max_tokens bounds each message and
+    rollout.max_model_len the whole episode."""
+
+    name: Literal["none", "retrieval_qa"] = "none"
+    retriever: Literal["bm25", "dense", "hybrid", "golden"] = "bm25"
+    top_k: int = 3  # documents per search
+    max_turns: int = 4
+    max_calls_per_turn: int = 2
+    max_doc_chars: int = 600  # each shown document is cut to this many characters
+    # Empty: the built-in instructions (megareason/envs/retrieval_qa.py); replaces data.system_prompt.
+    system_prompt: str = ""
+
+
+@dataclass
 class EvalConfig:
     output_dir: str = "outputs/eval"
     # pass@k is reported for each k here that is <= rollout.n.
@@ -125,6 +146,16 @@ class EvalConfig:
     # model itself as a RARO critic (raro.critic_* settings; megareason/raro/rerank.py) and report
     # that answer's accuracy ("critic@n") beside the single-sample accuracy.
     rerank: Literal["none", "critic"] = "none"
+
+
+@dataclass
+class BenchmarkConfig:
+    """``megareason benchmark``: every model x every retriever on the environment (env.*) and data."""
+
+    # Names from `megareason models list` or HF checkpoint directories; empty: model.path alone.
+    models: list[str] = field(default_factory=list)
+    retrievers: list[Literal["bm25", "dense", "hybrid", "golden"]] = field(default_factory=lambda: ["bm25", "golden"])
+    output_dir: str = "outputs/benchmark"
 
 
 @dataclass
@@ -246,7 +277,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

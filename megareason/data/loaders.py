@@ -35,6 +35,14 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
     for source in cfg.sources:
         if source.kind == "file":
             rows = load_file(source.path, source.data_source)
+        elif source.kind == "musique":
+            from megareason.data.musique import load_musique
+
+            rows = load_musique(source.path)
+        elif source.kind == "synthetic_multihop":
+            from megareason.data.synthetic_multihop import synthetic_multihop
+
+            rows = synthetic_multihop(source.size, source.seed, **_multihop_options(source))
         else:
             rows = load_reasoning_gym(source)
         records.extend(rows[: source.size] if source.size else rows)
@@ -43,6 +51,17 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
         if cfg.system_prompt and rec.prompt[0]["role"] != "system":
             rec.prompt.insert(0, {"role": "system", "content": cfg.system_prompt})
     return records
+
+
+def _multihop_options(source: DataSourceConfig) -> dict[str, Any]:
+    opts = dict(source.options)
+    unknown = set(opts) - {"hops", "distractors"}
+    if unknown:
+        raise DataError(f"synthetic_multihop: unknown options {sorted(unknown)}; expected hops, distractors")
+    if "hops" in opts:
+        hops = opts["hops"]
+        opts["hops"] = tuple(hops) if isinstance(hops, list) else (hops,)
+    return opts
 
 
 def load_file(path: str | Path, data_source: str = "") -> list[PromptRecord]:

@@ -47,6 +47,7 @@ class SampleResult:
     truncated: bool
     score_error: str = ""
     timed_out: bool = False
+    env: dict = field(default_factory=dict)  # a multi-turn episode's details (turns, retrieval, citations)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class EvalReport:
     samples: list[SampleResult] = field(repr=False)
     output_dir: Path | None = None
     seconds: dict[str, float] = field(default_factory=dict)
+    hop_rows: list[dict] = field(default_factory=list)  # env.name=retrieval_qa: the per-hop-count table
 
 
 def engine_settings(cfg: Config) -> EngineSettings:
@@ -95,10 +97,15 @@ def sampling_from(cfg: Config) -> Sampling:
 
 
 def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = True) -> EvalReport:
-    """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given."""
+    """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given.
+    With an environment (``env.name``) each sample is a multi-turn episode the environment scores."""
+    from megareason.envs.runner import check_env_data, env_enabled, hop_rows, run_env
+
     t0 = time.perf_counter()
     records = load_records(policy_data(cfg))  # data and reward errors surface before the engine starts
     scorer = scorer_from(cfg, records)
+    if env_enabled(cfg):
+        check_env_data(cfg, records)
     own_engine = engine is None
     if own_engine:
         engine = VLLMEngine(engine_settings(cfg))
@@ -106,7 +113,12 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         t1 = time.perf_counter()
         prompts = tokenize_prompts(records, engine.tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
         log.info("generating %d x %d samples", len(prompts), cfg.rollout.n)
-        groups = engine.generate([p.token_ids for p in prompts], sampling_from(cfg))
+        env_samples = None
+        if env_enabled(cfg):
+            generate = lambda ctxs, sp: engine.generate(ctxs, sp, use_tqdm=False)  # noqa: E731
+            prompts, groups, env_samples = run_env(cfg, prompts, generate, engine.tokenizer, sampling_from(cfg))
+        else:
+            groups = engine.generate([p.token_ids for p in prompts], sampling_from(cfg))
         picks = None
         if cfg.eval.rerank == "critic":
             log.info("critic tournament over %d x %d answers", len(prompts), cfg.rollout.n)
@@ -115,13 +127,17 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     finally:
         if own_engine:
             engine.shutdown()
-    with scoring_pool(cfg, scorer) as pool:
-        samples = score(prompts, groups, scorer, pool, tinyv=cfg.reward.tinyv)
+    if env_samples is not None:  # the environments scored their episodes
+        samples = env_samples
+    else:
+        with scoring_pool(cfg, scorer) as pool:
+            samples = score(prompts, groups, scorer, pool, tinyv=cfg.reward.tinyv)
     t3 = time.perf_counter()
     report = EvalReport(
         summaries=summarize(samples, cfg.rollout.n, cfg.eval.pass_k, picks),
         samples=samples,
         seconds={"setup": t1 - t0, "generate": t2 - t1, "score": t3 - t2},
+        hop_rows=hop_rows(samples) if env_samples is not None else [],
     )
     if write:
         report.output_dir = write_report(report, cfg)
@@ -250,5 +266,7 @@ def write_report(report: EvalReport, cfg: Config) -> Path:
     atomic_write(out / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in report.samples))
     summary = {"summaries": [asdict(s) for s in report.summaries], "seconds": report.seconds,
                "config": asdict(cfg)}
+    if report.hop_rows:
+        summary["hop_rows"] = report.hop_rows
     atomic_write(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return out

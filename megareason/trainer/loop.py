@@ -31,6 +31,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.data.sampler import PromptSampler
+from megareason.envs.runner import check_env_data, env_enabled, run_env
 from megareason.evaluation.runner import SampleResult, score, scorer_from, scoring_pool, summarize
 from megareason.raro.critic import critic_round
 from megareason.raro.prompts import policy_data
@@ -62,6 +63,8 @@ def train(cfg: Config) -> Path:
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts, tokenizer = _load_prompts(cfg)
     scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
+    if env_enabled(cfg):
+        check_env_data(cfg, [p.record for p in prompts + val_prompts])
     with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
         _check_cluster(cfg)
         groups = _start_workers(cfg)
@@ -98,17 +101,22 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
     tracker = Tracker(run.root, t.loggers, state.step)
     if t.val_before_train and state.step == 0 and val_prompts:
-        tracker.log(0, validate(actors, val_prompts, cfg, score_fn))
+        tracker.log(0, validate(actors, val_prompts, cfg, score_fn, tokenizer))
 
     for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
                      initial=state.step, total=t.steps):
         timer: dict[str, float] = {}
         batch = [prompts[i] for i in sampler.next(t.prompts_per_step)]
 
-        with _timed(timer, "generate"):
-            completions = _generate(actors, batch, _sampling(cfg, step))
-        with _timed(timer, "reward"):
-            scored = score_fn(batch, completions)  # RARO: monitors accuracy only
+        if env_enabled(cfg):  # multi-turn episodes, scored by their environments
+            with _timed(timer, "generate"):
+                batch, completions, scored = run_env(cfg, batch, partial(_generate_ids, actors), tokenizer,
+                                                     _sampling(cfg, step))
+        else:
+            with _timed(timer, "generate"):
+                completions = _generate(actors, batch, _sampling(cfg, step))
+            with _timed(timer, "reward"):
+                scored = score_fn(batch, completions)  # RARO: monitors accuracy only
         if alg.name == "raro":
             with _timed(timer, "critic"):
                 rb = critic_round(cfg.raro, step, t.seed, batch, completions, buffer, tokenizer,
@@ -141,7 +149,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             if alg.name == "raro":
                 _dump_judgements(run.root, step, rb, len(batch))
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-            metrics.update(validate(actors, val_prompts, cfg, score_fn))
+            metrics.update(validate(actors, val_prompts, cfg, score_fn, tokenizer))
         tracker.log(step, metrics)
         stopping = stop is not None and stop.signal is not None  # read once: save and exit agree
         if step == t.steps or (t.save_every and step % t.save_every == 0) or stopping:
@@ -274,6 +282,10 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
         m["critic/explained_variance"] = explained_variance(exp.values_BT, exp.returns_BT, exp.mask_BT)
         ret = exp.returns_BT[exp.mask_BT.bool()]
         m["critic/returns_var"] = ret.var(unbiased=False) if ret.numel() else 0.0
+    episodes = [s.env for s in scored if s.env]
+    for key in ("turns", "searches", "tool_errors", "em", "f1", "retrieval_recall", "citation_precision"):
+        if episodes and key in episodes[0]:
+            m[f"env/{key}"] = sum(float(e[key]) for e in episodes) / len(episodes)
     if sync:
         m["sync/bytes"] = sum(s["bytes"] for s in sync)
         m["sync/seconds"] = max(s["seconds"] for s in sync)
@@ -294,11 +306,14 @@ def _train_metrics(prefix: str, stats: list[dict], token_sums: dict[str, str], l
     return out
 
 
-def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config,
-             score_fn: ScoreFn) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts, overall and per data_source."""
+def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config, score_fn: ScoreFn,
+             tokenizer=None) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts, overall and per data_source (episodes under an env)."""
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-    results = score_fn(val_prompts, _generate(actors, val_prompts, greedy))
+    if env_enabled(cfg):
+        _, _, results = run_env(cfg, val_prompts, partial(_generate_ids, actors), tokenizer, greedy)
+    else:
+        results = score_fn(val_prompts, _generate(actors, val_prompts, greedy))
     out = {"val/accuracy": sum(r.correct for r in results) / len(results),
            "val/reward": sum(r.reward for r in results) / len(results)}
     for s in summarize(results, 1, [1]):
@@ -314,6 +329,11 @@ def _generate(actors: WorkerGroup, prompts: list[TokenizedPrompt], sampling: Sam
     # Prompt i of the whole batch is sampled with seed + i, whichever replica serves it.
     samplings = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a) for a in bounds[:-1]]
     return [c for part in actors.replicas(actors.call("generate", parts, samplings)) for c in part]
+
+
+def _generate_ids(actors: WorkerGroup, contexts: list[list[int]], sampling: Sampling):
+    """``_generate`` for token-id contexts (the turns of multi-turn episodes)."""
+    return _generate(actors, [TokenizedPrompt(record=None, text="", token_ids=c) for c in contexts], sampling)
 
 
 def _dump_rollouts(root: Path, step: int, scored: list[SampleResult]) -> None:

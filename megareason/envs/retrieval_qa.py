@@ -1,0 +1,133 @@
+"""Multi-hop retrieval QA (MuSiQue-style): the model searches the question's own documents, then answers.
+
+One tool, ``search(query)``, returns the top-k documents of the question's corpus (MuSiQue: its 20
+paragraphs) from the configured retriever (``envs.retrieval``). The model may search again on later
+turns; a message without a tool call is its final answer, scored by the reward registry's
+``multihop_qa`` family (EM, token F1, retrieval recall, hop weighting) with the episode's retrieval
+history as ``retrieved_ids``. The environment tracks the queries, the documents shown, and the
+documents the answer cites (``[id]``), for the evaluation tables.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megareason.data.records import PromptRecord
+from megareason.envs.base import StepResult
+from megareason.envs.retrieval import Document, Retriever, build_retriever
+from megareason.envs.tools import call_tool, parse_tool_calls
+from megareason.rewards import compute_score
+from megareason.rewards.multihop_qa import exact_match, extract_prediction, retrieval_recall_precision, token_f1
+
+SYSTEM_PROMPT = (
+    "Answer the user's question. You cannot see the documents: use the search tool to find them, as many "
+    "times as you need (one query per call). Cite the documents you used by their id in brackets, like [3]. "
+    "End with the final answer alone inside <answer></answer>, for example <answer>Paris</answer>."
+)
+_CITATION = re.compile(r"\[([^\[\]\s]{1,40})\]")
+
+
+@dataclass(frozen=True)
+class RetrievalQASettings:
+    retriever: str = "bm25"  # envs.retrieval.RETRIEVERS
+    top_k: int = 3
+    max_calls_per_turn: int = 2  # further calls in one message get an error observation
+    max_doc_chars: int = 600  # each shown document is cut to this many characters
+    system_prompt: str = SYSTEM_PROMPT
+
+
+def documents_of(record: PromptRecord, where: str = "record") -> list[Document]:
+    docs = record.extra_info.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise ValueError(f"{where}: extra_info['documents'] must be a non-empty list of documents "
+                         "(a MuSiQue-format row; see megareason.data.musique)")
+    return [Document(id=str(d["id"]), title=str(d.get("title", "")), text=str(d["text"]),
+                     supporting=bool(d.get("supporting", False))) for d in docs]
+
+
+class RetrievalQAEnv:
+    """One question's episode. ``retriever`` may be given (e.g. shared by the n samples of a prompt)."""
+
+    def __init__(self, record: PromptRecord, settings: RetrievalQASettings = RetrievalQASettings(),
+                 retriever: Retriever | None = None):
+        self.record, self.settings = record, settings
+        self.docs = {d.id: d for d in documents_of(record, f"row {record.extra_info.get('index', '?')}")}
+        self.retriever = retriever or build_retriever(settings.retriever, list(self.docs.values()))
+        self.queries: list[str] = []
+        self.retrieved: list[str] = []  # distinct document ids shown, in order of first showing
+        self.tool_errors = 0
+        self.last_message = ""
+        self.tools: Sequence[Callable] = [self.search]
+
+    def search(self, query: str) -> str:
+        """Search the question's documents and return the best matches with their ids.
+
+        Args:
+            query: the words to search for
+        """
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("the query must be a non-empty string")
+        self.queries.append(query)
+        shown = []
+        for doc_id, _ in self.retriever.search(query, self.settings.top_k):
+            doc = self.docs[doc_id]
+            if doc_id not in self.retrieved:
+                self.retrieved.append(doc_id)
+            shown.append(f"[{doc_id}] {doc.title}\n{doc.text[:self.settings.max_doc_chars]}")
+        return "\n\n".join(shown) if shown else "No document matches."
+
+    def reset(self) -> list[dict[str, str]]:
+        msgs = [m for m in self.record.prompt if m["role"] != "system"]
+        return [{"role": "system", "content": self.settings.system_prompt}, *msgs]
+
+    def step(self, message: str) -> StepResult:
+        self.last_message = message
+        calls = parse_tool_calls(message)
+        if not calls:
+            return self._score()
+        tools = {"search": self.search}
+        outputs = []
+        for i, call in enumerate(calls):
+            if i >= self.settings.max_calls_per_turn:
+                out = f"Error: at most {self.settings.max_calls_per_turn} tool calls per message; this one was not run"
+            else:
+                out = call_tool(call, tools)
+            self.tool_errors += out.startswith("Error:")
+            outputs.append(out)
+        return StepResult(observation="\n\n".join(outputs))
+
+    def finish(self) -> StepResult:
+        return self._score()
+
+    def _score(self) -> StepResult:
+        info = dict(self.record.extra_info)
+        info["retrieved_ids"] = list(self.retrieved)
+        info.pop("documents", None)  # the reward does not read them; keeps dumps small
+        out = compute_score(self.record.data_source, self.last_message, self.record.ground_truth, info)
+        return StepResult(reward=out.score, done=True, correct=out.correct, info=self.metrics())
+
+    def metrics(self) -> dict:
+        """The episode's answer and retrieval figures (JSON-safe)."""
+        golds = [self.record.ground_truth, *self.record.extra_info.get("answer_aliases", [])]
+        pred = extract_prediction(self.last_message)
+        supporting = [d.id for d in self.docs.values() if d.supporting]
+        recall, precision = retrieval_recall_precision(self.retrieved, supporting)
+        cited = [c for c in dict.fromkeys(_CITATION.findall(self.last_message)) if c in self.docs]
+        cite_recall, cite_precision = retrieval_recall_precision(cited, supporting)
+        return {"prediction": pred, "em": exact_match(pred, golds), "f1": token_f1(pred, golds),
+                "retrieval_recall": recall, "retrieval_precision": precision, "searches": len(self.queries),
+                "queries": list(self.queries), "retrieved_ids": list(self.retrieved), "cited_ids": cited,
+                "citation_recall": cite_recall, "citation_precision": cite_precision,
+                "tool_errors": self.tool_errors, "hops": int(self.record.extra_info.get("hops", 2))}
+
+
+def make_envs(records: Sequence[PromptRecord], n: int, settings: RetrievalQASettings) -> list[RetrievalQAEnv]:
+    """``n`` episodes per record, in (record, sample) order; the n samples of a record share its index."""
+    envs = []
+    for rec in records:
+        first = RetrievalQAEnv(rec, settings)
+        envs.append(first)
+        envs += [RetrievalQAEnv(rec, settings, retriever=first.retriever) for _ in range(n - 1)]
+    return envs
