@@ -150,7 +150,7 @@ def test_retrieval_qa_episode_end_to_end(tmp_path):
     answer = "Quorel Labs was founded by Bo Lind [2] [0] [7]. <answer>Bo Lind</answer>"
     [ep] = run_episodes([env], Script(tok, [call, bad, answer]), tok, Sampling(), max_turns=4, max_model_len=2048)
     assert ep.end == "done" and ep.turns == 3
-    assert ep.messages[0]["content"].startswith("Answer the user's question.")  # the environment's instructions
+    assert ep.messages[0]["content"].startswith("Answer the user's question from the documents.")  # env's prompt
     assert ep.messages[3] == {"role": "tool", "content": "[0] Ada Vell\nAda Vell works at Quorel Labs."}
     assert ep.messages[5]["content"] == "Error: unknown tool 'lookup'; available: search"
     info = ep.result.info
@@ -173,3 +173,17 @@ def test_retrieval_qa_turn_limit_scores_the_last_message():
     assert ep.result.info["retrieval_recall"] == 1.0  # golden showed both supporting paragraphs
     with pytest.raises(ValueError, match="extra_info\\['documents'\\]"):
         RetrievalQAEnv(type(rec)(prompt=rec.prompt, data_source="musique", ground_truth="a", extra_info={}))
+
+
+def test_initial_search_opens_the_episode_in_the_prompt():
+    tok = build_tokenizer()
+    [rec] = synthetic_multihop(1, seed=0, hops=(2,))
+    env = RetrievalQAEnv(rec, RetrievalQASettings(retriever="golden", top_k=2, initial_search=True))
+    [ep] = run_episodes([env], Script(tok, ["<answer>x</answer>"]), tok, Sampling(), max_turns=2, max_model_len=4096)
+    question = rec.prompt[-1]["content"]
+    assert env.queries == [question] and ep.result.info["retrieval_recall"] == 1.0
+    prompt = tok.decode(ep.prompt_ids, skip_special_tokens=False)
+    call = json.dumps({"name": "search", "arguments": {"query": question}})
+    assert f"<|im_start|>assistant\n<tool_call>{call}</tool_call><|im_end|>\n<|im_start|>tool\n[" in prompt
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert ep.completion.mask_T == [1] * len(ep.completion.token_ids)  # the opening search is prompt, not trained

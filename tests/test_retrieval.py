@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megareason.envs.retrieval import RETRIEVERS, Document, build_retriever, reciprocal_rank_fusion
+from megareason.envs.retrieval import RETRIEVERS, Document, build_retriever, embed, reciprocal_rank_fusion
 
 CORPUS = [
     Document("0", "", "the cat sat on the mat"),
@@ -31,6 +31,12 @@ def test_bm25_ranking_and_a_score_by_hand():
     assert r.search("zebra", 3) == [] and r.search("", 3) == [] and r.search("the", 3) == []
 
 
+def test_bm25_ties_keep_corpus_order():
+    docs = [Document("b", "", "red apples"), Document("a", "", "green pears"), Document("c", "", "red apples")]
+    hits = build_retriever("bm25", docs).search("red apples", 3)
+    assert [i for i, _ in hits] == ["b", "c"] and hits[0][1] == hits[1][1] > 0
+
+
 def test_bm25_reads_titles():
     r = build_retriever("bm25", [Document("a", "Varnholt", "A city by the sea."),
                                  Document("b", "Quillmere", "A city in the hills.")])
@@ -46,12 +52,21 @@ def dense():
     ])
 
 
+def test_embeddings_are_unit_vectors_of_minilm():
+    v = embed(["A small kitten is sleeping on the rug.", ""])
+    assert v.shape == (2, 384) and v.dtype.name == "float32"
+    assert [round(float(n), 5) for n in (v * v).sum(1)] == [1.0, 1.0]
+    assert embed([]).shape == (0, 384)
+
+
 def test_dense_ranks_the_paraphrase_first(dense):
     hits = dense.search("a cat naps on a carpet", 3)
     assert [i for i, _ in hits][0] == "kitten"
     assert hits[0][1] > hits[1][1] + 0.2  # cosine similarities: the paraphrase stands clear of the rest
     assert all(-1.0 <= s <= 1.0 + 1e-6 for _, s in hits)
     assert [i for i, _ in dense.search("stock market crash", 1)] == ["stocks"]
+    [(top, cos)] = dense.search("Mix flour, eggs and milk to make pancakes.", 1)  # the document's own text: cos 1
+    assert top == "recipe" and cos == pytest.approx(1.0, abs=1e-5)
 
 
 def test_reciprocal_rank_fusion_by_hand():
@@ -59,7 +74,11 @@ def test_reciprocal_rank_fusion_by_hand():
     fused = dict(reciprocal_rank_fusion([["a", "b", "c"], ["b", "d", "a"]], k=60))
     assert fused == pytest.approx({"a": 1 / 61 + 1 / 63, "b": 1 / 62 + 1 / 61, "c": 1 / 63, "d": 1 / 62})
     assert [i for i, _ in reciprocal_rank_fusion([["a", "b", "c"], ["b", "d", "a"]], k=60)] == ["b", "a", "d", "c"]
-    assert [i for i, _ in reciprocal_rank_fusion([["x", "y"]], k=1)] == ["x", "y"]
+    assert reciprocal_rank_fusion([["x", "y"]], k=1) == [("x", 1 / 2), ("y", 1 / 3)]
+    assert reciprocal_rank_fusion([["p", "q"], ["q", "p"]], k=0) == [("p", 1.5), ("q", 1.5)]  # tie: first seen
+    assert reciprocal_rank_fusion([], k=60) == [] and reciprocal_rank_fusion([[], []], k=60) == []
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        reciprocal_rank_fusion([["a"]], k=-1)
 
 
 def test_hybrid_fuses_bm25_and_dense():
@@ -84,6 +103,10 @@ def test_golden_and_bad_arguments():
         build_retriever("tfidf", CORPUS)
     with pytest.raises(ValueError, match="k must be >= 1"):
         build_retriever("bm25", CORPUS).search("cat", 0)
+    with pytest.raises(ValueError, match="rrf_k must be >= 0"):
+        build_retriever("hybrid", CORPUS, rrf_k=-1)
+    with pytest.raises(ValueError, match="at least one document"):
+        build_retriever("bm25", [])
     with pytest.raises(ValueError, match="unique"):
         build_retriever("golden", [Document("1", "", "a"), Document("1", "", "b")])
     assert set(RETRIEVERS) == {"bm25", "dense", "hybrid", "golden"}

@@ -190,3 +190,20 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
                            text=True, env=_env(), timeout=120)
     assert plots.returncode == 0, plots.stderr
     assert (straight / "plots" / "raro.png").stat().st_size > 1000
+
+
+def test_grpo_on_the_retrieval_qa_environment(tiny_qwen2, tmp_path):
+    """Multi-turn episodes in the real loop: the environment scores them (here with the custom reward, so
+    samples differ), the env/* metrics are logged and the rollout dump holds each episode's details."""
+    out = tmp_path / "env"
+    _run(_args(tiny_qwen2, tmp_path, out, "env.name=retrieval_qa", "env.retriever=bm25", "env.initial_search=true",
+               "env.max_turns=2", "env.max_doc_chars=80", "trainer.steps=2", "rollout.max_model_len=1024",
+               "trainer.micro_batch_tokens=2048", "data.max_prompt_length=512", "data.system_prompt=''",
+               "data.sources=[{kind: synthetic_multihop, size: 8, seed: 1, options: {distractors: 2}}]",
+               "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]"))
+    m = _metrics(out)
+    assert m[1]["env/turns"] >= 1 and m[1]["env/searches"] >= 1  # the opening search counts
+    assert m[2]["actor/grad_norm"] > 0 and "val/accuracy" in m[2]
+    rows = [json.loads(x) for x in (out / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["env"]["end"] in ("done", "turn_limit", "context_limit") for r in rows)
+    assert all(r["env"]["retrieved_ids"] for r in rows)

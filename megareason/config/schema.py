@@ -133,6 +133,9 @@ class EnvConfig:
     max_turns: int = 4
     max_calls_per_turn: int = 2
     max_doc_chars: int = 600  # each shown document is cut to this many characters
+    # Open each episode with the results of a search for the question (in the prompt, not trained on):
+    # retrieve-then-read, for small models that do not call tools unprompted (SmolLM2-135M never does).
+    initial_search: bool = False
     # Empty: the built-in instructions (megareason/envs/retrieval_qa.py); replaces data.system_prompt.
     system_prompt: str = ""
 

@@ -10,6 +10,8 @@ The record's ``extra_info`` carries what the environment and the ``multihop_qa``
 ``documents`` (the question's paragraphs), ``supporting_ids``, ``hops`` (the decomposition's length),
 ``answer_aliases`` and the ``decomposition``. Rows marked unanswerable (MuSiQue-Full) are skipped
 unless ``answerable_only=False``. Every error names the file, the row (from 1) and the field.
+``documents_of`` turns a record's ``extra_info["documents"]`` back into retriever ``Document``s (the
+synthetic set, ``data.synthetic_multihop``, writes the same format).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from megareason.data.loaders import DataError
 from megareason.data.records import PromptRecord
+from megareason.envs.retrieval import Document
 
 DATA_SOURCE = "musique"
 
@@ -40,7 +43,10 @@ def load_musique(path: str | Path, answerable_only: bool = True) -> list[PromptR
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            if answerable_only and row.get("answerable", True) is False:
+            answerable = row.get("answerable", True)
+            if not isinstance(answerable, bool):
+                raise DataError(f"{where}: field 'answerable' must be true or false, got {json.dumps(answerable)[:80]}")
+            if answerable_only and not answerable:
                 continue
             records.append(parse_musique_row(row, where))
     if not records:
@@ -58,6 +64,7 @@ def _field(row: dict, name: str, types: type, where: str, what: str) -> Any:
 
 
 def parse_musique_row(row: dict, where: str) -> PromptRecord:
+    row_id = _field(row, "id", str, where, "a string")
     question = _field(row, "question", str, where, "a string")
     answer = _field(row, "answer", str, where, "a string")
     aliases = row.get("answer_aliases", [])
@@ -75,9 +82,12 @@ def parse_musique_row(row: dict, where: str) -> PromptRecord:
         if idx in seen:
             raise DataError(f"{pw}: duplicate paragraph idx {idx}")
         seen.add(idx)
+        is_supporting = p.get("is_supporting", False)
+        if not isinstance(is_supporting, bool):
+            raise DataError(f"{pw}: field 'is_supporting' must be true or false, got {json.dumps(is_supporting)[:80]}")
         documents.append({"id": str(idx), "title": _field(p, "title", str, pw, "a string"),
                           "text": _field(p, "paragraph_text", str, pw, "a string"),
-                          "supporting": bool(p.get("is_supporting", False))})
+                          "supporting": is_supporting})
     steps = _field(row, "question_decomposition", list, where, "a non-empty list of steps")
     if not steps:
         raise DataError(f"{where}: field 'question_decomposition' must be a non-empty list of steps")
@@ -87,7 +97,7 @@ def parse_musique_row(row: dict, where: str) -> PromptRecord:
         if not isinstance(s, dict):
             raise DataError(f"{sw}: expected an object with question, answer, paragraph_support_idx")
         support = s.get("paragraph_support_idx")
-        if support is not None and (not isinstance(support, int) or support not in seen):
+        if support is not None and (not isinstance(support, int) or isinstance(support, bool) or support not in seen):
             raise DataError(f"{sw}: paragraph_support_idx {json.dumps(support)} is not the idx of one of the "
                             f"row's paragraphs ({sorted(seen)})")
         decomposition.append({"question": _field(s, "question", str, sw, "a string"),
@@ -95,6 +105,21 @@ def parse_musique_row(row: dict, where: str) -> PromptRecord:
     supporting = [d["id"] for d in documents if d["supporting"]]
     return PromptRecord(
         prompt=[{"role": "user", "content": question}], data_source=DATA_SOURCE, ground_truth=answer,
-        extra_info={"id": str(row.get("id", "")), "question": question, "answer_aliases": aliases,
+        extra_info={"id": row_id, "question": question, "answer_aliases": aliases,
                     "hops": len(decomposition), "supporting_ids": supporting, "documents": documents,
                     "decomposition": decomposition})
+
+
+def documents_of(record: PromptRecord, where: str = "record") -> list[Document]:
+    """The record's documents (``extra_info["documents"]``, as ``load_musique`` writes them), in corpus order."""
+    docs = record.extra_info.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise DataError(f"{where}: extra_info['documents'] must be a non-empty list of documents "
+                        "(a MuSiQue-format record; see megareason.data.musique)")
+    out = []
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict) or "id" not in d or not isinstance(d.get("text"), str):
+            raise DataError(f"{where}: extra_info['documents'][{i}] must be an object with 'id' and 'text' (a string)")
+        out.append(Document(id=str(d["id"]), title=str(d.get("title", "")), text=d["text"],
+                            supporting=bool(d.get("supporting", False))))
+    return out

@@ -20,7 +20,7 @@ _FIRST = ["Orvan", "Selka", "Tamsin", "Idris", "Mireva", "Calder", "Ysolde", "Br
 _LAST = ["Telluse", "Marrowby", "Quenfold", "Astrane", "Vellacott", "Brisk", "Dunmore", "Ferrow", "Galloway",
          "Hestrel", "Ivers", "Jastrow", "Kellan", "Lunde", "Morrick", "Norcroft", "Orrin", "Pellow", "Ruske",
          "Strand"]
-_CITIES = ["Varnholt", "Quillmere", "Ostrava Nova", "Belmarsh", "Tiravel", "Corrowin", "Espenfield", "Drummask",
+_CITIES = ["Varnholt", "Quillmere", "Ostrevane", "Belmarrow", "Tiravel", "Corrowin", "Espenfield", "Drummask",
            "Hollowgate", "Marenport", "Sunhallow", "Kestwick", "Lorvane", "Pyrsham", "Westerlee", "Arrowmere"]
 _COUNTRIES = ["Valdoria", "Kestrania", "Orlund", "Mirevia", "Talosse", "Brennish Isles"]
 _COMPANIES = ["Quorel Labs", "Helix Forge", "Brightwater Mills", "Nimbus Freight", "Ardent Optics", "Saltmarsh Foods",

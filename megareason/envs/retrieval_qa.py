@@ -3,13 +3,15 @@
 One tool, ``search(query)``, returns the top-k documents of the question's corpus (MuSiQue: its 20
 paragraphs) from the configured retriever (``envs.retrieval``). The model may search again on later
 turns; a message without a tool call is its final answer, scored by the reward registry's
-``multihop_qa`` family (EM, token F1, retrieval recall, hop weighting) with the episode's retrieval
-history as ``retrieved_ids``. The environment tracks the queries, the documents shown, and the
-documents the answer cites (``[id]``), for the evaluation tables.
+``multihop_qa`` family (EM, token F1, retrieval recall, hop weighting; or ``reward.custom``) with the
+episode's retrieval history as ``retrieved_ids``; a scorer that raises gives 0 and ``score_error``.
+The environment tracks the queries, the documents shown, and the documents the answer cites
+(``[id]``), for the evaluation tables.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,12 +21,16 @@ from megareason.envs.base import StepResult
 from megareason.envs.retrieval import Document, Retriever, build_retriever
 from megareason.envs.tools import call_tool, parse_tool_calls
 from megareason.rewards import compute_score
+from megareason.rewards.custom import Scorer
 from megareason.rewards.multihop_qa import exact_match, extract_prediction, retrieval_recall_precision, token_f1
+from megareason.rewards.pool import ScoreRequest, score_one
 
 SYSTEM_PROMPT = (
-    "Answer the user's question. You cannot see the documents: use the search tool to find them, as many "
-    "times as you need (one query per call). Cite the documents you used by their id in brackets, like [3]. "
-    "End with the final answer alone inside <answer></answer>, for example <answer>Paris</answer>."
+    "Answer the user's question from the documents. You cannot see the documents: search them first with "
+    "the search tool, as many times as you need, one query per call, for example\n"
+    '<tool_call>{"name": "search", "arguments": {"query": "founder of Acme"}}</tool_call>\n'
+    "When you know the answer, cite the documents you used by their id in brackets, like [3], and end with "
+    "the final answer alone inside <answer></answer>, for example <answer>Paris</answer>."
 )
 _CITATION = re.compile(r"\[([^\[\]\s]{1,40})\]")
 
@@ -36,6 +42,9 @@ class RetrievalQASettings:
     max_calls_per_turn: int = 2  # further calls in one message get an error observation
     max_doc_chars: int = 600  # each shown document is cut to this many characters
     system_prompt: str = SYSTEM_PROMPT
+    # Open the episode with the results of a search for the question itself (a tool call and its result
+    # in the prompt, not trained on): retrieve-then-read, for models that rarely call tools unprompted.
+    initial_search: bool = False
 
 
 def documents_of(record: PromptRecord, where: str = "record") -> list[Document]:
@@ -51,8 +60,8 @@ class RetrievalQAEnv:
     """One question's episode. ``retriever`` may be given (e.g. shared by the n samples of a prompt)."""
 
     def __init__(self, record: PromptRecord, settings: RetrievalQASettings = RetrievalQASettings(),
-                 retriever: Retriever | None = None):
-        self.record, self.settings = record, settings
+                 retriever: Retriever | None = None, scorer: Scorer = compute_score):
+        self.record, self.settings, self.scorer = record, settings, scorer
         self.docs = {d.id: d for d in documents_of(record, f"row {record.extra_info.get('index', '?')}")}
         self.retriever = retriever or build_retriever(settings.retriever, list(self.docs.values()))
         self.queries: list[str] = []
@@ -79,8 +88,14 @@ class RetrievalQAEnv:
         return "\n\n".join(shown) if shown else "No document matches."
 
     def reset(self) -> list[dict[str, str]]:
-        msgs = [m for m in self.record.prompt if m["role"] != "system"]
-        return [{"role": "system", "content": self.settings.system_prompt}, *msgs]
+        msgs = [{"role": "system", "content": self.settings.system_prompt},
+                *(m for m in self.record.prompt if m["role"] != "system")]
+        if self.settings.initial_search:
+            query = self.record.prompt[-1]["content"]
+            call = json.dumps({"name": "search", "arguments": {"query": query}})
+            msgs += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                     {"role": "tool", "content": self.search(query)}]
+        return msgs
 
     def step(self, message: str) -> StepResult:
         self.last_message = message
@@ -105,8 +120,10 @@ class RetrievalQAEnv:
         info = dict(self.record.extra_info)
         info["retrieved_ids"] = list(self.retrieved)
         info.pop("documents", None)  # the reward does not read them; keeps dumps small
-        out = compute_score(self.record.data_source, self.last_message, self.record.ground_truth, info)
-        return StepResult(reward=out.score, done=True, correct=out.correct, info=self.metrics())
+        out = score_one(self.scorer, ScoreRequest(self.record.data_source, self.last_message,
+                                                  self.record.ground_truth, info))
+        return StepResult(reward=out.score, done=True, correct=out.correct,
+                          info={**self.metrics(), **({"score_error": out.error} if out.error else {})})
 
     def metrics(self) -> dict:
         """The episode's answer and retrieval figures (JSON-safe)."""
@@ -123,11 +140,12 @@ class RetrievalQAEnv:
                 "tool_errors": self.tool_errors, "hops": int(self.record.extra_info.get("hops", 2))}
 
 
-def make_envs(records: Sequence[PromptRecord], n: int, settings: RetrievalQASettings) -> list[RetrievalQAEnv]:
+def make_envs(records: Sequence[PromptRecord], n: int, settings: RetrievalQASettings,
+              scorer: Scorer = compute_score) -> list[RetrievalQAEnv]:
     """``n`` episodes per record, in (record, sample) order; the n samples of a record share its index."""
     envs = []
     for rec in records:
-        first = RetrievalQAEnv(rec, settings)
+        first = RetrievalQAEnv(rec, settings, scorer=scorer)
         envs.append(first)
-        envs += [RetrievalQAEnv(rec, settings, retriever=first.retriever) for _ in range(n - 1)]
+        envs += [RetrievalQAEnv(rec, settings, retriever=first.retriever, scorer=scorer) for _ in range(n - 1)]
     return envs

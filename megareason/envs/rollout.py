@@ -74,6 +74,9 @@ class ChatFormat:
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """The opening messages with the tools described (natively, or in the system prompt) and the
         assistant header."""
+        if self.tool_role != "tool":  # tool results already in the opening messages
+            messages = [{"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+                        if m["role"] == "tool" else m for m in messages]
         kwargs = {}
         if self.native_tools:
             kwargs["tools"] = [tool_schema(t) for t in self.tools]

@@ -27,7 +27,8 @@ def env_enabled(cfg: Config) -> bool:
 def settings_from(cfg: Config) -> RetrievalQASettings:
     e = cfg.env
     return RetrievalQASettings(retriever=e.retriever, top_k=e.top_k, max_calls_per_turn=e.max_calls_per_turn,
-                               max_doc_chars=e.max_doc_chars, system_prompt=e.system_prompt or SYSTEM_PROMPT)
+                               max_doc_chars=e.max_doc_chars, system_prompt=e.system_prompt or SYSTEM_PROMPT,
+                               initial_search=e.initial_search)
 
 
 def check_env_data(cfg: Config, records: Iterable) -> None:
@@ -44,8 +45,10 @@ def check_env_data(cfg: Config, records: Iterable) -> None:
 
 def run_env(cfg: Config, prompts: list[TokenizedPrompt], generate: GenerateFn, tokenizer,
             sampling: Sampling) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
+    from megareason.evaluation.runner import scorer_from
+
     n = sampling.n
-    envs = make_envs([p.record for p in prompts], n, settings_from(cfg))
+    envs = make_envs([p.record for p in prompts], n, settings_from(cfg), scorer_from(cfg))
     episodes = run_episodes(envs, generate, tokenizer, sampling, max_turns=cfg.env.max_turns,
                             max_model_len=cfg.rollout.max_model_len)
     seen, groups, samples = [], [], []
@@ -61,7 +64,7 @@ def run_env(cfg: Config, prompts: list[TokenizedPrompt], generate: GenerateFn, t
                 index=p.record.extra_info.get("index", -1), sample=j, data_source=p.record.data_source,
                 question=p.record.prompt[-1]["content"], ground_truth=p.record.ground_truth,
                 response=c.text, reward=e.result.reward, correct=e.result.correct,
-                response_tokens=sum(c.mask_T), truncated=c.truncated,
+                response_tokens=sum(c.mask_T), truncated=c.truncated, score_error=e.result.info.get("score_error", ""),
                 env={"turns": e.turns, "end": e.end, **e.result.info}))
     return seen, groups, samples
 

@@ -1,0 +1,1 @@
+"""Agent environments: tool calls, multi-turn rollouts, retrieval QA (retrievers in ``retrieval``)."""
