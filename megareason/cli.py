@@ -43,6 +43,18 @@ examples:
   megareason report outputs/grpo_smollm2_cpu            # plots of a run
 """
 
+SFT_HELP = """\
+Supervised fine-tuning on demonstrations with the RL loop's Megatron actor, packing, checkpoints,
+resume and metrics: loss = NLL of the response tokens only. A record whose chat ends with an assistant
+message is imitated as is; other records (question/solution/answer rows, reasoning-gym items) get the
+response sft.response_template ({solution}, {answer}). val/loss and greedy val/accuracy on
+data.val_sources every trainer.val_every steps; trainer.prompts_per_step demonstrations per step.
+
+examples:
+  megareason sft                                          # SmolLM2-135M on arithmetic demonstrations, CPU
+  megareason sft 'data.sources=[{kind: file, path: demos.jsonl}]' trainer.steps=100
+"""
+
 BENCHMARK_HELP = """\
 Evaluate every model of benchmark.models with every retriever of benchmark.retrievers on the
 environment (env.*) and data of the config; each combination is written to
@@ -86,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: grpo_smollm2_cpu)")
     tr.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
     tr.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+
+    sf = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (Megatron actor, over Ray)",
+                        description=SFT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    sf.add_argument("--config-name", default="sft_smollm2_cpu", help="YAML in configs/ to start from "
+                    "(default: sft_smollm2_cpu)")
+    sf.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    sf.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
 
     bm = sub.add_parser("benchmark", help="evaluate models x retrievers on a tool environment",
                         description=BENCHMARK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -155,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "sft":
+            return _sft(args)
         if args.command == "benchmark":
             return _benchmark(args)
         if args.command == "analyze":
@@ -209,6 +231,22 @@ def _train(args: argparse.Namespace) -> int:
     run = train(cfg)
     plots = render(run)
     print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
+    return 0
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from megareason.config import load_config
+
+    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    if args.show_config:
+        print(json.dumps(asdict(cfg), indent=2))
+        return 0
+    from megareason.trainer.report import render
+    from megareason.trainer.sft import sft
+
+    run = sft(cfg)
+    plots = render(run)
+    print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
     return 0
 
 

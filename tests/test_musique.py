@@ -7,11 +7,14 @@ import pytest
 
 from megareason.config import load_config
 from megareason.data.loaders import DataError, load_records
-from megareason.data.musique import load_musique
+from megareason.data.musique import documents_of, load_musique
+from megareason.data.records import PromptRecord
 from megareason.data.synthetic_multihop import synthetic_multihop
-from megareason.envs.retrieval_qa import RetrievalQAEnv, RetrievalQASettings, documents_of
+from megareason.envs.retrieval import Document
+from megareason.envs.retrieval_qa import RetrievalQAEnv, RetrievalQASettings
 from megareason.envs.rollout import run_episodes
 from megareason.models.tiny import build_tokenizer
+from megareason.rewards import compute_score
 from megareason.rollout.engine import Completion, Sampling
 from megareason.trainer.experience import build_experience
 
@@ -50,8 +53,10 @@ def test_loader_reads_the_official_format(tmp_path):
     assert (rec.data_source, rec.ground_truth) == ("musique", "Bo Lind")
     e = rec.extra_info
     assert (e["hops"], e["supporting_ids"], e["answer_aliases"]) == (2, ["0", "2"], ["B. Lind"])
-    assert [(d.id, d.title, d.supporting) for d in documents_of(rec)] == [
-        ("0", "Ada Vell", True), ("1", "Paris", False), ("2", "Quorel Labs", True)]
+    assert documents_of(rec) == [Document("0", "Ada Vell", "Ada Vell works at Quorel Labs.", True),
+                                 Document("1", "Paris", "Paris is in France.", False),
+                                 Document("2", "Quorel Labs", "Quorel Labs was founded by Bo Lind.", True)]
+    assert json.loads(json.dumps(e)) == e  # JSON-safe
     assert e["decomposition"][1] == {"question": "Who founded #1?", "answer": "Bo Lind", "paragraph_support_idx": 2}
     assert len(load_musique(path, answerable_only=False)) == 3
 
@@ -65,7 +70,9 @@ def _paragraph(**changes):
 @pytest.mark.parametrize("bad, message", [
     ("{not json", "row 2: not valid JSON"),
     ("[1, 2]", "row 2: expected a JSON object, got list"),
-    (row(question=None), "row 2: field 'question' must be a string"),
+    (row(question=None), "row 2: field 'question' must be a string, got null"),
+    ({k: v for k, v in row().items() if k != "id"}, "row 2: missing field 'id'"),
+    (row(answerable="yes"), "row 2: field 'answerable' must be true or false"),
     ({k: v for k, v in row().items() if k != "answer"}, "row 2: missing field 'answer'"),
     (row(answer_aliases="B. Lind"), "row 2: field 'answer_aliases' must be a list of strings"),
     (row(paragraphs=[]), "row 2: field 'paragraphs' must be a non-empty list"),
@@ -73,6 +80,10 @@ def _paragraph(**changes):
     (row(paragraphs=[_paragraph(idx="5")]), "row 2 paragraphs[0]: field 'idx' must be an integer"),
     (row(paragraphs=[_paragraph(idx=True)]), "row 2 paragraphs[0]: field 'idx' must be an integer"),
     (row(paragraphs=[{"idx": 5, "title": "T"}]), "row 2 paragraphs[0]: missing field 'paragraph_text'"),
+    (row(paragraphs=[_paragraph(is_supporting="no")]), "row 2 paragraphs[0]: field 'is_supporting' must be true or"),
+    (row(paragraphs=[_paragraph(idx=1)], question_decomposition=[
+        {"question": "q", "answer": "a", "paragraph_support_idx": True}]),
+     "row 2 question_decomposition[0]: paragraph_support_idx true is not the idx"),
     (row(question_decomposition=[{"question": "q", "answer": "a", "paragraph_support_idx": 9}]),
      "row 2 question_decomposition[0]: paragraph_support_idx 9 is not the idx of one of the row's paragraphs"),
     (row(question_decomposition=[]), "row 2: field 'question_decomposition' must be a non-empty list"),
@@ -82,6 +93,14 @@ def test_loader_errors_name_file_row_and_field(tmp_path, bad, message):
     with pytest.raises(DataError) as e:
         load_musique(path)
     assert str(e.value).startswith(str(path)) and message in str(e.value)
+
+
+def test_documents_of_rejects_records_without_documents():
+    with pytest.raises(DataError, match=r"row 7: extra_info\['documents'\] must be a non-empty list"):
+        documents_of(PromptRecord(prompt=[], data_source="musique", ground_truth="a"), "row 7")
+    with pytest.raises(DataError, match=r"extra_info\['documents'\]\[0\] must be an object with 'id' and 'text'"):
+        documents_of(PromptRecord(prompt=[], data_source="musique", ground_truth="a",
+                                  extra_info={"documents": [{"id": "1"}]}))
 
 
 def test_loader_missing_file_and_no_rows(tmp_path):
@@ -105,7 +124,10 @@ def test_synthetic_set_is_deterministic_and_its_chains_hold():
         for step in steps:  # each hop's answer is stated in its supporting paragraph
             assert step["answer"] in docs[str(step["paragraph_support_idx"])]["text"]
             assert docs[str(step["paragraph_support_idx"])]["supporting"]
-        assert steps[-1]["answer"] == r.ground_truth
+        assert steps[-1]["answer"] == r.ground_truth in docs[str(steps[-1]["paragraph_support_idx"])]["text"]
+        assert r.data_source == "musique" and r.prompt == [{"role": "user", "content": e["question"]}]
+        assert compute_score("musique", f"<answer>{r.ground_truth}</answer>", r.ground_truth, e).score == 1.0
+        assert [d.id for d in documents_of(r)] == [str(j) for j in range(len(docs))]
         for prev, step in zip(steps, steps[1:], strict=False):  # the chain: a hop's answer names the next entity
             assert prev["answer"] in step["question"]
     with pytest.raises(ValueError, match="hops must be"):

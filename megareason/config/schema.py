@@ -236,6 +236,15 @@ class RaroConfig:
 
 
 @dataclass
+class SFTConfig:
+    """``megareason sft``: the response of a record that does not end with an assistant message.
+    ``{solution}`` is its extra_info solution (the expert's reasoning; may be empty), ``{answer}`` its
+    extra_info expert_answer, else its ground truth."""
+
+    response_template: str = "{solution}\n\nThe final answer is \\boxed{{{answer}}}."
+
+
+@dataclass
 class OptimConfig:
     """megatron-core AdamW (constant learning rate after a linear warmup)."""
 
@@ -287,5 +296,6 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     raro: RaroConfig = field(default_factory=RaroConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

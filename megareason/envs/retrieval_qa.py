@@ -16,9 +16,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megareason.data.musique import documents_of
 from megareason.data.records import PromptRecord
 from megareason.envs.base import StepResult
-from megareason.envs.retrieval import Document, Retriever, build_retriever
+from megareason.envs.retrieval import Retriever, build_retriever
 from megareason.envs.tools import call_tool, parse_tool_calls
 from megareason.rewards import compute_score
 from megareason.rewards.custom import Scorer
@@ -45,15 +46,6 @@ class RetrievalQASettings:
     # Open the episode with the results of a search for the question itself (a tool call and its result
     # in the prompt, not trained on): retrieve-then-read, for models that rarely call tools unprompted.
     initial_search: bool = False
-
-
-def documents_of(record: PromptRecord, where: str = "record") -> list[Document]:
-    docs = record.extra_info.get("documents")
-    if not isinstance(docs, list) or not docs:
-        raise ValueError(f"{where}: extra_info['documents'] must be a non-empty list of documents "
-                         "(a MuSiQue-format row; see megareason.data.musique)")
-    return [Document(id=str(d["id"]), title=str(d.get("title", "")), text=str(d["text"]),
-                     supporting=bool(d.get("supporting", False))) for d in docs]
 
 
 class RetrievalQAEnv:

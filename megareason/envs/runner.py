@@ -34,7 +34,7 @@ def settings_from(cfg: Config) -> RetrievalQASettings:
 def check_env_data(cfg: Config, records: Iterable) -> None:
     """Every record must carry the documents the environment searches (fail before any engine starts)."""
     from megareason.data.loaders import DataError
-    from megareason.envs.retrieval_qa import documents_of
+    from megareason.data.musique import documents_of
 
     for rec in records:
         try:

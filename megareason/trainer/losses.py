@@ -58,6 +58,18 @@ def policy_loss_fn(alg: AlgorithmConfig):
     return loss
 
 
+def sft_loss_fn(mode: str):
+    """Negative log-likelihood of the response tokens (``mask_BT``), aggregated by ``mode``."""
+
+    def loss(logp_1W, entropy_1W, batch):
+        logp_BT, mask_BT = _rows(logp_1W, batch), _rows(batch.fields["mask_BT"], batch)
+        num, den = aggregate(-logp_BT, mask_BT, mode)
+        tokens = mask_BT.sum()
+        return num, den, {"tokens": tokens, "nll_num": (-logp_BT.detach() * mask_BT).sum(), "nll_den": tokens}
+
+    return loss
+
+
 def value_loss_fn(alg: AlgorithmConfig):
     """Clipped value loss on the critic's values (aligned: column t is the value before token t)."""
 

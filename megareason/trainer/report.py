@@ -9,6 +9,7 @@ from megareason.trainer.tracking import read_metrics
 # One figure per panel; a panel draws every metric that starts with one of its prefixes.
 PANELS = {
     "reward": ("reward/mean", "accuracy", "val/accuracy"),
+    "sft": ("sft/loss", "val/loss"),
     "response_length": ("response_length/mean", "response_length/max"),
     "policy": ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/clipfrac", "actor/ppo_kl"),
     "grad_norm": ("actor/grad_norm", "critic/grad_norm"),

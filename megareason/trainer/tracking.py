@@ -11,7 +11,8 @@ from tqdm import tqdm
 # The console line shows these (when present), in this order, under these labels.
 CONSOLE_KEYS = {"reward/mean": "reward", "accuracy": "acc", "response_length/mean": "len", "actor/loss": "loss",
                 "actor/kl": "kl", "actor/entropy": "entropy", "actor/grad_norm": "gnorm", "critic/vf_loss": "vf_loss",
-                "rollout/token_mult_prob_error": "mismatch", "val/accuracy": "val_acc", "time/step": "sec"}
+                "rollout/token_mult_prob_error": "mismatch", "sft/loss": "sft_loss", "val/loss": "val_loss",
+                "val/accuracy": "val_acc", "time/step": "sec"}
 
 
 class Tracker:

@@ -154,6 +154,13 @@ class PolicyWorker(_Worker):
             names.append("rollout_logp_BT")
         return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr, responses_only=True)
 
+    def sft_train(self, exp: Experience, lr: float) -> dict[str, float]:
+        """One supervised step: NLL of the response tokens (``megareason sft``)."""
+        from megareason.trainer.losses import sft_loss_fn
+
+        return self._train(self.actor, exp, ["mask_BT"], sft_loss_fn(self.cfg.algorithm.loss_agg_mode), lr,
+                           responses_only=True)
+
     def sync_weights(self) -> dict[str, float] | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
         from megareason.rollout.weight_sync import stream_hf_tensors
