@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-EXTRAS ?= cpu,dev
+EXTRAS ?= cpu,dev,trackers
 MODEL  := smollm2-135m-instruct
 ARGS   ?=
 PYTEST_ARGS ?=

@@ -278,7 +278,10 @@ class TrainerConfig:
     val_every: int = 10
     val_before_train: bool = True
     dump_rollouts_every: int = 1  # rollout samples as JSONL; 0 disables
-    loggers: list[Literal["console", "tensorboard"]] = field(default_factory=lambda: ["console", "tensorboard"])
+    # Any of console, tensorboard, wandb (offline without WANDB_API_KEY), mlflow (<output_dir>/mlruns unless
+    # MLFLOW_TRACKING_URI is set); the same metric names in each. See megareason/trainer/tracking.py.
+    loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(
+        default_factory=lambda: ["console", "tensorboard"])
     # Ray: empty starts a local cluster on 127.0.0.1; "auto" or host:port joins a running one.
     ray_address: str = ""
     weight_sync_bucket_mb: int = 256

@@ -19,11 +19,13 @@ absent from the corpus, gets ``[]`` (and hybrid then ranks by dense alone). ``k 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 RETRIEVERS = ("bm25", "dense", "hybrid", "golden")
+logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every index build at DEBUG
 
 
 @dataclass(frozen=True)

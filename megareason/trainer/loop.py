@@ -99,7 +99,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     run.root.mkdir(parents=True, exist_ok=True)
     atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
     sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
-    tracker = Tracker(run.root, t.loggers, state.step)
+    tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
     if t.val_before_train and state.step == 0 and val_prompts:
         tracker.log(0, validate(actors, val_prompts, cfg, score_fn, tokenizer))
 

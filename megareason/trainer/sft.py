@@ -140,7 +140,7 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
     run.root.mkdir(parents=True, exist_ok=True)
     atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
     sampler = PromptSampler(len(train_set[0]), t.seed, state.sampler.epoch, state.sampler.position)
-    tracker = Tracker(run.root, t.loggers, state.step)
+    tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
 
     def validate() -> dict[str, float]:
         if val_set is None:

@@ -1,12 +1,31 @@
-"""Metrics to the console, tensorboard and ``metrics.jsonl`` (which ``megareason report`` plots)."""
+"""Metrics to ``metrics.jsonl`` (which ``megareason report`` plots) and to the loggers of
+``trainer.loggers``: the console, tensorboard, wandb and MLflow, under the same metric names everywhere.
+
+* **wandb**: offline (a run folder under ``<run>/wandb/``, synced later with ``wandb sync``) unless
+  credentials are configured (``WANDB_API_KEY``) or ``WANDB_MODE`` says otherwise; project
+  ``$WANDB_PROJECT`` (default "megareason"), run name = the run folder's name.
+* **MLflow**: ``$MLFLOW_TRACKING_URI`` if set, else a local file store in ``<run>/mlruns`` (MLflow 3 keeps
+  that backend in maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE``, which is set for it); experiment
+  ``$MLFLOW_EXPERIMENT_NAME`` (default "megareason"), one batch of metrics per step.
+
+Credentials are read by the libraries from the environment only; nothing here writes them anywhere. A
+resumed run continues the same wandb and MLflow runs (their ids are kept in the run folder).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
+import uuid
 from pathlib import Path
 
 from tqdm import tqdm
+
+from megareason.utils import atomic_write
+
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 
 # The console line shows these (when present), in this order, under these labels.
 CONSOLE_KEYS = {"reward/mean": "reward", "accuracy": "acc", "response_length/mean": "len", "actor/loss": "loss",
@@ -15,12 +34,92 @@ CONSOLE_KEYS = {"reward/mean": "reward", "accuracy": "acc", "response_length/mea
                 "val/accuracy": "val_acc", "time/step": "sec"}
 
 
+def _need(module: str, logger: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"trainer.loggers has {logger!r} but {module} is not installed: "
+                          "pip install 'megareason[trackers]'") from e
+
+
+def _saved_id(path: Path) -> str | None:
+    return path.read_text().strip() or None if path.is_file() else None
+
+
+class _Wandb:
+    def __init__(self, root: Path, config: dict | None):
+        wandb = _need("wandb", "wandb")
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        id_file = root / "wandb_run_id"
+        run_id = _saved_id(id_file) or uuid.uuid4().hex[:8]  # wandb ids: 8 lowercase alphanumerics
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "megareason"), name=root.resolve().name,
+                              id=run_id, resume="allow", dir=str(root), mode=mode, config=config,
+                              settings=wandb.Settings(console="off", save_code=False, silent=True))
+        atomic_write(id_file, run_id + "\n")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _Mlflow:
+    def __init__(self, root: Path, config: dict | None):
+        _need("mlflow", "mlflow")
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"file:{root.resolve() / 'mlruns'}"
+        if uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        id_file = root / "mlflow_run_id"
+        self.run_id = _saved_id(id_file)
+        if self.run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "megareason")
+            exp = self.client.get_experiment_by_name(name)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+            self.run_id = self.client.create_run(exp_id, run_name=root.resolve().name).info.run_id
+            atomic_write(id_file, self.run_id + "\n")
+            if config:
+                from mlflow.entities import Param
+
+                flat = _flatten(config)
+                for i in range(0, len(flat), 100):  # MLflow's batch limit
+                    self.client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in flat[i:i + 100]])
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):  # MLflow's batch limit
+            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    out = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out += _flatten(v, key + ".") if isinstance(v, dict) else [(key, v)]
+    return out
+
+
 class Tracker:
     """Appends one record per ``log`` call. On a resume from step ``start_step`` the records of later
     steps (written after that checkpoint by the interrupted run) are dropped first, so the file and the
-    tensorboard curves hold each step once."""
+    tensorboard curves hold each step once. ``config`` (the run's resolved config) goes to wandb and
+    MLflow as the run's parameters."""
 
-    def __init__(self, root: Path, loggers: list[str], start_step: int):
+    def __init__(self, root: Path, loggers: list[str], start_step: int, config: dict | None = None):
+        unknown = sorted(set(loggers) - set(LOGGERS))
+        if unknown:
+            raise ValueError(f"trainer.loggers: unknown {unknown}; expected some of {list(LOGGERS)}")
         self.path = root / "metrics.jsonl"
         self.console = "console" in loggers
         kept = []
@@ -34,6 +133,7 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(root / "tensorboard"), purge_step=start_step + 1)
+        self.remote = [cls(root, config) for name, cls in (("wandb", _Wandb), ("mlflow", _Mlflow)) if name in loggers]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
@@ -44,6 +144,8 @@ class Tracker:
             for k, v in clean.items():
                 self.writer.add_scalar(k, v, step)
             self.writer.flush()
+        for logger in self.remote:
+            logger.log(step, clean)
         if self.console:
             shown = [f"{label}={clean[k]:.4g}" for k, label in CONSOLE_KEYS.items() if k in clean]
             tqdm.write(f"step {step}: " + " ".join(shown))
@@ -51,6 +153,8 @@ class Tracker:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for logger in self.remote:
+            logger.close()
 
 
 def read_metrics(root: str | Path) -> list[dict[str, float]]:
