@@ -78,41 +78,31 @@ examples:
   megareason eval reward.tinyv.model=smollm2-135m-instruct    # data rows with data_source: math_tinyv
 """
 
+def _config_command(sub, name: str, help: str, description: str, default_config: str, show_config: bool = True):
+    """A subcommand that loads a config: KEY=VALUE overrides, --config-name, --config-dir (--show-config)."""
+    p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--config-name", default=default_config,
+                   help=f"YAML in configs/ to start from (default: {default_config})")
+    p.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    if show_config:
+        p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    ev = sub.add_parser("eval", help="evaluate a model on reasoning prompts with vLLM", description=EVAL_HELP,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ev.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    ev.add_argument("--config-name", default="eval", help="YAML in configs/ to start from (default: eval)")
-    ev.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
-    ev.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
-
-    tr = sub.add_parser("train", help="RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray",
-                        description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    tr.add_argument("--config-name", default="grpo_smollm2_cpu", help="YAML in configs/ to start from "
-                    "(default: grpo_smollm2_cpu)")
-    tr.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
-    tr.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
-
-    sf = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (Megatron actor, over Ray)",
-                        description=SFT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    sf.add_argument("--config-name", default="sft_smollm2_cpu", help="YAML in configs/ to start from "
-                    "(default: sft_smollm2_cpu)")
-    sf.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
-    sf.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
-
-    bm = sub.add_parser("benchmark", help="evaluate models x retrievers on a tool environment",
-                        description=BENCHMARK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bm.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-    bm.add_argument("--config-name", default="eval_multihop", help="YAML in configs/ to start from "
-                    "(default: eval_multihop)")
-    bm.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+    _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
+    _config_command(sub, "train", "RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray", TRAIN_HELP,
+                    "grpo_smollm2_cpu")
+    _config_command(sub, "sft", "supervised fine-tuning on demonstrations (Megatron actor, over Ray)", SFT_HELP,
+                    "sft_smollm2_cpu")
+    _config_command(sub, "benchmark", "evaluate models x retrievers on a tool environment", BENCHMARK_HELP,
+                    "eval_multihop", show_config=False)
     an = sub.add_parser("analyze", help="tables and plots of a benchmark results folder",
                         description="Print the tables of RESULTS (a `megareason benchmark` folder), overall "
                         "and per hop count, and save bar plots in RESULTS/plots/.")
