@@ -200,8 +200,12 @@ def test_grpo_on_the_retrieval_qa_environment(tiny_qwen2, tmp_path):
                "env.max_turns=2", "env.max_doc_chars=80", "trainer.steps=2", "rollout.max_model_len=1024",
                "trainer.micro_batch_tokens=2048", "data.max_prompt_length=512", "data.system_prompt=''",
                "data.sources=[{kind: synthetic_multihop, size: 8, seed: 1, options: {distractors: 2}}]",
-               "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]"))
+               "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]",
+               "trainer.loggers=[console,tensorboard,wandb,mlflow]"))
     m = _metrics(out)
+    # every logger of a real run: tensorboard events, an offline wandb run folder, an MLflow run
+    assert list((out / "tensorboard").glob("events.*")) and list((out / "wandb").glob("offline-run-*"))
+    assert (out / "mlflow_run_id").is_file() and list((out / "mlruns").glob("*/*/metrics/reward"))
     assert m[1]["env/turns"] >= 1 and m[1]["env/searches"] >= 1  # the opening search counts
     assert m[2]["actor/grad_norm"] > 0 and "val/accuracy" in m[2]
     rows = [json.loads(x) for x in (out / "rollouts" / "step_00000001.jsonl").read_text().splitlines()]
