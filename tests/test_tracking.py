@@ -12,7 +12,7 @@ import pytest
 
 from megareason.trainer.tracking import Tracker
 
-STEPS = {1: {"reward/mean": 0.25, "actor/grad_norm": 1.5, "time/step": 3.0, "val/accuracy/basic_arithmetic": 0.1},
+STEPS = {1: {"reward/mean": 0.25, "actor/grad_norm": 1.5, "time/step": 3.0, "val/by_source/gsm8k/accuracy": 0.1},
          2: {"reward/mean": 0.5, "actor/grad_norm": 1.25, "time/step": 2.5, "env/turns": 2.0},
          3: {"reward/mean": 0.75, "actor/grad_norm": 1.0, "time/step": 2.0, "critic/explained_variance": float("nan")}}
 ALL = ["console", "tensorboard", "wandb", "mlflow"]
@@ -134,6 +134,13 @@ def test_credentials_never_reach_the_run_folder(tmp_path, offline, monkeypatch):
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) > 5
     assert not [p for p in files if b"secret-xyz" in p.read_bytes()]
+
+
+def test_mlflow_file_store_name_clash_is_named(tmp_path, offline):
+    tracker = Tracker(tmp_path, ["mlflow"], 0)
+    tracker.log(1, {"accuracy": 0.5})
+    with pytest.raises(ValueError, match="metric 'accuracy/gsm8k' needs 'accuracy' to be a folder"):
+        tracker.log(2, {"accuracy/gsm8k": 0.5})
 
 
 def test_unknown_logger_and_missing_package(tmp_path, monkeypatch):

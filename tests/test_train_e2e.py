@@ -197,7 +197,8 @@ def test_grpo_on_the_retrieval_qa_environment(tiny_qwen2, tmp_path):
     samples differ), the env/* metrics are logged and the rollout dump holds each episode's details."""
     out = tmp_path / "env"
     _run(_args(tiny_qwen2, tmp_path, out, "env.name=retrieval_qa", "env.retriever=bm25", "env.initial_search=true",
-               "env.max_turns=2", "env.max_doc_chars=80", "trainer.steps=2", "rollout.max_model_len=1024",
+               "env.max_turns=2", "env.max_doc_chars=80", "env.top_k=1", "trainer.steps=2",
+               "rollout.max_model_len=1024", "env.system_prompt='Search, then answer in <answer></answer>.'",
                "trainer.micro_batch_tokens=2048", "data.max_prompt_length=512", "data.system_prompt=''",
                "data.sources=[{kind: synthetic_multihop, size: 8, seed: 1, options: {distractors: 2}}]",
                "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]",

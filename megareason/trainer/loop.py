@@ -263,8 +263,9 @@ def step_metrics(cfg: Config, step: int, exp: Experience, scored: list[SampleRes
          "reward/timeouts": sum(s.timed_out for s in scored)}
     for source in sorted({s.data_source for s in scored}):
         mine = [s for s in scored if s.data_source == source]
-        m[f"reward/{source}/mean"] = sum(s.reward for s in mine) / len(mine)
-        m[f"accuracy/{source}"] = sum(s.correct for s in mine) / len(mine)
+        # by_source/...: no metric name may be a path prefix of another (MLflow's file store: one file each)
+        m[f"by_source/{source}/reward"] = sum(s.reward for s in mine) / len(mine)
+        m[f"by_source/{source}/accuracy"] = sum(s.correct for s in mine) / len(mine)
     if exp.old_logp_BT is not None:
         m.update({f"rollout/{k}": v for k, v in logprob_mismatch(exp.old_logp_BT, exp.rollout_logp_BT,
                                                                  exp.mask_BT).items()})
@@ -317,7 +318,7 @@ def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Confi
     out = {"val/accuracy": sum(r.correct for r in results) / len(results),
            "val/reward": sum(r.reward for r in results) / len(results)}
     for s in summarize(results, 1, [1]):
-        out[f"val/accuracy/{s.data_source}"] = s.accuracy
+        out[f"val/by_source/{s.data_source}/accuracy"] = s.accuracy
     return out
 
 

@@ -93,10 +93,24 @@ class _Mlflow:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
+        self._check_names(metrics)
         now = int(time.time() * 1000)
         items = [Metric(k, v, now, step) for k, v in metrics.items()]
         for i in range(0, len(items), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
+
+    def _check_names(self, metrics: dict[str, float]) -> None:
+        """The file store keeps metric ``a/b`` in the file ``metrics/a/b``: ``a`` and ``a/b`` cannot coexist.
+        Fail with both names rather than mid-write (megareason's own names never collide)."""
+        if not self.client.tracking_uri.startswith("file:"):
+            return
+        self.names = getattr(self, "names", set()) | set(metrics)
+        for name in metrics:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in self.names:
+                    raise ValueError(f"MLflow file store: metric {name!r} needs {'/'.join(parts[:i])!r} to be a "
+                                     "folder, but it is also a metric; rename one of them")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
