@@ -40,6 +40,7 @@ examples:
   megareason train                                      # GRPO, SmolLM2-135M-Instruct on CPU
   megareason train trainer.steps=5 trainer.output_dir=outputs/try
   megareason train --config-name ppo_smollm2_cpu        # PPO with a critic
+  megareason train --use-lora lora.rank=16               # LoRA adapters (= lora.enabled=true)
   megareason report outputs/grpo_smollm2_cpu            # plots of a run
 """
 
@@ -53,6 +54,7 @@ data.val_sources every trainer.val_every steps; trainer.prompts_per_step demonst
 examples:
   megareason sft                                          # SmolLM2-135M on arithmetic demonstrations, CPU
   megareason sft 'data.sources=[{kind: file, path: demos.jsonl}]' trainer.steps=100
+  megareason sft --use-lora                               # LoRA adapters on a frozen base
 """
 
 BENCHMARK_HELP = """\
@@ -78,8 +80,10 @@ examples:
   megareason eval reward.tinyv.model=smollm2-135m-instruct    # data rows with data_source: math_tinyv
 """
 
-def _config_command(sub, name: str, help: str, description: str, default_config: str, show_config: bool = True):
-    """A subcommand that loads a config: KEY=VALUE overrides, --config-name, --config-dir (--show-config)."""
+def _config_command(sub, name: str, help: str, description: str, default_config: str, show_config: bool = True,
+                    lora: bool = False):
+    """A subcommand that loads a config: KEY=VALUE overrides, --config-name, --config-dir (--show-config,
+    --use-lora)."""
     p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--config-name", default=default_config,
@@ -87,7 +91,14 @@ def _config_command(sub, name: str, help: str, description: str, default_config:
     p.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
     if show_config:
         p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    if lora:
+        p.add_argument("--use-lora", action="store_true", help="train LoRA adapters on a frozen base (the same as "
+                       "lora.enabled=true; lora.rank, lora.alpha, lora.dropout, lora.targets)")
     return p
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    return (["lora.enabled=true"] if args.use_lora else []) + args.overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
 
     _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
     _config_command(sub, "train", "RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray", TRAIN_HELP,
-                    "grpo_smollm2_cpu")
+                    "grpo_smollm2_cpu", lora=True)
     _config_command(sub, "sft", "supervised fine-tuning on demonstrations (Megatron actor, over Ray)", SFT_HELP,
-                    "sft_smollm2_cpu")
+                    "sft_smollm2_cpu", lora=True)
     _config_command(sub, "benchmark", "evaluate models x retrievers on a tool environment", BENCHMARK_HELP,
                     "eval_multihop", show_config=False)
     an = sub.add_parser("analyze", help="tables and plots of a benchmark results folder",
@@ -132,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                           "(loads in transformers and vLLM)")
     m2h.add_argument("ckpt_dir", help="megareason checkpoint directory (saved at any TP/PP)")
     m2h.add_argument("out_dir", help="HF directory to write (replaced atomically if it exists)")
+    m2h.add_argument("--peft", action="store_true", help="LoRA checkpoints: write the adapter in PEFT's format "
+                     "instead of merged weights")
 
     sv = sub.add_parser("serve-verifier", help="serve a TinyV verifier model with vLLM's OpenAI API",
                         description=SERVE_VERIFIER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,7 +223,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from megareason.config import load_config, validate_training
 
-    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    cfg = load_config(args.config_name, _overrides(args), args.config_dir)
     validate_training(cfg)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
@@ -227,7 +240,7 @@ def _train(args: argparse.Namespace) -> int:
 def _sft(args: argparse.Namespace) -> int:
     from megareason.config import load_config
 
-    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    cfg = load_config(args.config_name, _overrides(args), args.config_dir)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
@@ -289,7 +302,7 @@ def _convert(args: argparse.Namespace) -> int:
     if args.convert_command == "hf-to-megatron":
         out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
     else:
-        out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir)
+        out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft)
     print(out)
     return 0
 

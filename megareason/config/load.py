@@ -230,6 +230,13 @@ def validate_training(cfg: Config) -> None:
     _check(opt.lr > 0, "optim.lr", "must be > 0", opt.lr)
     _check(opt.critic_lr > 0, "optim.critic_lr", "must be > 0", opt.critic_lr)
     _check(opt.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", opt.warmup_steps)
+    lora = cfg.lora
+    if lora.enabled:
+        _check(lora.rank >= 1, "lora.rank", "must be >= 1", lora.rank)
+        _check(lora.alpha > 0, "lora.alpha", "must be > 0", lora.alpha)
+        _check(0 <= lora.dropout < 1, "lora.dropout", "must be in [0, 1)", lora.dropout)
+        _check(len(set(lora.targets)) == len(lora.targets) >= 1, "lora.targets", "must list distinct targets "
+               "(linear_qkv, linear_proj, linear_fc1, linear_fc2), at least one", lora.targets)
     if alg.name == "raro":
         _validate_raro(cfg)
 

@@ -245,6 +245,20 @@ class SFTConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the actor's (and PPO critic's) attention and MLP linears: the base weights are
+    frozen and not in the optimizer; vLLM receives merged weights (W + alpha/rank * B A). See
+    ``megareason/models/lora.py``; ``megareason convert megatron-to-hf --peft`` exports the adapter."""
+
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class OptimConfig:
     """megatron-core AdamW (constant learning rate after a linear warmup)."""
 
@@ -300,5 +314,6 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     raro: RaroConfig = field(default_factory=RaroConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

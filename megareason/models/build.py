@@ -30,12 +30,12 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec():
-    """TransformerEngine layers on GPU when it is installed (the NGC containers have it), else
-    megatron-core's local (pure torch) layers, on CPU and GPU alike."""
+def layer_spec(local: bool = False):
+    """TransformerEngine layers on GPU when it is installed (the NGC containers have it), else (or with
+    ``local``) megatron-core's local (pure torch) layers, on CPU and GPU alike."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if transformer_engine_available():
+    if transformer_engine_available() and not local:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     if torch.cuda.is_available():
         log.warning("TransformerEngine is not installed: megatron-core's local layers on GPU (slower)")
@@ -47,8 +47,9 @@ def uses_transformer_engine(model) -> bool:
     return any(n.endswith(".layer_norm_weight") for n, _ in model.named_parameters())
 
 
-def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32):
-    """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits."""
+def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32, local_spec: bool = False):
+    """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits;
+    ``local_spec``: megatron-core's local layers even where TransformerEngine is installed (LoRA)."""
     from megatron.core.models.gpt import GPTModel
 
     layout = current_layout()
@@ -56,7 +57,7 @@ def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32):
     config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(local_spec),
         vocab_size=arch.padded_vocab_size(layout.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=layout.first_stage,

@@ -115,9 +115,15 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     """Load ``path`` into this rank's ``model`` (any TP/PP layout) and ``optimizer``; returns the metadata."""
     from megatron.core import dist_checkpointing
 
+    from megareason.models.lora import lora_modules
+
     meta = read_metadata(path)
     if optimizer is not None and not meta["has_optimizer"]:
         raise ValueError(f"{path}: checkpoint has no optimizer state")
+    if bool(meta.get("lora")) != bool(lora_modules(model)):
+        has = "has LoRA adapters" if meta.get("lora") else "has no LoRA adapters"
+        raise ValueError(f"{path}: the checkpoint {has} and the model {'does not' if meta.get('lora') else 'does'}; "
+                         "build the model with the checkpoint's lora settings (megareason.json: lora)")
     state = {"model": model.sharded_state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)

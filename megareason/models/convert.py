@@ -47,19 +47,52 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return save_checkpoint(out_dir, model, ckpt.arch, hf_dir, metadata={"converted_from": str(hf_dir)})
 
 
-def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
-    """Convert a megareason checkpoint (saved at any TP/PP) into an HF directory at ``out_dir``."""
-    from megareason.models import weight_map
-    from megareason.models.build import build_gpt
-    from megareason.models.checkpoint import checkpoint_arch, load_checkpoint
+def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, peft: bool = False) -> Path:
+    """Convert a megareason checkpoint (saved at any TP/PP) into an HF directory at ``out_dir``.
 
+    A LoRA checkpoint is written with the adapters merged into the weights, or with ``peft`` as a PEFT
+    adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for the HF base model it was
+    trained from (``PeftModel.from_pretrained(base, out_dir)`` or transformers' ``load_adapter``)."""
+    from dataclasses import fields
+
+    from megareason.models import lora, weight_map
+    from megareason.models.build import build_gpt
+    from megareason.models.checkpoint import checkpoint_arch, load_checkpoint, read_metadata
+
+    meta = read_metadata(ckpt_dir)
+    settings = None
+    if meta.get("lora"):
+        known = {f.name for f in fields(lora.LoRASettings)}
+        kw = {k: v for k, v in meta["lora"].items() if k in known}
+        settings = lora.LoRASettings(**{**kw, "targets": tuple(kw["targets"])})
+    if peft and settings is None:
+        raise ValueError(f"{ckpt_dir}: --peft needs a checkpoint trained with LoRA (lora.enabled=true); this one "
+                         "has no adapters")
     arch = checkpoint_arch(ckpt_dir)
     _ensure_single_process_group()
-    model = build_gpt(arch)
+    model = build_gpt(arch, local_spec=settings is not None)
+    if settings is not None:
+        lora.apply_lora(model, settings)
     load_checkpoint(ckpt_dir, model)
-    state = {k: v.cpu() for k, v in weight_map.model_state(model).items()}
+    if peft:
+        adapters = {k: (a.cpu(), b.cpu()) for k, (a, b) in lora.adapter_state(model).items()}
+        base = str(meta.get("base_model", ""))
+        return write_peft(lora.peft_adapter(adapters, arch), lora.peft_config(settings, base), out_dir)
+    state = {k: v.cpu() for k, v in lora.merged_state(model).items()}
     tensors = weight_map.to_hf({(0, 0): state}, arch, tp=1, pp=1)
     return write_hf(tensors, Path(ckpt_dir) / "hf", out_dir)
+
+
+def write_peft(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
+    """A PEFT adapter directory, atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_directory(out_dir) as tmp:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+    return Path(out_dir)
 
 
 def write_hf(tensors: dict[str, torch.Tensor], config_dir: Path, out_dir: str | Path) -> Path:

@@ -6,6 +6,11 @@
 * ``Critic``: the same trunk with a scalar value head instead of the LM head (PPO), trained like the
   actor. The trunk starts from the actor's HF checkpoint; the value head starts at zero.
 
+With ``lora`` settings the actor and critic train LoRA adapters on a frozen base (``models/lora.py``;
+the critic's value head trains too): DDP and the optimizer hold only the trainable parameters, the
+checkpoint records the settings (``megareason.json``: ``lora``), and the weight sync and export read the
+merged weights.
+
 Each role lives on every rank of its model-parallel group; the parallel groups must exist
 (``parallel.init_parallel``) before a role is built.
 """
@@ -17,20 +22,25 @@ import torch
 from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
 from megareason.models.checkpoint import load_checkpoint, save_checkpoint
 from megareason.models.logprobs import logprob_head
+from megareason.models.lora import LoRASettings, apply_lora
 from megareason.models.schedule import LossFn, forward_outputs, padded_micro_batches
 from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
 
 
 class _Trainable:
-    def __init__(self, model, ckpt: HFCheckpoint, settings: OptimizerSettings):
-        self.model, self.arch, self.hf_dir = model, ckpt.arch, ckpt.dir
+    def __init__(self, model, ckpt: HFCheckpoint, settings: OptimizerSettings, lora: LoRASettings | None):
+        self.model, self.arch, self.hf_dir, self.lora = model, ckpt.arch, ckpt.dir, lora
         self.ddp, self.optimizer = wrap_for_training(model, settings)
 
     def train_step(self, micro_batches, loss_fn: LossFn) -> StepResult:
         return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn)
 
     def save(self, path, metadata: dict | None = None):
-        return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer, metadata)
+        from dataclasses import asdict
+
+        # the base model's path: a PEFT export names it (adapter_config.json: base_model_name_or_path)
+        lora = {"lora": asdict(self.lora), "base_model": str(self.hf_dir)} if self.lora is not None else {}
+        return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer, {**(metadata or {}), **lora})
 
     def load(self, path) -> dict:
         return load_checkpoint(path, self.model, self.optimizer)
@@ -40,10 +50,12 @@ class Actor(_Trainable):
     """``temperature``: the sampling temperature of the rollouts; log-probs are of logits / temperature."""
 
     def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32,
-                 temperature: float = 1.0):
-        model = build_gpt(ckpt.arch, params_dtype)
+                 temperature: float = 1.0, lora: LoRASettings | None = None):
+        model = build_gpt(ckpt.arch, params_dtype, local_spec=lora is not None)
         load_hf_weights(model, ckpt)
-        super().__init__(model, ckpt, settings)
+        if lora is not None:
+            apply_lora(model, lora)
+        super().__init__(model, ckpt, settings, lora)
         self.head = logprob_head(ckpt.arch.vocab_size, temperature)
 
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,18 +118,21 @@ def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
 
 
 class Critic(_Trainable):
-    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32):
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32,
+                 lora: LoRASettings | None = None):
         from dataclasses import replace
 
         from megareason.models.parallel import current_layout
 
         # The trunk loads like the actor's; an untied build keeps the value head off the embedding.
-        model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), params_dtype)
+        model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), params_dtype, local_spec=lora is not None)
         load_hf_weights(model, ckpt, with_output_layer=False)
+        if lora is not None:
+            apply_lora(model, lora)  # freezes the trunk; the value head below trains in full
         if current_layout().last_stage:
             device = next(model.parameters()).device
             model.output_layer = ValueHead(ckpt.arch.hidden_size, params_dtype, device)
-        super().__init__(model, ckpt, settings)
+        super().__init__(model, ckpt, settings, lora)
         self.head = value_head_outputs
 
     def values(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:

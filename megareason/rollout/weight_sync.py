@@ -11,6 +11,8 @@ ever holds the whole model twice.
 ``gather_hf_naive`` is the obvious reference (every shard to one rank, then ``weight_map.to_hf``).
 Each data-parallel replica runs its own stream into its own engine: generation replicas are fed by DP
 ranks, and the engine's TP is independent of training's (it always receives whole HF tensors).
+A LoRA model is read through ``lora.merged_state``: each adapted layer's shard is merged
+(``W + scale·BA``) on its own rank just before it is gathered, so vLLM receives plain merged weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from megareason.models import weight_map
 from megareason.models.arch import ModelArch
+from megareason.models.lora import merged_state
 from megareason.models.parallel import current_layout
 
 
@@ -63,7 +66,7 @@ def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
 
     layout = current_layout()
     shapes = weight_map.hf_shapes(arch)
-    params = weight_map.model_state(model)
+    params = merged_state(model)
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_src = ps.get_tensor_model_parallel_src_rank()
     consumer = is_consumer()
@@ -99,7 +102,7 @@ def gather_hf_naive(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
-    state = weight_map.model_state(model)
+    state = dict(merged_state(model))
     group = ps.get_model_parallel_group()
     shards = [None] * dist.get_world_size(group)
     dist.all_gather_object(shards, ((layout.tp_rank, layout.pp_rank), state), group=group)

@@ -35,6 +35,17 @@ def optimizer_settings(cfg: Config, lr: float):
                              clip_grad=o.clip_grad)
 
 
+def lora_settings(cfg: Config):
+    """The adapters of the trained roles, or None (full fine-tuning)."""
+    from megareason.models.lora import LoRASettings
+
+    lo = cfg.lora
+    if not lo.enabled:
+        return None
+    return LoRASettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, seed=cfg.trainer.seed,
+                        targets=tuple(lo.targets))
+
+
 class _Worker:
     """Rendezvous first (``address``), then ``setup`` with rank 0's address: torch.distributed and
     megatron-core's parallel groups for this role."""
@@ -116,7 +127,8 @@ class PolicyWorker(_Worker):
         ckpt = HFCheckpoint(resolve_model_path(cfg.model.path))
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
         temperature = cfg.rollout.temperature
-        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), temperature=temperature)
+        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), temperature=temperature,
+                                       lora=lora_settings(cfg))
         self.reference = Reference(ckpt, temperature=temperature) if cfg.algorithm.kl_coef > 0 else None
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
@@ -189,7 +201,7 @@ class CriticWorker(_Worker):
 
         cfg = self.cfg
         self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path)),
-                                         optimizer_settings(cfg, cfg.optim.critic_lr))
+                                         optimizer_settings(cfg, cfg.optim.critic_lr), lora=lora_settings(cfg))
 
     def values(self, exp: Experience) -> torch.Tensor:
         """[B_share, T]: column t is the value of the state before token t."""
