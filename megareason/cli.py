@@ -161,7 +161,13 @@ def main(argv: list[str] | None = None) -> int:
                                           description=nemo_run.HELP,
                                           formatter_class=argparse.RawDescriptionHelpFormatter))
 
-    args = parser.parse_args(argv)
+    # key=value overrides may also come after a flag (`train --use-lora lora.rank=16`): argparse leaves
+    # those over, and they are the config command's overrides
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # Models and data come from local files only; never let a library reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -101,7 +101,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     sampler = PromptSampler(len(prompts), t.seed, state.sampler.epoch, state.sampler.position)
     tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
     if t.val_before_train and state.step == 0 and val_prompts:
-        tracker.log(0, validate(actors, val_prompts, cfg, score_fn, tokenizer))
+        tracker.log(0, validate(actors, val_prompts, cfg, score_fn, tokenizer, run.root, 0))
 
     for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
                      initial=state.step, total=t.steps):
@@ -149,7 +149,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             if alg.name == "raro":
                 _dump_judgements(run.root, step, rb, len(batch))
         if val_prompts and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-            metrics.update(validate(actors, val_prompts, cfg, score_fn, tokenizer))
+            metrics.update(validate(actors, val_prompts, cfg, score_fn, tokenizer, run.root, step))
         tracker.log(step, metrics)
         stopping = stop is not None and stop.signal is not None  # read once: save and exit agree
         if step == t.steps or (t.save_every and step % t.save_every == 0) or stopping:
@@ -308,13 +308,18 @@ def _train_metrics(prefix: str, stats: list[dict], token_sums: dict[str, str], l
 
 
 def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Config, score_fn: ScoreFn,
-             tokenizer=None) -> dict[str, float]:
-    """Greedy accuracy on the held-out prompts, overall and per data_source (episodes under an env)."""
+             tokenizer=None, root: Path | None = None, step: int = 0) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts, overall and per data_source (episodes under an env); the
+    samples go to ``root/rollouts/val_step_N.jsonl`` when ``root`` is given."""
     greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+    completions = None
     if env_enabled(cfg):
         _, _, results = run_env(cfg, val_prompts, partial(_generate_ids, actors), tokenizer, greedy)
     else:
-        results = score_fn(val_prompts, _generate(actors, val_prompts, greedy))
+        completions = _generate(actors, val_prompts, greedy)
+        results = score_fn(val_prompts, completions)
+    if root is not None:
+        dump_validation(root, step, val_prompts, results, completions)
     out = {"val/accuracy": sum(r.correct for r in results) / len(results),
            "val/reward": sum(r.reward for r in results) / len(results)}
     for s in summarize(results, 1, [1]):
@@ -341,6 +346,19 @@ def _dump_rollouts(root: Path, step: int, scored: list[SampleResult]) -> None:
     folder = root / "rollouts"
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(folder / f"step_{step:08d}.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in scored))
+
+
+def dump_validation(root: Path, step: int, prompts: list[TokenizedPrompt], results: list[SampleResult],
+                    completions=None) -> None:
+    """One row per greedy sample: the scored result plus the prompt exactly as the model read it (and the
+    response's token ids, single-turn)."""
+    folder = root / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": p.text, "prompt_token_ids": p.token_ids, **asdict(r)}
+            for p, r in zip(prompts, results, strict=True)]
+    for row, group in zip(rows, completions or [], strict=False):
+        row["response_token_ids"] = list(group[0].token_ids)
+    atomic_write(folder / f"val_step_{step:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _dump_judgements(root: Path, step: int, rb, n_policy_prompts: int) -> None:

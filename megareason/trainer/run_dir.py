@@ -6,6 +6,7 @@
   metrics.jsonl          one JSON object per step (and per validation)
   tensorboard/           event files
   rollouts/step_N.jsonl  rollout samples every trainer.dump_rollouts_every steps
+  rollouts/val_step_N.jsonl  greedy validation samples (with the prompt text and token ids)
   checkpoints/step_N/    actor/ (+ critic/) megatron-core checkpoints, trainer_state.json
   plots/                 `megareason report` output
 ```

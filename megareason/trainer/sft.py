@@ -128,7 +128,7 @@ def sft(cfg: Config) -> Path:
 
 
 def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, score_fn) -> None:
-    from megareason.trainer.loop import _generate, _lr
+    from megareason.trainer.loop import _generate, _lr, dump_validation
 
     t = cfg.trainer
     state = TrainerState()
@@ -142,7 +142,7 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
     sampler = PromptSampler(len(train_set[0]), t.seed, state.sampler.epoch, state.sampler.position)
     tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
 
-    def validate() -> dict[str, float]:
+    def validate(step: int) -> dict[str, float]:
         if val_set is None:
             return {}
         prompts, responses = val_set
@@ -151,13 +151,15 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
         out = {"val/loss": float(-(logp * exp.mask_BT).sum() / exp.mask_BT.sum())}
         actors.call("sync_weights")  # vLLM answers with the current weights
         greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-        results = score_fn(prompts, _generate(actors, prompts, greedy))
+        completions = _generate(actors, prompts, greedy)
+        results = score_fn(prompts, completions)
+        dump_validation(run.root, step, prompts, results, completions)
         out["val/accuracy"] = sum(r.correct for r in results) / len(results)
         out["val/reward"] = sum(r.reward for r in results) / len(results)
         return out
 
     if t.val_before_train and state.step == 0:
-        tracker.log(0, validate())
+        tracker.log(0, validate(0))
     for step in tqdm(range(state.step + 1, t.steps + 1), desc="sft", unit="step", initial=state.step,
                      total=t.steps):
         rows = sampler.next(t.prompts_per_step)
@@ -167,7 +169,7 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
         metrics = {"sft/loss": stats["nll_num"] / max(stats["nll_den"], 1), "sft/grad_norm": stats["grad_norm"],
                    "sft/lr": lr, "sft/tokens": stats["tokens"]}
         if step == t.steps or (t.val_every and step % t.val_every == 0):
-            metrics.update(validate())
+            metrics.update(validate(step))
         tracker.log(step, metrics)
         if step == t.steps or (t.save_every and step % t.save_every == 0):
             tmp = run.begin_checkpoint(step)
