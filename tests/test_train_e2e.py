@@ -246,3 +246,28 @@ def test_grpo_with_lora_syncs_merged_weights_into_vllm(tiny_qwen2, tmp_path):
     vllm_greedy = [r["response_token_ids"] for r in rows]
     assert _hf_greedy(merged, prompts, 24) == vllm_greedy
     assert _hf_greedy(tiny_qwen2, prompts, 24) != vllm_greedy  # the adapters matter
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "raro"])
+def test_lora_runs_and_resumes_in_ppo_and_raro(tiny_qwen2, tmp_path, algorithm):
+    """LoRA on the actor (and PPO's critic trunk): the runs train, the rollouts of step 2 come from the
+    merged sync of step 1 (PPO: the mismatch stays ~1), and a rerun resumes from the LoRA checkpoints."""
+    out = tmp_path / algorithm
+    make = _raro_args if algorithm == "raro" else _args
+    extra = ["--use-lora", "lora.rank=4", "optim.lr=3e-2", "trainer.save_every=1"]
+    if algorithm == "ppo":
+        extra += ["algorithm.name=ppo", "optim.critic_lr=1e-3"]
+    _run(make(tiny_qwen2, tmp_path, out, *extra, "trainer.steps=2"))
+    proc = _run(make(tiny_qwen2, tmp_path, out, *extra, "trainer.steps=3"))
+    assert "resuming from" in proc.stderr and "step_00000002" in proc.stderr
+    m = _metrics(out)
+    assert sorted(m) == [1, 2, 3]
+    if algorithm == "ppo":  # RARO's constrained verdicts make vLLM's log-probs those of the masked distribution
+        assert all(m[s]["rollout/token_mult_prob_error"] < 1.001 for s in (2, 3))
+    assert m[2]["actor/grad_norm"] > 0
+    roles = ["actor", "critic"] if algorithm == "ppo" else ["actor"]
+    for role in roles:
+        meta = json.loads((out / "checkpoints" / "step_00000003" / role / "megareason.json").read_text())
+        assert meta["lora"]["rank"] == 4
+    if algorithm == "ppo":
+        assert m[3]["critic/grad_norm"] > 0
