@@ -108,3 +108,15 @@ def test_ints_accepted_for_floats_but_bools_not_for_ints():
     assert cfg.rollout.temperature == 1.0
     with pytest.raises(ConfigError, match="rollout.max_tokens: expected int, got bool"):
         from_dict({"data": {"sources": [SOURCE]}, "rollout": {"max_tokens": True}})
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lora.rank=0", "lora.rank must be >= 1"),
+    ("lora.dropout=1.0", r"lora.dropout must be in \[0, 1\)"),
+    ("lora.targets=[linear_qkv,linear_qkv]", "lora.targets must list distinct targets"),
+    ("lora.targets=[]", "lora.targets must list distinct targets"),
+    ("lora.targets=[q_proj]", r"lora.targets\[0\]: expected one of"),
+])
+def test_lora_settings_are_checked(override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_training(load_config("grpo_smollm2_cpu", ["lora.enabled=true", override]))

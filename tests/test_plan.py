@@ -14,6 +14,7 @@ from megareason.launch.plan import (
     activation_bytes_per_token_layer,
     decode_step_seconds,
     kv_bytes_per_token,
+    lora_params_per_gpu,
     make_plan,
     params_per_gpu,
     plan_config,
@@ -134,3 +135,24 @@ def test_cli_prints_the_table_and_exits_2_on_refusal(capsys):
     assert "error: parallel.tensor_model_parallel_size" in err and "= 64 GPUs does not equal" in err
     assert main(["plan", "configs/raro_70b.yaml"]) == 2  # no weights at model.path and no --model-shape
     assert "--model-shape" in capsys.readouterr().err
+
+
+def test_lora_trains_only_the_adapters():
+    # rank 4 at TP 2 x PP 2 (2 layers per stage), per layer: qkv A 4x64 + B (64 + 2x32)x4 / 2; proj A 4x64 / 2
+    # + B 64x4; fc1 A 4x64 + B 2x128x4 / 2; fc2 A 4x128 / 2 + B 64x4.
+    per_layer = (256 + 256) + (128 + 256) + (256 + 512) + (256 + 256)
+    assert lora_params_per_gpu(SMALL, 2, 2, 4, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]) == (
+        2 * per_layer)
+    assert lora_params_per_gpu(SMALL, 1, 1, 4, ["linear_qkv"]) == 4 * (256 + 512)
+    base = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+            "parallel.data_parallel_size=2", "trainer.micro_batch_tokens=1024"]
+    opt = PlanOptions(nodes=1, gpus_per_node=8, distributed_optimizer="off", recompute="off")
+    full = make_plan(_cfg(*base), SMALL, opt)
+    lora = make_plan(_cfg(*base, "lora.enabled=true", "lora.rank=4"), SMALL, opt)
+    train = lora.memory["training"]
+    assert train["parameters (bf16)"] == 2 * 40384  # the frozen base stays
+    assert train["gradients (fp32) of the LoRA adapters"] == 4 * 2 * per_layer
+    assert sum(v for k, v in train.items() if k.startswith("optimizer")) == 12 * 2 * per_layer
+    assert train["LoRA adapters (fp32)"] == 4 * 2 * per_layer
+    # no weight gradients of the base: 2 of the 3 forward-sized passes
+    assert lora.seconds["training"] == pytest.approx(full.seconds["training"] * 2 / 3)

@@ -159,6 +159,21 @@ def params_per_gpu(arch: ModelArch, tp: int, pp: int) -> int:
     return max(layers + vocab, layers + h + output)
 
 
+def lora_params_per_gpu(arch: ModelArch, tp: int, pp: int, rank: int, targets: list[str]) -> int:
+    """LoRA adapter parameters on one GPU (the most loaded stage: every stage has the same layers). A of a
+    column-parallel layer and B of a row-parallel one are whole on every TP rank; the other factor is
+    split like its layer (``models/lora.py``)."""
+    h, f = arch.hidden_size, arch.ffn_hidden_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    per_target = {  # (A, B)
+        "linear_qkv": rank * h + (q + 2 * kv) * rank // tp,
+        "linear_proj": rank * q // tp + h * rank,
+        "linear_fc1": rank * h + 2 * f * rank // tp,
+        "linear_fc2": rank * f // tp + h * rank,
+    }
+    return arch.num_layers // pp * sum(per_target[t] for t in targets)
+
+
 def total_params(arch: ModelArch) -> int:
     return params_per_gpu(arch, 1, 1)
 
@@ -268,11 +283,16 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     n_gpu, n_total, n_flop = params_per_gpu(arch, tp, pp), total_params(arch), flop_params(arch)
     critic = alg.name == "ppo"
     shards = dp if dist else 1
+    lora = cfg.lora.enabled
+    # LoRA: the base is frozen (no gradients, no optimizer state); only the adapters train
+    n_train = lora_params_per_gpu(arch, tp, pp, cfg.lora.rank, cfg.lora.targets) if lora else n_gpu
     states = {
         "parameters (bf16)": 2 * n_gpu,
-        "gradients (fp32)": 4 * n_gpu,
-        f"optimizer: fp32 master + 2 Adam moments{f' (/ DP {dp})' if shards > 1 else ''}": 12 * n_gpu / shards,
+        f"gradients (fp32){' of the LoRA adapters' if lora else ''}": 4 * n_train,
+        f"optimizer: fp32 master + 2 Adam moments{f' (/ DP {dp})' if shards > 1 else ''}": 12 * n_train / shards,
     }
+    if lora:
+        states["LoRA adapters (fp32)"] = 4 * n_train
     if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
         states["critic: parameters + gradients + optimizer"] = sum(states.values())
     overhead = {"runtime overhead (CUDA contexts, NCCL)": RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)}
@@ -330,9 +350,12 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     plan.seconds["logprobs"] = len(kinds) * forward / flops_rate * (1 + bubble)
     plan.notes["logprobs"] = (f"{' + '.join(kinds)} forward over {rows_tokens / 1e6:.1f}M tokens" if kinds else
                               "none (on-policy, kl_coef = 0: the update's own forward gives the ratio)")
-    per_update = (4 if recompute else 3) * forward
+    # forward + input gradients + weight gradients (each ~ a forward); LoRA has no base weight gradients
+    passes_per_update = (4 if recompute else 3) - (1 if lora else 0)
+    per_update = passes_per_update * forward
     plan.seconds["training"] = alg.ppo_epochs * per_update * (2 if critic else 1) / flops_rate * (1 + bubble)
-    plan.notes["training"] = (f"{'8' if recompute else '6'}·N·tokens + attention, {alg.ppo_epochs} epoch(s)"
+    plan.notes["training"] = (f"{2 * passes_per_update}·N·tokens + attention{' (LoRA)' if lora else ''}, "
+                              f"{alg.ppo_epochs} epoch(s)"
                               f"{' x actor and critic' if critic else ''}; {micro} micro-batches of "
                               f"{tok} tokens per DP rank, PP bubble {bubble:.1%}")
     plan.seconds["weight refit"], plan.notes["weight refit"] = refit_seconds(plan, cfg)
