@@ -1,6 +1,7 @@
-"""LoRA on a whole model at TP=2 x PP=2: only the adapters train and sit in the optimizer, the weight
-sync streams merged weights, and the checkpoint, exported as merged HF weights or as a PEFT adapter,
-reproduces Megatron's log-probs in transformers (float32)."""
+"""LoRA on a whole model at TP=2 x PP=2: only the adapters train and sit in the optimizer, the model with
+its adapters off is the reference (the base), the weight sync streams merged weights, and the checkpoint,
+exported as merged HF weights or as a PEFT adapter, reproduces Megatron's log-probs in transformers
+(float32)."""
 
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ def _batch(vocab: int):
 
 def _train_worker(model_dir: str, ckpt_dir: str, tokens, mask):
     from megareason.models.build import HFCheckpoint
-    from megareason.models.lora import LoRASettings, lora_modules
+    from megareason.models.lora import LoRASettings, adapters_off, lora_modules
     from megareason.models.parallel import init_parallel
-    from megareason.models.roles import Actor
+    from megareason.models.roles import Actor, Reference
     from megareason.models.train import OptimizerSettings, TrainBatch
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
 
@@ -43,6 +44,9 @@ def _train_worker(model_dir: str, ckpt_dir: str, tokens, mask):
     for _ in range(3):
         actor.train_step([TrainBatch(tokens, mask)], nll_loss)
     logp, _ = actor.logprobs(tokens)
+    with adapters_off(actor.model):  # the reference policy of a LoRA actor: the frozen base
+        logp_off, _ = actor.logprobs(tokens)
+    logp_ref = Reference(ckpt).logprobs(tokens)
     streamed = {n: t.clone() for n, t in stream_hf_tensors(actor.model, ckpt.arch)}
     naive = gather_hf_naive(actor.model, ckpt.arch)
     actor.save(ckpt_dir, {"step": 3})
@@ -54,7 +58,8 @@ def _train_worker(model_dir: str, ckpt_dir: str, tokens, mask):
         "n_frozen": len(frozen),
     }
     if is_consumer():
-        out.update(logp=logp, logp_before=logp_before, streamed=streamed, naive=naive)
+        out.update(logp=logp, logp_before=logp_before, streamed=streamed, naive=naive, logp_off=logp_off,
+                   logp_ref=logp_ref)
     return out
 
 
@@ -89,6 +94,7 @@ def test_lora_trains_adapters_only_and_exports_reproduce_megatron(fixture, reque
         assert r["optimizer_is_adapters"] and r["frozen_unchanged"] and r["n_frozen"] > 0
     first = ranks[0]
     assert (first["logp"] - first["logp_before"]).abs().max() > 1e-2  # the adapters changed the model
+    torch.testing.assert_close(first["logp_off"], first["logp_ref"], rtol=0, atol=1e-6)  # adapters off = base
     # the stream sends merged weights, equal to the naive gather of the merged shards
     assert sorted(first["streamed"]) == sorted(first["naive"])
     for name, t in first["streamed"].items():

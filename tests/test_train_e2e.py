@@ -229,9 +229,11 @@ def _hf_greedy(model_dir: Path, prompt_ids: list[list[int]], max_tokens: int) ->
 def test_grpo_with_lora_syncs_merged_weights_into_vllm(tiny_qwen2, tmp_path):
     out = tmp_path / "lora"
     _run(_args(tiny_qwen2, tmp_path, out, "--use-lora", "lora.rank=4", "optim.lr=3e-2", "trainer.steps=2",
-               "trainer.save_every=0"))
+               "trainer.save_every=0", "algorithm.kl_coef=0.01"))
     m = _metrics(out)
     assert sorted(m) == [1, 2] and all(m[s]["actor/grad_norm"] > 0 for s in (1, 2))
+    # the reference is the actor with its adapters off: equal to the policy before the first update (B = 0)
+    assert abs(m[1]["actor/kl"]) < 1e-6 and m[2]["actor/kl"] > 1e-4
     # step 2 sampled from vLLM after the merged sync of step 1: the LoRA actor scores those tokens alike
     assert m[2]["rollout/token_mult_prob_error"] < 1.001
     ckpt = out / "checkpoints" / "step_00000002" / "actor"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,7 @@ class LoRALinear(torch.nn.Module):
         other = self.lora_A if kind == "column" else self.lora_B
         other.tensor_model_parallel = False
         self.dropout = torch.nn.Dropout(settings.dropout)
+        self.enabled = True  # False: the base layer alone (``adapters_off``)
 
     def forward(self, x, *args, **kwargs):
         from megatron.core.tensor_parallel import (
@@ -97,6 +99,8 @@ class LoRALinear(torch.nn.Module):
         )
 
         out, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
         h = torch.nn.functional.linear(self.dropout(x), self.lora_A)
         h = (copy_to_tensor_model_parallel_region if self.kind == "column"
              else reduce_from_tensor_model_parallel_region)(h)
@@ -165,6 +169,20 @@ def _global_name(model, name: str) -> str:
 
 def lora_modules(model) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextmanager
+def adapters_off(model):
+    """The frozen base model for the duration: the reference policy of a LoRA actor, with no second copy
+    of the weights (every rank of the model-parallel group must do the same)."""
+    modules = lora_modules(model).values()
+    for m in modules:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in modules:
+            m.enabled = True
 
 
 class MergedState(Mapping):

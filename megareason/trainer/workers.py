@@ -127,9 +127,11 @@ class PolicyWorker(_Worker):
         ckpt = HFCheckpoint(resolve_model_path(cfg.model.path))
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
         temperature = cfg.rollout.temperature
+        lora = lora_settings(cfg)
         self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), temperature=temperature,
-                                       lora=lora_settings(cfg))
-        self.reference = Reference(ckpt, temperature=temperature) if cfg.algorithm.kl_coef > 0 else None
+                                       lora=lora)
+        # With LoRA the reference is the actor with its adapters off: no second copy of the weights.
+        self.reference = Reference(ckpt, temperature=temperature) if cfg.algorithm.kl_coef > 0 and not lora else None
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
         self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
@@ -149,7 +151,13 @@ class PolicyWorker(_Worker):
         return logp, entropy
 
     def ref_logprobs(self, exp: Experience) -> torch.Tensor:
+        from megareason.models.lora import adapters_off
+
         ref = self.reference
+        if ref is None:  # LoRA: the frozen base under the adapters
+            with adapters_off(self.actor.model):
+                (logp, _) = self._outputs(self.actor.model, self.actor.head, 2, exp, responses_only=True)
+            return logp
         if torch.cuda.is_available():
             ref.onload()
         (logp, _) = self._outputs(ref.model, ref.head, 2, exp, responses_only=True)
