@@ -156,3 +156,8 @@ def test_lora_trains_only_the_adapters():
     assert train["LoRA adapters (fp32)"] == 4 * 2 * per_layer
     # no weight gradients of the base: 2 of the 3 forward-sized passes
     assert lora.seconds["training"] == pytest.approx(full.seconds["training"] * 2 / 3)
+    # with a KL term the reference is the actor with its adapters off: no reference model in memory
+    kl = ["algorithm.kl_coef=0.01"]
+    assert "reference model (onloaded)" in make_plan(_cfg(*base, *kl), SMALL, opt).memory["logprobs"]
+    assert "reference model (onloaded)" not in make_plan(_cfg(*base, *kl, "lora.enabled=true"), SMALL,
+                                                         opt).memory["logprobs"]

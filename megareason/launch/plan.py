@@ -325,7 +325,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
                          act_on if recompute else act_off},
         "logprobs": {**states, **overhead, "forward working set": working + logits},
     }
-    if alg.kl_coef > 0:
+    if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
         memory["logprobs"]["reference model (onloaded)"] = 2 * n_gpu
     engines = dp  # one engine per data-parallel replica (trainer/workers.py)
     plan = Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
