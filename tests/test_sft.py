@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,23 +82,29 @@ def _hf_nll(model_dir, prompts, responses) -> float:
     return total / count
 
 
-@pytest.mark.slow
-def test_sft_run_matches_transformers_and_lowers_the_loss(tiny_qwen2, tmp_path):
+def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path, Path, dict[int, dict]]:
+    """`megareason sft` on four arithmetic demonstrations (trained and validated on); returns (data file,
+    run folder, metrics by step)."""
     rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b), "solution": f"{a} + {b} = {a + b}"}
             for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     data = tmp_path / "demos.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "sft"
+    out = tmp_path / name
     src = f"[{{kind: file, path: {data}, data_source: arithmetic}}]"
-    args = [sys.executable, "-m", "megareason.cli", "sft", f"model.path={tiny_qwen2}", f"trainer.output_dir={out}",
+    args = [sys.executable, "-m", "megareason.cli", "sft", f"model.path={model}", f"trainer.output_dir={out}",
             f"data.sources={src}", f"data.val_sources={src}", "trainer.steps=4", "trainer.prompts_per_step=4",
             "trainer.val_every=4", "trainer.save_every=4", "optim.lr=1e-3", "rollout.max_tokens=16",
             "rollout.max_model_len=256", "trainer.micro_batch_tokens=256", "data.max_prompt_length=128",
-            "data.system_prompt=''"]
+            "data.system_prompt=''", *extra]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    m = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    return data, out, {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_sft_run_matches_transformers_and_lowers_the_loss(tiny_qwen2, tmp_path):
+    data, out, m = _sft_run(tiny_qwen2, tmp_path, "sft")
     from transformers import AutoTokenizer
 
     from megareason.data.loaders import load_file
@@ -115,21 +122,7 @@ def test_sft_run_matches_transformers_and_lowers_the_loss(tiny_qwen2, tmp_path):
 
 @pytest.mark.slow
 def test_sft_with_lora_lowers_the_validation_loss(tiny_qwen2, tmp_path):
-    rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b), "solution": f"{a} + {b} = {a + b}"}
-            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
-    data = tmp_path / "demos.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "sft_lora"
-    src = f"[{{kind: file, path: {data}, data_source: arithmetic}}]"
-    args = [sys.executable, "-m", "megareason.cli", "sft", "--use-lora", "lora.rank=8", f"model.path={tiny_qwen2}",
-            f"trainer.output_dir={out}", f"data.sources={src}", f"data.val_sources={src}", "trainer.steps=4",
-            "trainer.prompts_per_step=4", "trainer.val_every=4", "trainer.save_every=4", "optim.lr=2e-2",
-            "rollout.max_tokens=16", "rollout.max_model_len=256", "trainer.micro_batch_tokens=256",
-            "data.max_prompt_length=128", "data.system_prompt=''"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    m = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    _, out, m = _sft_run(tiny_qwen2, tmp_path, "sft_lora", "--use-lora", "lora.rank=8", "optim.lr=2e-2")
     assert m[4]["val/loss"] < 0.8 * m[0]["val/loss"]
     meta = json.loads((out / "checkpoints" / "step_00000004" / "actor" / "megareason.json").read_text())
     assert meta["lora"]["rank"] == 8
