@@ -89,7 +89,7 @@ class LoRALinear(torch.nn.Module):
         split.tensor_model_parallel, split.partition_dim, split.partition_stride = True, dim, 1
         other = self.lora_A if kind == "column" else self.lora_B
         other.tensor_model_parallel = False
-        self.dropout = torch.nn.Dropout(settings.dropout)
+        self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
         self.enabled = True  # False: the base layer alone (``adapters_off``)
 
     def forward(self, x, *args, **kwargs):
