@@ -308,7 +308,11 @@ def _convert(args: argparse.Namespace) -> int:
     if args.convert_command == "hf-to-megatron":
         out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
     else:
-        out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft)
+        try:
+            out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft)
+        except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     print(out)
     return 0
 

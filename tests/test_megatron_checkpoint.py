@@ -137,3 +137,7 @@ def test_convert_errors_are_clear(tmp_path):
     result = _cli("convert", "hf-to-megatron", str(tmp_path), str(tmp_path / "out"))
     assert result.returncode == 2 and "unsupported architecture model_type='gpt_neox'" in result.stderr
     assert not (tmp_path / "out").exists()
+    (tmp_path / "megareason.json").write_text('{"arch": {}, "has_optimizer": false}')  # no "lora": full weights
+    result = _cli("convert", "megatron-to-hf", str(tmp_path), str(tmp_path / "out"), "--peft")
+    assert result.returncode == 2 and "--peft needs a checkpoint trained with LoRA" in result.stderr
+    assert not (tmp_path / "out").exists()
