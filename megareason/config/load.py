@@ -195,6 +195,10 @@ def validate_training(cfg: Config) -> None:
     par, alg, opt, t = cfg.parallel, cfg.algorithm, cfg.optim, cfg.trainer
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
         _check(getattr(par, name) >= 1, f"parallel.{name}", "must be >= 1", getattr(par, name))
+    _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",
+           "needs parallel.tensor_model_parallel_size > 1", par.sequence_parallel)
+    _check(t.recompute_num_layers >= 0, "trainer.recompute_num_layers", "must be >= 0 (0: every layer)",
+           t.recompute_num_layers)
     _check(t.steps >= 1, "trainer.steps", "must be >= 1", t.steps)
     _check(t.prompts_per_step >= 1, "trainer.prompts_per_step", "must be >= 1", t.prompts_per_step)
     _check(t.micro_batch_tokens >= cfg.rollout.max_model_len, "trainer.micro_batch_tokens",

@@ -170,6 +170,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
+    # megatron-core's sequence parallelism (needs TP > 1): the norms, residual stream and the saved
+    # activations between the TP regions are split over the TP ranks along the sequence (1/TP of them).
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -269,11 +272,24 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     clip_grad: float = 1.0
+    # megatron-core's distributed optimizer: fp32 main weights and Adam moments sharded over the
+    # data-parallel ranks (each holds 1/DP); checkpoints reshard across a DP/TP/PP change.
+    use_distributed_optimizer: bool = False
 
 
 @dataclass
 class TrainerConfig:
     steps: int = 20
+    # Megatron roles (actor, reference, critic): fp32, or bf16/fp16 parameters and activations with fp32
+    # main weights, gradients and Adam moments in megatron-core's mixed-precision optimizer (fp16 adds its
+    # dynamic loss scaling). Log-probs, losses and the value head stay fp32. The GPU recipes use bf16.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Activation recomputation (megatron-core's): selective recomputes core attention; full keeps only
+    # each recomputed layer's input and reruns the layer in the backward pass.
+    recompute: Literal["none", "selective", "full"] = "none"
+    # full: 0 recomputes every layer (one layer per checkpoint); N > 0 only the first N layers of each
+    # pipeline stage (the rest keep their activations).
+    recompute_num_layers: int = 0
     # Prompts per step; each gets rollout.n samples.
     prompts_per_step: int = 8
     # Dynamic micro-batching: sequences are packed into micro-batches of at most this many tokens.
