@@ -110,12 +110,12 @@ def logprobs_packed(model_dir):
 def logprobs_bf16(model_dir):
     from transformers import AutoModelForCausalLM
 
-    from megareason.models.build import HFCheckpoint
+    from megareason.models.build import ComputeSettings, HFCheckpoint
     from megareason.models.roles import Actor
     from megareason.models.train import OptimizerSettings
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings(), params_dtype=torch.bfloat16)
+    actor = Actor(ckpt, OptimizerSettings(), ComputeSettings("bf16", "none", 0, False))
     assert next(actor.model.parameters()).dtype == torch.bfloat16
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +19,63 @@ from megareason.models.arch import ArchError, ModelArch, transformer_config
 from megareason.models.parallel import current_layout
 
 log = logging.getLogger(__name__)
+
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ComputeSettings:
+    """How a model runs, apart from what it is and how it is split: the precision of its parameters and
+    activations, megatron-core's activation recomputation and sequence parallelism (the config's
+    ``trainer.precision``, ``trainer.recompute``, ``trainer.recompute_num_layers`` and
+    ``parallel.sequence_parallel``; ``FP32`` is the plain build)."""
+
+    precision: str
+    recompute: str  # none | selective (core attention) | full
+    recompute_num_layers: int  # full: 0 = every layer, one per checkpoint; N = the first N of each stage
+    sequence_parallel: bool
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return PRECISIONS[self.precision]
+
+    def config_overrides(self, arch: ModelArch, pp: int, tp: int) -> dict:
+        """megatron-core ``TransformerConfig`` fields for these settings (checked against the layout)."""
+        if self.precision not in PRECISIONS:
+            raise ArchError(f"precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if self.sequence_parallel and tp == 1:
+            raise ArchError("sequence parallelism needs tensor parallelism (TP > 1)")
+        kwargs: dict = {"sequence_parallel": self.sequence_parallel}
+        if self.recompute == "selective":
+            kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+        elif self.recompute == "full":
+            per_stage = arch.num_layers // pp
+            if self.recompute_num_layers > per_stage:
+                raise ArchError(f"recompute_num_layers={self.recompute_num_layers} is more than the "
+                                f"{per_stage} layers of a pipeline stage")
+            if self.recompute_num_layers == 0:
+                kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+            else:
+                kwargs.update(recompute_granularity="full", recompute_method="block",
+                              recompute_num_layers=self.recompute_num_layers)
+        elif self.recompute != "none":
+            raise ArchError(f"recompute {self.recompute!r}: expected none, selective or full")
+        return kwargs
+
+
+FP32 = ComputeSettings(precision="fp32", recompute="none", recompute_num_layers=0, sequence_parallel=False)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for megatron-core's local layers, with its weight marked ``sequence_parallel``
+    under sequence parallelism: each TP rank then normalises its own slice of the sequence, and
+    ``finalize_model_grads`` sums the weight's gradient over the TP ranks (megatron-core's own
+    ``WrappedTorchNorm`` refuses sequence parallelism for want of that mark)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def transformer_engine_available() -> bool:
@@ -30,16 +88,29 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(local: bool = False):
-    """TransformerEngine layers on GPU when it is installed (the NGC containers have it), else (or with
-    ``local``) megatron-core's local (pure torch) layers, on CPU and GPU alike."""
+def layer_spec(num_layers: int, local: bool = False):
+    """The block spec of a stage of ``num_layers`` layers: TransformerEngine layers on GPU when it is
+    installed (the NGC containers have it), else (or with ``local``) megatron-core's local (pure torch)
+    layers, on CPU and GPU alike."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_engine_available() and not local:
         return specs.get_gpt_layer_with_transformer_engine_spec()
     if torch.cuda.is_available():
         log.warning("TransformerEngine is not installed: megatron-core's local layers on GPU (slower)")
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return _local_spec(num_layers)
+
+
+def _local_spec(num_layers: int):
+    """megatron-core's local layer spec with ``RMSNorm`` (above) in every norm, the final one included."""
+    from dataclasses import replace as replace_fields
+
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules = replace_fields(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
 
 
 def uses_transformer_engine(model) -> bool:
@@ -47,17 +118,21 @@ def uses_transformer_engine(model) -> bool:
     return any(n.endswith(".layer_norm_weight") for n, _ in model.named_parameters())
 
 
-def build_gpt(arch: ModelArch, params_dtype: torch.dtype = torch.float32, local_spec: bool = False):
-    """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits;
-    ``local_spec``: megatron-core's local layers even where TransformerEngine is installed (LoRA)."""
+def build_gpt(arch: ModelArch, compute: ComputeSettings = FP32, local_spec: bool = False):
+    """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits, its
+    parameters in ``compute.dtype``; ``local_spec``: megatron-core's local layers even where
+    TransformerEngine is installed (LoRA)."""
     from megatron.core.models.gpt import GPTModel
 
     layout = current_layout()
     arch.check_parallelism(layout.tp, layout.pp)
-    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype)
+    params_dtype = compute.dtype
+    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype,
+                                **compute.config_overrides(arch, layout.pp, layout.tp))
+    spec = layer_spec(arch.num_layers // layout.pp, local_spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(local_spec),
+        transformer_layer_spec=spec,
         vocab_size=arch.padded_vocab_size(layout.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=layout.first_stage,

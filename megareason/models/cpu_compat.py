@@ -30,6 +30,13 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # tensor.type() names the CUDA tensor type: megatron-core's mixed-precision and distributed
+            # optimizers sort parameters by it ("Wrapped parameters must be one of torch.cuda.FloatTensor,
+            # torch.cuda.HalfTensor, or torch.cuda.BFloat16Tensor" in optimizer/optimizer.py and
+            # optimizer/distrib_optimizer.py).
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.to:
@@ -102,6 +109,21 @@ def _apply_optimizer_patches() -> None:
     #     through the name imported into optimizer.py, so both names are replaced.
     clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    _apply_recompute_patches()
+
+
+def _apply_recompute_patches() -> None:
+    from megatron.core.fusions import fused_softmax
+
+    # (6) fusions/fused_softmax.FusedScaleMaskSoftmax builds its causal mask with
+    #     transformer/utils.get_default_causal_mask (``device="cuda"``). Under activation recomputation
+    #     it runs again inside the backward pass, and torch 2.13 dispatches ``torch.autograd.backward``
+    #     through ``__torch_function__``, which pops CudaToCpuMode for the whole backward pass.
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
 
 
 def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):

@@ -95,12 +95,12 @@ def logprob_head(true_vocab: int, temperature: float = 1.0):
         tokens = batch.tokens_BT
         keep = getattr(batch, "keep_W", None)
         if keep is not None:  # logits [1, n, V] at positions keep only; every other column is 0
-            scaled = logits if temperature == 1.0 else logits / temperature
+            scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
             logp_n, entropy_n = vocab_parallel_logprobs(scaled, tokens[:, keep + 1], true_vocab)
             logp, entropy = (torch.zeros(tokens.shape, dtype=x.dtype, device=x.device).index_copy(1, keep + 1, x)
                              for x in (logp_n, entropy_n))
             return logp, entropy
-        scaled = logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
+        scaled = logits[:, :-1].float() if temperature == 1.0 else logits[:, :-1].float() / temperature
         logp, entropy = vocab_parallel_logprobs(scaled, tokens[:, 1:], true_vocab)
         pad = logp.new_zeros(logp.shape[0], 1)
         logp, entropy = torch.cat([pad, logp], 1), torch.cat([pad, entropy], 1)

@@ -77,11 +77,16 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     return [sorted(b) for b in bins]
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def pack(seqs: Sequence[torch.Tensor], plan: list[list[int]], pad_id: int = 0,
-         width: int | None = None) -> list[PackedMicroBatch]:
-    """One packed row per micro-batch of ``plan``, all padded to ``width`` (default: the longest)."""
+         width: int | None = None, multiple: int = 1) -> list[PackedMicroBatch]:
+    """One packed row per micro-batch of ``plan``, all padded to ``width`` (default: the longest),
+    rounded up to a ``multiple`` (sequence parallelism splits the row over the TP ranks)."""
     totals = [sum(len(seqs[i]) for i in b) for b in plan]
-    width = width or max(totals)
+    width = _round_up(width or max(totals), multiple)
     if max(totals) > width:
         raise ValueError(f"a micro-batch of {max(totals)} tokens does not fit in width {width}")
     out = []
@@ -125,13 +130,14 @@ def plan_shared(lengths: Sequence[int], units: Sequence[Sequence[int]], max_toke
 
 
 def pack_shared(seqs: Sequence[torch.Tensor], prefix_lens: Sequence[int], plan: list[list[list[int]]],
-                pad_id: int = 0) -> list[PackedMicroBatch]:
-    """Like ``pack`` (the virtual rows, sequences in unit order) plus each micro-batch's physical row.
-    Every sequence of a unit must start with the same ``prefix_lens[i]`` tokens (checked)."""
+                pad_id: int = 0, multiple: int = 1) -> list[PackedMicroBatch]:
+    """Like ``pack`` (the virtual rows, sequences in unit order) plus each micro-batch's physical row,
+    whose width is rounded up to a ``multiple``. Every sequence of a unit must start with the same
+    ``prefix_lens[i]`` tokens (checked)."""
     flat = [[i for unit in b for i in unit] for b in plan]
     virtual = pack(seqs, flat, pad_id)
     physical = [sum(prefix_lens[u[0]] + sum(len(seqs[i]) - prefix_lens[i] for i in u) for u in b) for b in plan]
-    width = max(physical)
+    width = _round_up(max(physical), multiple)
     for mb, b, total in zip(virtual, plan, physical, strict=True):
         tokens = torch.full((width,), pad_id, dtype=torch.long)
         positions = torch.zeros(width, dtype=torch.long)

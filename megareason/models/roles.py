@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+from megareason.models.build import FP32, ComputeSettings, HFCheckpoint, build_gpt, load_hf_weights
 from megareason.models.checkpoint import load_checkpoint, save_checkpoint
 from megareason.models.logprobs import logprob_head
 from megareason.models.lora import LoRASettings, apply_lora
@@ -49,9 +49,9 @@ class _Trainable:
 class Actor(_Trainable):
     """``temperature``: the sampling temperature of the rollouts; log-probs are of logits / temperature."""
 
-    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32,
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, compute: ComputeSettings = FP32,
                  temperature: float = 1.0, lora: LoRASettings | None = None):
-        model = build_gpt(ckpt.arch, params_dtype, local_spec=lora is not None)
+        model = build_gpt(ckpt.arch, compute, local_spec=lora is not None)
         load_hf_weights(model, ckpt)
         if lora is not None:
             apply_lora(model, lora)
@@ -69,8 +69,8 @@ class Actor(_Trainable):
 
 
 class Reference:
-    def __init__(self, ckpt: HFCheckpoint, params_dtype=torch.float32, temperature: float = 1.0):
-        self.model = build_gpt(ckpt.arch, params_dtype)
+    def __init__(self, ckpt: HFCheckpoint, compute: ComputeSettings = FP32, temperature: float = 1.0):
+        self.model = build_gpt(ckpt.arch, compute)
         load_hf_weights(self.model, ckpt)
         self.model.requires_grad_(False)
         self.model.eval()
@@ -96,20 +96,29 @@ class Reference:
 
 
 class ValueHead(torch.nn.Module):
-    """hidden [S, B, H] -> values [S, B, 1], in place of GPTModel's output layer (same call signature).
+    """hidden [S, B, H] -> values [S, B, 1] in float32 (its weights too, whatever the model's precision),
+    in place of GPTModel's output layer (same call signature).
 
-    Replicated over tensor-parallel ranks: its input is already complete on every rank.
+    Replicated over tensor-parallel ranks: its input is complete on every rank, or (``sequence_parallel``)
+    gathered first from the ranks' slices of the sequence.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | None = None):
+    def __init__(self, hidden_size: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         # Named like GPTModel's output layer ("output_layer.weight"), which megatron-core's
         # sharded_state_dict expects to find on the last stage of an untied model.
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # Every rank computes the same values and loss, so each keeps its own slice of the gradient.
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states.float(), self.weight, self.bias), None
 
 
 def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
@@ -118,20 +127,21 @@ def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
 
 
 class Critic(_Trainable):
-    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, params_dtype=torch.float32,
+    def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, compute: ComputeSettings = FP32,
                  lora: LoRASettings | None = None):
         from dataclasses import replace
 
         from megareason.models.parallel import current_layout
 
         # The trunk loads like the actor's; an untied build keeps the value head off the embedding.
-        model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), params_dtype, local_spec=lora is not None)
+        model = build_gpt(replace(ckpt.arch, tie_word_embeddings=False), compute, local_spec=lora is not None)
         load_hf_weights(model, ckpt, with_output_layer=False)
         if lora is not None:
             apply_lora(model, lora)  # freezes the trunk; the value head below trains in full
         if current_layout().last_stage:
             device = next(model.parameters()).device
-            model.output_layer = ValueHead(ckpt.arch.hidden_size, params_dtype, device)
+            model.output_layer = ValueHead(ckpt.arch.hidden_size, torch.float32, device,
+                                           sequence_parallel=model.config.sequence_parallel)
         super().__init__(model, ckpt, settings, lora)
         self.head = value_head_outputs
 

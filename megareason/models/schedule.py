@@ -112,8 +112,20 @@ def _output_rows(model, rows: torch.Tensor | None):
         yield
         return
     head = layer.forward
+    sequence_parallel = getattr(layer, "sequence_parallel", False)
 
-    def selected(hidden_states, *args, **kwargs):  # hidden [S, B, H]
+    def selected(hidden_states, *args, **kwargs):  # hidden [S, B, H] ([S/TP, B, H] under sequence parallelism)
+        if sequence_parallel:
+            # Gather the sequence first, then run the head as a plain column-parallel layer on the rows
+            # (it all-reduces its input gradient, so each rank keeps its own slice of it on the way back).
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+            layer.sequence_parallel = False
+            try:
+                return head(hidden_states.index_select(0, rows), *args, **kwargs)
+            finally:
+                layer.sequence_parallel = True
         return head(hidden_states.index_select(0, rows), *args, **kwargs)
 
     layer.forward = selected

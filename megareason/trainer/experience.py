@@ -84,14 +84,16 @@ def prompt_lengths(mask_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tens
 
 
 def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = (),
-                    share_prefix: bool = False, responses_only: bool = False) -> list[MicroBatch]:
+                    share_prefix: bool = False, responses_only: bool = False,
+                    width_multiple: int = 1) -> list[MicroBatch]:
     """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
     width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``.
 
     ``share_prefix``: rows with the same prompt (a GRPO group) go into one micro-batch where the model
     reads their prompt once (``models.packing.pack_shared``); the outputs are the same.
     ``responses_only``: outputs only where they score a response token (``keep_W``; 0 elsewhere), so
-    the LM head skips the prompts."""
+    the LM head skips the prompts. ``width_multiple``: the width the model runs on is a multiple of it
+    (TP under sequence parallelism)."""
     lengths = exp.lengths_B.tolist()
     seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
     prompt_lens = prompt_lengths(exp.mask_BT, exp.lengths_B).tolist()
@@ -99,9 +101,10 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
         units: dict[tuple, list[int]] = {}
         for b, p in enumerate(prompt_lens):
             units.setdefault((p, *seqs[b][:p].tolist()), []).append(b)
-        batches = pack_shared(seqs, prompt_lens, plan_shared(lengths, list(units.values()), micro_batch_tokens))
+        batches = pack_shared(seqs, prompt_lens, plan_shared(lengths, list(units.values()), micro_batch_tokens),
+                              multiple=width_multiple)
     else:
-        batches = pack(seqs, plan_micro_batches(lengths, micro_batch_tokens))
+        batches = pack(seqs, plan_micro_batches(lengths, micro_batch_tokens), multiple=width_multiple)
     out = []
     for mb in batches:
         packed = {}

@@ -35,6 +35,15 @@ def optimizer_settings(cfg: Config, lr: float):
                              clip_grad=o.clip_grad)
 
 
+def compute_settings(cfg: Config):
+    """Precision, activation recomputation and sequence parallelism of every Megatron role."""
+    from megareason.models.build import ComputeSettings
+
+    t = cfg.trainer
+    return ComputeSettings(precision=t.precision, recompute=t.recompute, recompute_num_layers=t.recompute_num_layers,
+                           sequence_parallel=cfg.parallel.sequence_parallel)
+
+
 def lora_settings(cfg: Config):
     """The adapters of the trained roles, or None (full fine-tuning)."""
     from megareason.models.lora import LoRASettings
@@ -78,6 +87,10 @@ class _Worker:
     def _share(self, exp: Experience) -> Experience:
         return exp.select(share(len(exp), self.layout.dp, self.layout.dp_rank))
 
+    def _width_multiple(self) -> int:
+        """Sequence parallelism splits every micro-batch's row over the TP ranks."""
+        return self.layout.tp if self.cfg.parallel.sequence_parallel else 1
+
     def _share_prefix(self, model) -> bool:
         from megareason.models.build import uses_transformer_engine
 
@@ -87,7 +100,7 @@ class _Worker:
         """``head``'s outputs over this replica's share, as [B_share, T] rows."""
         mine = self._share(exp)
         micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens, share_prefix=self._share_prefix(model),
-                                responses_only=responses_only)
+                                responses_only=responses_only, width_multiple=self._width_multiple())
         outs = forward_outputs(model, micro, head, num)
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
@@ -98,7 +111,8 @@ class _Worker:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
         micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names,
-                                share_prefix=self._share_prefix(role.model), responses_only=responses_only)
+                                share_prefix=self._share_prefix(role.model), responses_only=responses_only,
+                                width_multiple=self._width_multiple())
         result = role.train_step(micro, loss_fn)
         return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
 
@@ -128,10 +142,12 @@ class PolicyWorker(_Worker):
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
         temperature = cfg.rollout.temperature
         lora = lora_settings(cfg)
-        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), temperature=temperature,
+        compute = compute_settings(cfg)
+        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), compute, temperature=temperature,
                                        lora=lora)
         # With LoRA the reference is the actor with its adapters off: no second copy of the weights.
-        self.reference = Reference(ckpt, temperature=temperature) if cfg.algorithm.kl_coef > 0 and not lora else None
+        self.reference = (Reference(ckpt, compute, temperature=temperature)
+                          if cfg.algorithm.kl_coef > 0 and not lora else None)
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
         self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
@@ -209,7 +225,8 @@ class CriticWorker(_Worker):
 
         cfg = self.cfg
         self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path)),
-                                         optimizer_settings(cfg, cfg.optim.critic_lr), lora=lora_settings(cfg))
+                                         optimizer_settings(cfg, cfg.optim.critic_lr), compute_settings(cfg),
+                                         lora=lora_settings(cfg))
 
     def values(self, exp: Experience) -> torch.Tensor:
         """[B_share, T]: column t is the value of the state before token t."""

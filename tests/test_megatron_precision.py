@@ -1,0 +1,195 @@
+"""How the trainer runs at scale, on CPU with the code the GPU runs (2 gloo processes): bf16 mixed
+precision against fp32 and transformers, megatron-core's activation recomputation and sequence
+parallelism against the plain build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+from transformers import AutoModelForCausalLM
+
+from megareason.models.arch import ModelArch
+
+LR = 1e-3
+
+
+def _batch(vocab: int, rows: int = 4, width: int = 16):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (rows, width), generator=g)
+    mask = torch.zeros(rows, width)
+    for i in range(rows):
+        mask[i, 3 + i % 3 : width - i % 4] = 1.0
+    return tokens, mask
+
+
+def nll_loss(logp_BT, entropy_BT, batch):
+    mask = batch.loss_mask_BT
+    return -(logp_BT * mask).sum(), mask.sum(), {}
+
+
+def _compute(precision="fp32", recompute="none", layers=0, sp=False):
+    from megareason.models.build import ComputeSettings
+
+    return ComputeSettings(precision=precision, recompute=recompute, recompute_num_layers=layers, sequence_parallel=sp)
+
+
+def _grads_and_saved(model_dir, compute, tokens, mask, tp):
+    """One forward/backward of the NLL through megatron-core's schedule: log-probs, gradients (full HF
+    tensors on TP rank 0) and the activation bytes saved for backward by a plain forward."""
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.memory import SavedActivations
+    from megareason.models.parallel import current_layout, init_parallel
+    from megareason.models.schedule import TokenBatch, forward_backward, forward_outputs
+    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+
+    init_parallel(tp, 1)
+    ckpt = HFCheckpoint(model_dir)
+    model = build_gpt(ckpt.arch, compute)
+    load_hf_weights(model, ckpt)
+    ddp, _ = wrap_for_training(model, OptimizerSettings(lr=LR))
+    head = logprob_head(ckpt.arch.vocab_size)
+    logp = torch.cat([o[0] for o in forward_outputs(ddp, [TokenBatch(t) for t in tokens.split(2)], head, 2)])
+    # The responses-only head (the trainer's path): the LM head runs on the scored positions only.
+    keep = torch.nonzero(mask[0, 1:]).flatten()
+    kept = forward_outputs(ddp, [TokenBatch(tokens[:1], keep_W=keep)], head, 2)[0][0]
+    forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)],
+                     head, nll_loss)
+    grads = {n: p.main_grad.detach().float().clone() for n, p in ddp.module.named_parameters()}
+    layout = current_layout()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    ddp.train()
+    with SavedActivations(ddp) as saved:
+        logits = ddp(tokens, positions, attention_mask=None)
+    logits.float().sum().backward()
+    return {"logp": logp, "kept": kept, "grads": grads, "saved": saved.bytes, "tp_rank": layout.tp_rank}
+
+
+def _recompute_and_sp_worker(model_dir, tokens, mask):
+    out = {}
+    for name, compute, tp in [("plain", _compute(), 2), ("selective", _compute(recompute="selective"), 2),
+                              ("full", _compute(recompute="full"), 2),
+                              ("full_block1", _compute(recompute="full", layers=1), 2),
+                              ("sp", _compute(sp=True), 2), ("sp_full", _compute(recompute="full", sp=True), 2)]:
+        out[name] = _grads_and_saved(model_dir, compute, tokens, mask, tp)
+    return out
+
+
+@pytest.fixture(scope="module")
+def recompute_and_sp(tiny_qwen2):
+    arch = ModelArch.from_pretrained(tiny_qwen2)
+    tokens, mask = _batch(arch.vocab_size)
+    return run_workers(2, _recompute_and_sp_worker, str(tiny_qwen2), tokens, mask)
+
+
+@pytest.mark.parametrize("variant", ["selective", "full", "full_block1"])
+def test_recomputation_keeps_gradients_and_saves_fewer_activations(recompute_and_sp, variant):
+    for rank in recompute_and_sp:
+        plain, other = rank["plain"], rank[variant]
+        for name, g in plain["grads"].items():
+            assert (other["grads"][name] - g).abs().max().item() <= 1e-6, f"{variant} {name}"
+        assert torch.equal(other["logp"], plain["logp"])
+        assert other["saved"] < plain["saved"], f"{variant}: {other['saved']} >= {plain['saved']} bytes saved"
+    full, block = recompute_and_sp[0]["full"]["saved"], recompute_and_sp[0]["full_block1"]["saved"]
+    assert full <= block < recompute_and_sp[0]["plain"]["saved"]  # the tiny model has 2 layers: block 1 recomputes one
+
+
+@pytest.mark.parametrize("variant", ["sp", "sp_full"])
+def test_sequence_parallel_matches_tensor_parallel(recompute_and_sp, variant):
+    for rank in recompute_and_sp:
+        plain, sp = rank["plain"], rank[variant]
+        assert (sp["logp"] - plain["logp"]).abs().max().item() <= 1e-6
+        assert (sp["kept"] - plain["kept"]).abs().max().item() <= 1e-6
+        for name, g in plain["grads"].items():
+            assert (sp["grads"][name] - g).abs().max().item() <= 1e-6, f"{variant} {name}"
+        # The activations outside the tensor-parallel regions are split over the 2 TP ranks.
+        assert sp["saved"] < plain["saved"]
+    assert recompute_and_sp[0]["sp"]["grads"].keys() == recompute_and_sp[0]["plain"]["grads"].keys()
+
+
+def _bf16_worker(model_dir, tokens, mask):
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.parallel import init_parallel
+    from megareason.models.schedule import TokenBatch, forward_backward, forward_outputs
+    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+
+    init_parallel(1, 1)
+    ckpt = HFCheckpoint(model_dir)
+    head = logprob_head(ckpt.arch.vocab_size)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        model = build_gpt(ckpt.arch, _compute(precision))
+        load_hf_weights(model, ckpt)
+        # A tiny learning rate: Adam's first step moves every weight by ~LR, well under bf16's resolution.
+        ddp, opt = wrap_for_training(model, OptimizerSettings(lr=1e-5, clip_grad=1e9))
+        out[precision] = {
+            "logp": torch.cat([o[0] for o in forward_outputs(ddp, [TokenBatch(t) for t in tokens.split(2)], head, 2)]),
+            "dtype": next(ddp.module.parameters()).dtype,
+        }
+        if precision == "bf16":
+            before = {n: p.detach().float().clone() for n, p in ddp.module.named_parameters()}
+            opt.zero_grad()
+            forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)],
+                             head, nll_loss)
+            grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+            ok, _, _ = opt.step()
+            assert ok
+            inner = opt.chained_optimizers[0] if hasattr(opt, "chained_optimizers") else opt
+            main = {}
+            names = {id(p): n for n, p in ddp.module.named_parameters()}
+            for model_group, main_group in zip(inner.float16_groups, inner.fp32_from_float16_groups, strict=True):
+                for p, m in zip(model_group, main_group, strict=True):
+                    main[names[id(p)]] = m.detach().clone()
+            out["bf16"].update(before=before, grads=grads, main=main,
+                               after={n: p.detach().clone() for n, p in ddp.module.named_parameters()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tiny_qwen2):
+    arch = ModelArch.from_pretrained(tiny_qwen2)
+    tokens, mask = _batch(arch.vocab_size)
+    return tokens, mask, run_workers(1, _bf16_worker, str(tiny_qwen2), tokens, mask)[0]
+
+
+def _hf_logp(model, tokens):
+    with torch.no_grad():
+        logits = model(tokens).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def test_bf16_logprobs_are_as_close_to_fp32_as_transformers_bf16(bf16_run, tiny_qwen2):
+    tokens, mask, out = bf16_run
+    assert out["fp32"]["dtype"] == torch.float32 and out["bf16"]["dtype"] == torch.bfloat16
+    hf32 = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.bfloat16).eval()
+    scored = mask[:, 1:] > 0
+    hf_err = (_hf_logp(hf16, tokens) - _hf_logp(hf32, tokens))[scored].abs().mean().item()
+    ours_err = (out["bf16"]["logp"][:, 1:] - out["fp32"]["logp"][:, 1:])[scored].abs().mean().item()
+    fp32_vs_hf = (out["fp32"]["logp"][:, 1:] - _hf_logp(hf32, tokens))[scored].abs().max().item()
+    assert fp32_vs_hf < 1e-5
+    assert 0 < hf_err and 0 < ours_err <= 1.5 * hf_err, f"megatron bf16 {ours_err:.2e} vs transformers bf16 {hf_err:.2e}"
+
+
+def test_bf16_adamw_step_keeps_fp32_main_weights(bf16_run):
+    _, _, out = bf16_run
+    b = out["bf16"]
+    moved_main, moved_bf16, with_grad = 0, 0, 0
+    for name, w0 in b["before"].items():
+        # torch's AdamW in fp32 from the same starting weights and the same (fp32-accumulated) gradient.
+        ref = w0.clone().requires_grad_(True)
+        ref.grad = b["grads"][name].clone()
+        torch.optim.AdamW([ref], lr=1e-5, weight_decay=0.0, eps=1e-8).step()
+        main = b["main"][name]
+        assert main.dtype == torch.float32
+        assert (main - ref.detach()).abs().max().item() <= 1e-7, name
+        # The model's bf16 weights are the main weights rounded to bf16.
+        assert torch.equal(b["after"][name], main.to(torch.bfloat16))
+        moved_main += int((main != w0).sum())
+        moved_bf16 += int((b["after"][name].float() != w0).sum())
+        with_grad += int((b["grads"][name] != 0).sum())
+    # An update of ~1e-5 moves every fp32 main weight that has a gradient, but rounds away in most of
+    # the bf16 weights (had the update been applied in bf16, it would be lost).
+    assert moved_main == with_grad and moved_bf16 < 0.5 * moved_main, (moved_main, with_grad, moved_bf16)
