@@ -54,6 +54,25 @@ def _probe():
     patched = clip_grads.clip_grad_by_total_norm_fp32
     found["optimizer_uses_patch"] = mcore_optimizer.clip_grad_by_total_norm_fp32 is patched
     found["grad_norm"] = clip_grads.get_grad_norm_fp32([torch.tensor([3.0, 0.0]), torch.tensor([4.0])])
+    # (6) the fused-softmax fallback's causal mask, also inside a backward pass (activation recomputation)
+    from megatron.core.fusions import fused_softmax
+
+    found["causal_mask"] = fused_softmax.get_default_causal_mask(3)
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            found["mask_in_backward"] = fused_softmax.get_default_causal_mask(2)
+            return grad
+
+    InBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    # (7) Tensor.type() names the CUDA type (the optimizers' parameter checks); conversions still work
+    found["type_names"] = (torch.zeros(1).type(), torch.zeros(1, dtype=torch.bfloat16).type())
+    found["type_conversion"] = torch.zeros(1).type(torch.float64).dtype
     return found
 
 
@@ -94,3 +113,14 @@ def test_clip_grad_by_total_norm(found):
     assert all(torch.equal(a, b) for a, b in zip(found["not_clipped"], found["clipped"], strict=True))
     assert found["optimizer_uses_patch"] is True
     assert found["grad_norm"] == pytest.approx(5.0)
+
+
+def test_causal_mask_is_built_on_the_cpu_even_in_backward(found):
+    expected = torch.tensor([[False, True, True], [False, False, True], [False, False, False]])
+    assert torch.equal(found["causal_mask"], expected)
+    assert torch.equal(found["mask_in_backward"], expected[1:, 1:])
+
+
+def test_tensor_type_names_the_cuda_type(found):
+    assert found["type_names"] == ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor")
+    assert found["type_conversion"] == torch.float64

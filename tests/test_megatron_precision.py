@@ -170,7 +170,8 @@ def test_bf16_logprobs_are_as_close_to_fp32_as_transformers_bf16(bf16_run, tiny_
     ours_err = (out["bf16"]["logp"][:, 1:] - out["fp32"]["logp"][:, 1:])[scored].abs().mean().item()
     fp32_vs_hf = (out["fp32"]["logp"][:, 1:] - _hf_logp(hf32, tokens))[scored].abs().max().item()
     assert fp32_vs_hf < 1e-5
-    assert 0 < hf_err and 0 < ours_err <= 1.5 * hf_err, f"megatron bf16 {ours_err:.2e} vs transformers bf16 {hf_err:.2e}"
+    assert 0 < hf_err and 0 < ours_err <= 1.5 * hf_err, \
+        f"megatron bf16 {ours_err:.2e} vs transformers bf16 {hf_err:.2e}"
 
 
 def test_bf16_adamw_step_keeps_fp32_main_weights(bf16_run):
