@@ -280,10 +280,11 @@ class OptimConfig:
 @dataclass
 class TrainerConfig:
     steps: int = 20
-    # Megatron roles (actor, reference, critic): fp32, or bf16/fp16 parameters and activations with fp32
-    # main weights, gradients and Adam moments in megatron-core's mixed-precision optimizer (fp16 adds its
-    # dynamic loss scaling). Log-probs, losses and the value head stay fp32. The GPU recipes use bf16.
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Megatron roles (actor, reference, critic): fp32, or bf16 parameters and activations with fp32 main
+    # weights, gradients and Adam moments in megatron-core's mixed-precision optimizer. Log-probs, losses
+    # and the value head stay fp32. The GPU recipes use bf16. (No fp16: losses are summed per token before
+    # megatron-core divides by the global count, and such sums overflow fp16's range at any loss scale.)
+    precision: Literal["fp32", "bf16"] = "fp32"
     # Activation recomputation (megatron-core's): selective recomputes core attention; full keeps only
     # each recomputed layer's input and reruns the layer in the backward pass.
     recompute: Literal["none", "selective", "full"] = "none"

@@ -21,7 +21,7 @@ from megareason.models.parallel import current_layout
 log = logging.getLogger(__name__)
 
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

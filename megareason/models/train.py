@@ -77,11 +77,7 @@ def wrap_for_training(model, settings: OptimizerSettings):
         fp16=config.fp16,
         use_distributed_optimizer=settings.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
-    # The schedule multiplies each micro-batch's loss by this before its backward pass: fp16's dynamic
-    # loss scale (1 in fp32 and bf16).
-    config.grad_scale_func = optimizer.scale_loss
-    return ddp, optimizer
+    return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
 def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn) -> StepResult:
@@ -89,9 +85,7 @@ def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, l
     optimizer.zero_grad()
     sums = forward_backward(ddp_model, micro_batches, head, loss_fn)
     ok, grad_norm, _ = optimizer.step()
-    if not ok and not ddp_model.config.fp16:
+    if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
     loss_sum, count = sums.pop("loss_sum"), sums.pop("count")
-    # fp16: a step whose scaled gradients overflowed is skipped and the loss scale lowered (megatron-core).
-    skipped = {"skipped_steps": float(not ok)} if ddp_model.config.fp16 else {}
-    return StepResult(loss=loss_sum / max(count, 1.0), grad_norm=float(grad_norm or 0.0), metrics={**sums, **skipped})
+    return StepResult(loss=loss_sum / max(count, 1.0), grad_norm=float(grad_norm), metrics=sums)
