@@ -73,3 +73,23 @@ class SavedActivations:
     @property
     def bytes(self) -> int:
         return _unique_storage_bytes(self._saved)
+
+
+def main_parameters(optimizer) -> dict[torch.Tensor, torch.Tensor]:
+    """Model parameter -> its fp32 main weight in a mixed-precision ``optimizer`` (megatron-core's
+    ``Float16OptimizerWithFloat16Params``, or its ``DistributedOptimizer`` at one data-parallel rank,
+    where each rank's shard is the whole parameter, flattened). Parameters kept in fp32 are absent."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    out = {}
+    for opt in _optimizers(optimizer):
+        if isinstance(opt, DistributedOptimizer):
+            for model_group, main_group in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups,
+                                               strict=True):
+                for p, m in zip(model_group, main_group, strict=True):
+                    assert m.numel() == p.numel(), "main weights are read at one data-parallel rank only"
+                    out[p] = m
+        elif hasattr(opt, "float16_groups"):
+            for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
+                out.update(zip(model_group, main_group, strict=True))
+    return out

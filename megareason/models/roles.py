@@ -40,7 +40,10 @@ class _Trainable:
 
         # the base model's path: a PEFT export names it (adapter_config.json: base_model_name_or_path)
         lora = {"lora": asdict(self.lora), "base_model": str(self.hf_dir)} if self.lora is not None else {}
-        return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer, {**(metadata or {}), **lora})
+        # bf16: the model tensors are the optimizer's fp32 main weights rounded (the export reads either).
+        precision = {"precision": "bf16" if self.model.config.bf16 else "fp32"}
+        return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer,
+                               {**(metadata or {}), **lora, **precision})
 
     def load(self, path) -> dict:
         return load_checkpoint(path, self.model, self.optimizer)
