@@ -32,7 +32,7 @@ def optimizer_settings(cfg: Config, lr: float):
 
     o = cfg.optim
     return OptimizerSettings(lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2,
-                             clip_grad=o.clip_grad)
+                             clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer)
 
 
 def compute_settings(cfg: Config):
