@@ -9,10 +9,13 @@ Layout of a checkpoint directory::
 Every rank writes into ``<dir>.tmp-<id>`` and rank 0 renames it to ``<dir>`` once all ranks are done,
 so a crash mid-save leaves the previous checkpoint (if any) intact and never a half-written one.
 
-Optimizer state: megatron-core's non-distributed optimizer state is saved and resharded like the
-model. The distributed optimizer's state does not round-trip through dist_checkpointing on CPU
-(``flattened_range is not supported``); ``save_checkpoint`` refuses it there rather than write a
-checkpoint that cannot be resumed.
+Optimizer state is saved and resharded like the model (any TP/PP/DP on load). The distributed
+optimizer's (``optim.use_distributed_optimizer``) goes in megatron-core's ``fully_reshardable`` format
+(gathered over DP on save, sliced per rank on load; 0.16.1's default format no longer saves at all),
+recorded in megareason.json as ``distrib_optim_sharding_type``. It loads only into a distributed
+optimizer, and the plain optimizer's only into a plain one. Without TransformerEngine or Apex,
+megatron-core steps with torch's Adam, whose per-parameter ``step`` its distributed-optimizer loader
+mishandles; ``load_checkpoint`` works around that (``_distributed_optimizer_loading``), on GPU and CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -33,6 +37,9 @@ from megareason.utils import replace_directory
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 META = "megareason.json"
+SHARDING_KEY = "distrib_optim_sharding_type"  # megatron-core's metadata key, and ours in META
+# Reshards over TP, PP and DP (gathers over DP on save; see docs/architecture.md for its memory cost).
+DISTRIB_OPTIM_SHARDING = "fully_reshardable"
 
 
 def _broadcast(obj):
@@ -47,9 +54,10 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    if optimizer is not None and not torch.cuda.is_available() and _is_distributed_optimizer(optimizer):
-        raise NotImplementedError("the distributed optimizer's state cannot be checkpointed on CPU with "
-                                  "megatron-core 0.16.1; use optimizer use_distributed_optimizer=false on CPU")
+    distributed = _distributed_optimizers(optimizer)
+    sharding = DISTRIB_OPTIM_SHARDING if distributed else None
+    for d in distributed:  # before anything is written
+        _init_state(d, loading=False)
     tmp = Path(_broadcast(f"{path}.tmp-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None))
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
@@ -57,7 +65,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
     try:
         state = {"model": model.sharded_state_dict()}
         if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+            state["optimizer"] = optimizer.sharded_state_dict(state["model"], **_sharding_kwargs(sharding))
         dist_checkpointing.save(state, str(tmp))
         dist.barrier()
         if dist.get_rank() == 0:
@@ -67,7 +75,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
                     shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
             layout = current_layout()
             meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp,
-                    "has_optimizer": optimizer is not None, **(metadata or {})}
+                    "has_optimizer": optimizer is not None, **(metadata or {}), SHARDING_KEY: sharding}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
             replace_directory(tmp, path)
     except BaseException:
@@ -93,11 +101,74 @@ def _stop_writer_manager() -> None:
     filesystem_async._results_queue = None
 
 
-def _is_distributed_optimizer(optimizer) -> bool:
+def _distributed_optimizers(optimizer) -> list:
+    """The megatron-core ``DistributedOptimizer``s inside ``optimizer`` (none for the plain one)."""
     from megatron.core.optimizer import DistributedOptimizer
 
+    if optimizer is None:
+        return []
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(isinstance(o, DistributedOptimizer) for o in chained)
+    return [o for o in chained if isinstance(o, DistributedOptimizer)]
+
+
+def _sharding_kwargs(sharding: str | None) -> dict:
+    return {"metadata": {SHARDING_KEY: sharding}} if sharding else {}
+
+
+def _init_state(dopt, loading: bool) -> None:
+    """Give a distributed optimizer that has not stepped yet its per-parameter state.
+
+    Its ``state_dict()`` (called by ``sharded_state_dict``, on save and on load) reads that state, which
+    torch's Adam creates lazily at its first step (with ``step`` 0 and zero moments: created here as that
+    step would, so a saved unstepped optimizer resumes exactly). TransformerEngine's / Apex's FusedAdam
+    (not in our images) keep other state: on load megatron-core's own dummy step creates it (the load then
+    overwrites every value); an unstepped one cannot be saved.
+    """
+    inner = dopt.optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    if all(inner.state.get(p) for p in params):
+        return
+    if isinstance(inner, torch.optim.Adam):
+        for group in inner.param_groups:
+            assert not (group["amsgrad"] or group["fused"] or group["capturable"]), "megatron-core sets none"
+            for p in group["params"]:
+                if not inner.state.get(p):
+                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+    elif loading:
+        dopt._init_optimizer_states_with_dummy_values()
+    else:
+        raise ValueError(f"{type(inner).__name__} under the distributed optimizer (optim.use_distributed_optimizer) "
+                         "has no state before its first step and cannot be saved yet; save after a step")
+
+
+@contextmanager
+def _distributed_optimizer_loading(distributed: list):
+    """Work around megatron-core 0.16.1's distributed-optimizer loader under torch's Adam (no TE/Apex).
+
+    1. ``load_parameter_state_from_fully_reshardable`` leaves ``step`` out of the loaded tensors on
+       purpose (``load_state_dict`` restores it from the param groups), but
+       ``_set_main_param_and_optimizer_states`` copies every key of the optimizer's per-parameter state,
+       which for torch's Adam includes ``step``: ``KeyError: 'step'``. Keys the loader leaves out keep
+       their value here.
+    2. ``load_state_dict`` puts one ``step`` tensor into every parameter's state, and torch's Adam adds 1
+       to each parameter's ``step`` in place: after a resume ``step`` would grow by the number of
+       parameters per step (wrong bias correction). Each parameter gets its own copy afterwards.
+    """
+    for d in distributed:
+        def keep_unloaded(model_param, tensors, d=d, set_states=d._set_main_param_and_optimizer_states):
+            return set_states(model_param, {**d._get_main_param_and_optimizer_states(model_param), **tensors})
+
+        d._set_main_param_and_optimizer_states = keep_unloaded
+    try:
+        yield
+    finally:
+        for d in distributed:
+            del d._set_main_param_and_optimizer_states  # the class's method again
+    for d in distributed:
+        for state in d.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -124,11 +195,19 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
         has = "has LoRA adapters" if meta.get("lora") else "has no LoRA adapters"
         raise ValueError(f"{path}: the checkpoint {has} and the model {'does not' if meta.get('lora') else 'does'}; "
                          "build the model with the checkpoint's lora settings (megareason.json: lora)")
+    distributed = _distributed_optimizers(optimizer)
+    sharding = meta.get(SHARDING_KEY)
+    if optimizer is not None and bool(distributed) != bool(sharding):
+        raise ValueError(f"{path}: the optimizer state was saved {'with' if sharding else 'without'} the distributed "
+                         f"optimizer; resume with optim.use_distributed_optimizer={str(bool(sharding)).lower()}")
+    for d in distributed:
+        _init_state(d, loading=True)
     state = {"model": model.sharded_state_dict()}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, **_sharding_kwargs(sharding))
     loaded = dist_checkpointing.load(state, str(path))
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _distributed_optimizer_loading(distributed):
+            optimizer.load_state_dict(loaded["optimizer"])
     return meta

@@ -1,0 +1,179 @@
+"""megatron-core's distributed optimizer (``optim.use_distributed_optimizer``) on gloo: its step equals the
+plain optimizer's, and its dist_checkpointing state resumes at another DP size and at another TP size
+(fp32), and round-trips bit for bit with bf16 params (fp32 main weights). 2 processes, then 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+from test_megatron_checkpoint import _batches, _merged, _nll
+
+from megareason.models.arch import ModelArch
+
+LR = 1e-2
+EPS = 1e-3  # see test_megatron_checkpoint: Adam with a tiny eps turns rounding noise into full steps
+
+
+def _trainer(hf, *, distributed: bool, precision: str = "fp32", from_hf: bool = True):
+    """A fresh model (HF weights loaded or not) with megatron-core DDP and optimizer on the current layout."""
+    from megareason.models.build import ComputeSettings, build_gpt, load_hf_weights
+    from megareason.models.train import OptimizerSettings, wrap_for_training
+
+    compute = ComputeSettings(precision=precision, recompute="none", recompute_num_layers=0, sequence_parallel=False)
+    model = build_gpt(hf.arch, compute)
+    if from_hf:
+        load_hf_weights(model, hf)
+    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=LR, eps=EPS, use_distributed_optimizer=distributed))
+    return model, ddp, opt
+
+
+def _step(hf, ddp, opt):
+    """One step over the global batch, this DP rank's share of it."""
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.parallel import current_layout
+    from megareason.models.train import TrainBatch, train_step
+
+    tokens, mask = _batches(hf.arch.vocab_size)
+    layout = current_layout()
+    share = tokens.shape[0] // layout.dp
+    rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
+    return train_step(ddp, opt, [TrainBatch(tokens[rows], mask[rows])], logprob_head(hf.arch.vocab_size), _nll).loss
+
+
+def _params(ddp):
+    """In the shape ``_merged`` reads: ((tp_rank, pp_rank, dp_rank), {megatron name: fp32 tensor})."""
+    from megareason.models.parallel import current_layout
+
+    layout = current_layout()
+    state = {n: p.detach().float().clone() for n, p in ddp.module.named_parameters()}
+    return (layout.tp_rank, layout.pp_rank, layout.dp_rank), state
+
+
+def _stepped(hf, ddp, opt):
+    """One step: (the weights after it, as ``_params``, and its loss)."""
+    loss = _step(hf, ddp, opt)
+    return _params(ddp), loss
+
+
+def _main_state(opt) -> list[dict[str, torch.Tensor]]:
+    """This rank's shard of the fp32 main weights and of every per-parameter optimizer state."""
+    (d,) = opt.chained_optimizers
+    return [{"param": p.detach().clone(), **{k: v.clone() for k, v in d.optimizer.state[p].items()}}
+            for group in d.optimizer.param_groups for p in group["params"]]
+
+
+def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str):
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from megareason.models.parallel import init_parallel
+
+    hf = HFCheckpoint(model_dir)
+    out = {}
+    init_parallel(1, 1)  # DP=2
+    _, ddp, opt = _trainer(hf, distributed=False)
+    out[(1, 1, "plain")] = _stepped(hf, ddp, opt)
+    model, ddp, opt = _trainer(hf, distributed=True)
+    out[(1, 1, "distributed")] = _stepped(hf, ddp, opt)
+    save_checkpoint(ckpt, model, hf.arch, model_dir, optimizer=opt, metadata={"step": 1})
+    out["sharding"] = read_metadata(ckpt)["distrib_optim_sharding_type"]
+    out[(1, 1, "continued")] = _stepped(hf, ddp, opt)  # the uninterrupted run's second step
+
+    # bf16 params: megatron-core's mixed-precision distributed optimizer (fp32 main weights).
+    model, ddp, opt = _trainer(hf, distributed=True, precision="bf16")
+    _step(hf, ddp, opt)
+    before = _main_state(opt)
+    save_checkpoint(ckpt_bf16, model, hf.arch, model_dir, optimizer=opt)
+    model2, ddp2, opt2 = _trainer(hf, distributed=True, precision="bf16", from_hf=False)
+    load_checkpoint(ckpt_bf16, model2, opt2)
+    out["bf16"] = (before, _main_state(opt2))
+    out["bf16_next"] = _stepped(hf, ddp, opt), _stepped(hf, ddp2, opt2)
+
+    init_parallel(2, 1)  # TP=2, DP=1
+    model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
+    assert load_checkpoint(ckpt, model, opt)["step"] == 1
+    out[(2, 1, "resumed")] = _stepped(hf, ddp, opt)
+    return out
+
+
+def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.checkpoint import load_checkpoint, save_checkpoint
+    from megareason.models.parallel import init_parallel
+
+    hf = HFCheckpoint(model_dir)
+    out = {}
+    init_parallel(1, 1)  # DP=1
+    model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
+    assert load_checkpoint(ckpt, model, opt)["step"] == 1
+    out[(1, 1, "resumed")] = _stepped(hf, ddp, opt)
+    model, _, opt = _trainer(hf, distributed=False, from_hf=False)
+    try:
+        load_checkpoint(ckpt, model, opt)
+    except ValueError as e:
+        out["plain_error"] = str(e)
+    # An optimizer saved before its first step resumes as a fresh one.
+    model, ddp, opt = _trainer(hf, distributed=True)
+    save_checkpoint(unstepped, model, hf.arch, model_dir, optimizer=opt)
+    model2, ddp2, opt2 = _trainer(hf, distributed=True, from_hf=False)
+    load_checkpoint(unstepped, model2, opt2)
+    out["unstepped"] = _stepped(hf, ddp, opt), _stepped(hf, ddp2, opt2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_qwen2, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("distributed_optimizer")
+    dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"))
+    dp1 = run_workers(1, _dp1_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "unstepped"))
+    return ModelArch.from_pretrained(tiny_qwen2), dp2, dp1
+
+
+def _assert_close(a: dict, b: dict, tol: float, what: str):
+    assert set(a) == set(b)
+    for name, t in b.items():
+        assert (a[name] - t).abs().max().item() < tol, f"{what}: {name}"
+
+
+def test_step_equals_the_plain_optimizer(runs):
+    arch, dp2, _ = runs
+    plain = _merged(dp2, (1, 1, "plain"), arch)
+    distributed = _merged(dp2, (1, 1, "distributed"), arch)
+    second = _merged(dp2, (1, 1, "continued"), arch)
+    assert max((second[n] - plain[n]).abs().max().item() for n in plain) > 1e-3  # a step moves weights ~1e-2
+    _assert_close(distributed, plain, 1e-6, "distributed vs plain optimizer")
+    assert abs(dp2[0][(1, 1, "distributed")][1] - dp2[0][(1, 1, "plain")][1]) < 1e-6
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp1", "tp2_dp1"])
+def test_resume_reproduces_the_next_step(runs, tp):
+    """Saved at DP=2 after one step; loaded at DP=1 (1 process) or TP=2 x DP=1 (2 processes)."""
+    arch, dp2, dp1 = runs
+    assert dp2[0]["sharding"] == "fully_reshardable"
+    continued = _merged(dp2, (1, 1, "continued"), arch)
+    per_rank, key = (dp1 if tp == 1 else dp2), (tp, 1, "resumed")
+    _assert_close(_merged(per_rank, key, arch), continued, 1e-6, f"resumed at TP={tp}")
+    assert abs(per_rank[0][key][1] - dp2[0][(1, 1, "continued")][1]) < 1e-6
+
+
+def test_bf16_main_weights_and_moments_round_trip_exactly(runs):
+    _, dp2, _ = runs
+    for rank in dp2:
+        before, after = rank["bf16"]
+        assert len(before) == len(after) > 0
+        for b, a in zip(before, after, strict=True):
+            assert b["param"].dtype == torch.float32 and set(b) == set(a) == {"param", "step", "exp_avg", "exp_avg_sq"}
+            for key in b:
+                assert torch.equal(a[key], b[key]), key
+        # ... and the next step is the uninterrupted one's, bit for bit
+        (continued, loss), (resumed, resumed_loss) = rank["bf16_next"]
+        assert resumed_loss == loss
+        assert all(torch.equal(resumed[1][n], t) for n, t in continued[1].items())
+
+
+def test_unstepped_save_resumes_as_fresh_and_a_plain_optimizer_is_refused(runs):
+    _, _, (dp1,) = runs
+    (fresh, loss), (resumed, resumed_loss) = dp1["unstepped"]
+    assert resumed_loss == loss
+    assert all(torch.equal(resumed[1][n], t) for n, t in fresh[1].items())
+    assert "optim.use_distributed_optimizer=true" in dp1["plain_error"]
