@@ -1,8 +1,8 @@
 """Training a megatron-core model: DDP, the megatron-core optimizer, and one step over micro-batches.
 
 The optimizer is megatron-core's (``get_megatron_optimizer``: AdamW with grad clipping) on GPU and CPU
-alike; on CPU it runs through ``cpu_compat`` (the distributed optimizer also steps on CPU, but its state
-does not round-trip through dist_checkpointing there, so the CPU path defaults to the plain one).
+alike; on CPU it runs through ``cpu_compat``. ``use_distributed_optimizer`` shards its state over the DP
+ranks (megatron-core's distributed optimizer; ``checkpoint`` saves and reshards it like the plain one's).
 
 Loss normalisation is explicit: a loss function returns (sum of per-token or per-sequence losses,
 count) for its micro-batch, and megatron-core divides the gradients by the count summed over all
