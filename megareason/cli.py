@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     m2h.add_argument("out_dir", help="HF directory to write (replaced atomically if it exists)")
     m2h.add_argument("--peft", action="store_true", help="LoRA checkpoints: write the adapter in PEFT's format "
                      "instead of merged weights")
+    m2h.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                     help="dtype of the written weights (auto: the source model's; float32 from a bf16 run reads "
+                     "its fp32 main weights)")
 
     sv = sub.add_parser("serve-verifier", help="serve a TinyV verifier model with vLLM's OpenAI API",
                         description=SERVE_VERIFIER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -309,7 +312,7 @@ def _convert(args: argparse.Namespace) -> int:
         out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
     else:
         try:
-            out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft)
+            out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft, dtype=args.dtype)
         except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
             print(f"error: {e}", file=sys.stderr)
             return 2

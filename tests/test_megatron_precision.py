@@ -40,6 +40,7 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.memory import SavedActivations
+    from megareason.models.packing import pack_shared, plan_shared
     from megareason.models.parallel import current_layout, init_parallel
     from megareason.models.schedule import TokenBatch, forward_backward, forward_outputs
     from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
@@ -54,6 +55,11 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp):
     # The responses-only head (the trainer's path): the LM head runs on the scored positions only.
     keep = torch.nonzero(mask[0, 1:]).flatten()
     kept = forward_outputs(ddp, [TokenBatch(tokens[:1], keep_W=keep)], head, 2)[0][0]
+    # Two sequences sharing a 5-token prompt, packed as the trainer packs them (width a multiple of TP).
+    seqs = [tokens[0], torch.cat([tokens[0, :5], tokens[1, 5:]])]
+    (mb,) = pack_shared(seqs, [5, 5], plan_shared([16, 16], [[0, 1]], 64), multiple=tp)
+    assert mb.shared.tokens_1P.shape[1] % tp == 0
+    shared = forward_outputs(ddp, [TokenBatch(mb.tokens_BT, mb.cu_seqlens, shared=mb.shared)], head, 2)[0][0]
     forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)],
                      head, nll_loss)
     grads = {n: p.main_grad.detach().float().clone() for n, p in ddp.module.named_parameters()}
@@ -63,7 +69,8 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp):
     with SavedActivations(ddp) as saved:
         logits = ddp(tokens, positions, attention_mask=None)
     logits.float().sum().backward()
-    return {"logp": logp, "kept": kept, "grads": grads, "saved": saved.bytes, "tp_rank": layout.tp_rank}
+    return {"logp": logp, "kept": kept, "shared": shared, "grads": grads, "saved": saved.bytes,
+            "tp_rank": layout.tp_rank}
 
 
 def _recompute_and_sp_worker(model_dir, tokens, mask):
@@ -101,6 +108,7 @@ def test_sequence_parallel_matches_tensor_parallel(recompute_and_sp, variant):
         plain, sp = rank["plain"], rank[variant]
         assert (sp["logp"] - plain["logp"]).abs().max().item() <= 1e-6
         assert (sp["kept"] - plain["kept"]).abs().max().item() <= 1e-6
+        assert (sp["shared"] - plain["shared"]).abs().max().item() <= 1e-6
         for name, g in plain["grads"].items():
             assert (sp["grads"][name] - g).abs().max().item() <= 1e-6, f"{variant} {name}"
         # The activations outside the tensor-parallel regions are split over the 2 TP ranks.
@@ -108,7 +116,7 @@ def test_sequence_parallel_matches_tensor_parallel(recompute_and_sp, variant):
     assert recompute_and_sp[0]["sp"]["grads"].keys() == recompute_and_sp[0]["plain"]["grads"].keys()
 
 
-def _bf16_worker(model_dir, tokens, mask):
+def _bf16_worker(model_dir, tokens, mask, export_dir):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
@@ -144,14 +152,32 @@ def _bf16_worker(model_dir, tokens, mask):
                     main[names[id(p)]] = m.detach().clone()
             out["bf16"].update(before=before, grads=grads, main=main,
                                after={n: p.detach().clone() for n, p in ddp.module.named_parameters()})
+            # The checkpoint keeps both; the HF export writes either, in the dtype asked for.
+            from megareason.models.checkpoint import save_checkpoint
+            from megareason.models.convert import megatron_to_hf
+
+            save_checkpoint(f"{export_dir}/ckpt", model, ckpt.arch, model_dir, opt, {"precision": "bf16"})
+            for dtype in ("auto", "bfloat16"):
+                megatron_to_hf(f"{export_dir}/ckpt", f"{export_dir}/hf_{dtype}", dtype=dtype)
+    # The same step under the distributed optimizer: its checkpoint exports the same main weights.
+    model = build_gpt(ckpt.arch, _compute("bf16"))
+    load_hf_weights(model, ckpt)
+    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=1e-5, clip_grad=1e9, use_distributed_optimizer=True))
+    opt.zero_grad()
+    forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)], head,
+                     nll_loss)
+    assert opt.step()[0]
+    save_checkpoint(f"{export_dir}/ckpt_dist", model, ckpt.arch, model_dir, opt, {"precision": "bf16"})
+    megatron_to_hf(f"{export_dir}/ckpt_dist", f"{export_dir}/hf_dist", dtype="float32")
     return out
 
 
 @pytest.fixture(scope="module")
-def bf16_run(tiny_qwen2):
+def bf16_run(tiny_qwen2, tmp_path_factory):
     arch = ModelArch.from_pretrained(tiny_qwen2)
     tokens, mask = _batch(arch.vocab_size)
-    return tokens, mask, run_workers(1, _bf16_worker, str(tiny_qwen2), tokens, mask)[0]
+    export = tmp_path_factory.mktemp("bf16_export")
+    return tokens, mask, run_workers(1, _bf16_worker, str(tiny_qwen2), tokens, mask, str(export))[0], export
 
 
 def _hf_logp(model, tokens):
@@ -161,7 +187,7 @@ def _hf_logp(model, tokens):
 
 
 def test_bf16_logprobs_are_as_close_to_fp32_as_transformers_bf16(bf16_run, tiny_qwen2):
-    tokens, mask, out = bf16_run
+    tokens, mask, out, _ = bf16_run
     assert out["fp32"]["dtype"] == torch.float32 and out["bf16"]["dtype"] == torch.bfloat16
     hf32 = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
     hf16 = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.bfloat16).eval()
@@ -175,7 +201,7 @@ def test_bf16_logprobs_are_as_close_to_fp32_as_transformers_bf16(bf16_run, tiny_
 
 
 def test_bf16_adamw_step_keeps_fp32_main_weights(bf16_run):
-    _, _, out = bf16_run
+    _, _, out, _ = bf16_run
     b = out["bf16"]
     moved_main, moved_bf16, with_grad = 0, 0, 0
     for name, w0 in b["before"].items():
@@ -194,3 +220,24 @@ def test_bf16_adamw_step_keeps_fp32_main_weights(bf16_run):
     # An update of ~1e-5 moves every fp32 main weight that has a gradient, but rounds away in most of
     # the bf16 weights (had the update been applied in bf16, it would be lost).
     assert moved_main == with_grad and moved_bf16 < 0.5 * moved_main, (moved_main, with_grad, moved_bf16)
+
+
+def test_hf_export_of_a_bf16_checkpoint_writes_main_or_model_weights(bf16_run, tiny_qwen2):
+    from safetensors.torch import load_file
+
+    from megareason.models import weight_map
+
+    _, _, out, export = bf16_run
+    arch = ModelArch.from_pretrained(tiny_qwen2)
+    main = weight_map.to_hf({(0, 0): out["bf16"]["main"]}, arch, 1, 1)
+    model = weight_map.to_hf({(0, 0): out["bf16"]["after"]}, arch, 1, 1)
+    # auto: the source model's dtype (the tiny model is float32), from the fp32 main weights
+    auto = load_file(export / "hf_auto" / "model.safetensors")
+    bf16 = load_file(export / "hf_bfloat16" / "model.safetensors")
+    assert auto.keys() == bf16.keys() == main.keys()
+    for name in main:
+        assert auto[name].dtype == torch.float32 and torch.equal(auto[name], main[name]), name
+        assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], model[name]), name
+    assert any(not torch.equal(auto[n], bf16[n].float()) for n in main)  # they differ: main weights are finer
+    dist = load_file(export / "hf_dist" / "model.safetensors")
+    assert all(torch.equal(dist[n], main[n]) for n in main)

@@ -47,17 +47,35 @@ def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return save_checkpoint(out_dir, model, ckpt.arch, hf_dir, metadata={"converted_from": str(hf_dir)})
 
 
-def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, peft: bool = False) -> Path:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def source_dtype(ckpt_dir: str | Path) -> str:
+    """The dtype of the HF model a checkpoint was trained from (its config.json), float32 if unstated."""
+    config = Path(ckpt_dir) / "hf" / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return name if name in DTYPES else "float32"
+
+
+def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, peft: bool = False, dtype: str = "auto") -> Path:
     """Convert a megareason checkpoint (saved at any TP/PP) into an HF directory at ``out_dir``.
 
     A LoRA checkpoint is written with the adapters merged into the weights, or with ``peft`` as a PEFT
     adapter (``adapter_config.json`` + ``adapter_model.safetensors``) for the HF base model it was
-    trained from (``PeftModel.from_pretrained(base, out_dir)`` or transformers' ``load_adapter``)."""
+    trained from (``PeftModel.from_pretrained(base, out_dir)`` or transformers' ``load_adapter``).
+
+    ``dtype``: of the written tensors (float32, bfloat16, float16; auto: the source model's). A bf16
+    run's checkpoint holds bf16 model weights and, with its optimizer state, the fp32 main weights:
+    exporting it in float32 reads the main weights (the optimizer state is loaded too: 16 bytes per
+    parameter in this one process), in bf16 the model weights, which are those rounded."""
+    dtype = source_dtype(ckpt_dir) if dtype == "auto" else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
     from dataclasses import fields
 
     from megareason.models import lora, weight_map
-    from megareason.models.build import build_gpt
-    from megareason.models.checkpoint import checkpoint_arch, load_checkpoint, read_metadata
+    from megareason.models.checkpoint import checkpoint_arch, read_metadata
 
     meta = read_metadata(ckpt_dir)
     settings = None
@@ -70,17 +88,46 @@ def megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path, peft: bool = False
                          "has no adapters")
     arch = checkpoint_arch(ckpt_dir)
     _ensure_single_process_group()
-    model = build_gpt(arch, local_spec=settings is not None)
-    if settings is not None:
-        lora.apply_lora(model, settings)
-    load_checkpoint(ckpt_dir, model)
+    main_weights = meta.get("precision", "fp32") != "fp32" and DTYPES[dtype] == torch.float32 and meta["has_optimizer"]
+    model = _load_for_export(ckpt_dir, arch, settings, meta, main_weights)
     if peft:
         adapters = {k: (a.cpu(), b.cpu()) for k, (a, b) in lora.adapter_state(model).items()}
         base = str(meta.get("base_model", ""))
         return write_peft(lora.peft_adapter(adapters, arch), lora.peft_config(settings, base), out_dir)
     state = {k: v.cpu() for k, v in lora.merged_state(model).items()}
     tensors = weight_map.to_hf({(0, 0): state}, arch, tp=1, pp=1)
-    return write_hf(tensors, Path(ckpt_dir) / "hf", out_dir)
+    return write_hf({k: v.to(DTYPES[dtype]) for k, v in tensors.items()}, Path(ckpt_dir) / "hf", out_dir)
+
+
+def _load_for_export(ckpt_dir, arch, settings, meta: dict, main_weights: bool):
+    """This process's (TP=1, PP=1) model with the checkpoint's weights, in float32: the model tensors
+    as saved, or (``main_weights``) the fp32 main weights of its mixed-precision optimizer."""
+    from megareason.models import lora
+    from megareason.models.build import FP32, build_gpt
+    from megareason.models.checkpoint import SHARDING_KEY, load_checkpoint
+
+    if not main_weights:
+        model = build_gpt(arch, FP32, local_spec=settings is not None)
+        if settings is not None:
+            lora.apply_lora(model, settings)
+        load_checkpoint(ckpt_dir, model)
+        return model
+    from dataclasses import replace
+
+    from megareason.models.memory import main_parameters
+    from megareason.models.train import OptimizerSettings, wrap_for_training
+
+    model = build_gpt(arch, replace(FP32, precision=meta["precision"]), local_spec=settings is not None)
+    if settings is not None:
+        lora.apply_lora(model, settings)
+    ddp, optimizer = wrap_for_training(model, OptimizerSettings(
+        use_distributed_optimizer=meta.get(SHARDING_KEY) is not None))
+    load_checkpoint(ckpt_dir, model, optimizer)
+    main = main_parameters(optimizer)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = main.get(p, p).detach().float().reshape(p.shape)
+    return model
 
 
 def write_peft(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
