@@ -60,6 +60,12 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp):
     (mb,) = pack_shared(seqs, [5, 5], plan_shared([16, 16], [[0, 1]], 64), multiple=tp)
     assert mb.shared.tokens_1P.shape[1] % tp == 0
     shared = forward_outputs(ddp, [TokenBatch(mb.tokens_BT, mb.cu_seqlens, shared=mb.shared)], head, 2)[0][0]
+    refused = ""
+    if compute.sequence_parallel:  # an odd width cannot be split over 2 ranks: a clear error, not megatron's assert
+        try:
+            forward_outputs(ddp, [TokenBatch(tokens[:, :15])], head, 2)
+        except ValueError as e:
+            refused = str(e)
     forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)],
                      head, nll_loss)
     grads = {n: p.main_grad.detach().float().clone() for n, p in ddp.module.named_parameters()}
@@ -70,7 +76,7 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp):
         logits = ddp(tokens, positions, attention_mask=None)
     logits.float().sum().backward()
     return {"logp": logp, "kept": kept, "shared": shared, "grads": grads, "saved": saved.bytes,
-            "tp_rank": layout.tp_rank}
+            "tp_rank": layout.tp_rank, "refused": refused}
 
 
 def _recompute_and_sp_worker(model_dir, tokens, mask):
@@ -114,6 +120,7 @@ def test_sequence_parallel_matches_tensor_parallel(recompute_and_sp, variant):
         # The activations outside the tensor-parallel regions are split over the 2 TP ranks.
         assert sp["saved"] < plain["saved"]
     assert recompute_and_sp[0]["sp"]["grads"].keys() == recompute_and_sp[0]["plain"]["grads"].keys()
+    assert "row width 15 must be a multiple" in recompute_and_sp[0][variant]["refused"]
 
 
 def _bf16_worker(model_dir, tokens, mask, export_dir):

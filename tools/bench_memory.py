@@ -161,6 +161,14 @@ def _model_dir(name: str, tmp: str) -> str:
     return str(resolve_model_path(name))
 
 
+def _refuses(arch, tp: int, error: type) -> bool:
+    try:
+        arch.check_parallelism(tp, 1)
+    except error:
+        return True
+    return False
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:9.2f}"
 
@@ -179,9 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model {args.model}, one micro-batch of {args.tokens} tokens; MiB per rank (rank 0 shown; "
               f"measured / planned)", flush=True)
         print(f"{'setting':<52} " + " ".join(f"{k:>30}" for k in KEYS))
+        from dataclasses import replace
+
+        from megareason.models.arch import ArchError, ModelArch
+
+        arch = ModelArch.from_pretrained(model_dir)
         for s in chosen:
-            ranks = measure(model_dir, s, args.tokens)
-            plan = planned(model_dir, s, args.tokens)
+            if s.tp > 1:  # SmolLM2's 9 heads do not split over 2: the smallest TP the model splits over
+                s = replace(s, tp=next(t for t in range(s.tp, 9) if not _refuses(arch, t, ArchError)))
+                s = replace(s, name=s.name.replace("TP=2", f"TP={s.tp}"))
+            tokens = -(-args.tokens // s.tp) * s.tp  # sequence parallelism splits the row over TP
+            ranks = measure(model_dir, s, tokens)
+            plan = planned(model_dir, s, tokens)
             first = ranks[0]
             cells = []
             for k in KEYS:
@@ -190,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cells.append(f"{_mib(first[k])} /{_mib(plan[k])} ({first[k] / max(plan[k], 1):5.3f})")
             print(f"{s.name:<52} " + " ".join(cells), flush=True)
-            rows.append({"setting": s.name, "tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens": args.tokens,
+            rows.append({"setting": s.name, "tp": s.tp, "pp": s.pp, "dp": s.dp, "tokens": tokens,
                          "measured": ranks, "planned": plan})
     if args.json:
         tmp_path = args.json + ".tmp"

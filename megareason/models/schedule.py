@@ -151,13 +151,19 @@ def _run_shared(batch, model):
     return out.index_select(1, s.gather_W)
 
 
-def _physical_width(micro_batches: Sequence[Any]) -> int:
-    """The sequence length the pipeline sends: the physical rows' when prefixes are shared."""
+def _physical_width(micro_batches: Sequence[Any], model=None) -> int:
+    """The sequence length the pipeline sends: the physical rows' when prefixes are shared (a multiple of
+    TP under sequence parallelism, which splits it over the TP ranks)."""
     widths = {(m.shared.tokens_1P if getattr(m, "shared", None) is not None else m.tokens_BT).shape[1]
               for m in micro_batches}
     if len(widths) != 1:
         raise ValueError(f"micro-batches of one call must have one width, got {sorted(widths)}")
-    return widths.pop()
+    width = widths.pop()
+    config = getattr(model, "config", None)
+    if config is not None and config.sequence_parallel and width % config.tensor_model_parallel_size:
+        raise ValueError(f"sequence parallelism splits each row over TP={config.tensor_model_parallel_size} ranks: "
+                         f"the row width {width} must be a multiple of it (pack(..., multiple=TP) pads it)")
+    return width
 
 
 def _run(batch, model):
@@ -227,7 +233,7 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
     model.eval()
     store = get_forward_backward_func()(
         forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro_batches), model=[model],
-        num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches), micro_batch_size=b,
+        num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches, model), micro_batch_size=b,
         forward_only=True,
     )
     model.train(was_training)
@@ -269,7 +275,7 @@ def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_f
     ddp_model.zero_grad_buffer()
     store = get_forward_backward_func()(
         forward_step_func=partial(_train_step, head, loss_fn), data_iterator=iter(micro_batches),
-        model=[ddp_model], num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches),
+        model=[ddp_model], num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches, ddp_model),
         micro_batch_size=b, forward_only=False,
     )
     keys = sorted(store[0]) if store else []
