@@ -1,4 +1,5 @@
-"""`megareason plan`: memory numbers against hand-computed values, refusals, and the CLI's exit codes."""
+"""`megareason plan`: memory numbers against hand-computed values and measured bytes, the trainer's settings
+read from the config, refusals naming the field and the fix, and the CLI's exit codes."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ from megareason.launch.plan import (
     MODEL_SHAPES,
     PlanError,
     PlanOptions,
-    activation_bytes_per_token_layer,
     decode_step_seconds,
     kv_bytes_per_token,
-    lora_params_per_gpu,
     make_plan,
-    params_per_gpu,
     plan_config,
+    workload,
+)
+from megareason.launch.plan_memory import (
+    layer_bytes,
+    lora_params_per_gpu,
+    memory_per_rank,
+    params_per_gpu,
+    stage_activations,
+    states,
     total_params,
 )
 from megareason.models.arch import ArchError, ModelArch
@@ -29,51 +36,131 @@ SMALL = ModelArch(family="llama", vocab_size=100, hidden_size=64, ffn_hidden_siz
 # Per layer: q 64x64 + k,v 2 x 64x32 + o 64x64 = 12288, MLP 3 x 64x128 = 24576, two norms 2 x 64.
 LAYER = 12288 + 24576
 EMBEDDING = 100 * 64
+N_TP2_PP2 = 40384  # parameters on a GPU of either stage at TP 2 x PP 2 (test_parameter_counts_by_hand)
+GiB = 1024**3
 
 
 def _cfg(*overrides: str):
     return load_config("grpo_smollm2_cpu", ["rollout.dtype=bfloat16", "rollout.enforce_eager=false", *overrides])
 
 
+def _small_layout(*overrides: str):
+    return _cfg("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                "parallel.data_parallel_size=2", "trainer.micro_batch_tokens=1024", *overrides)
+
+
 def test_parameter_counts_by_hand():
     assert total_params(SMALL) == 4 * (LAYER + 128) + EMBEDDING + EMBEDDING + 64
     # TP 2 x PP 2: 2 layers per stage, linear weights halved, norms replicated; the last stage adds the
     # final norm and its half of the output layer (the first stage's half embedding is 64 smaller).
-    assert params_per_gpu(SMALL, 2, 2) == 2 * (LAYER // 2 + 128) + EMBEDDING // 2 + 64 == 40384
+    assert params_per_gpu(SMALL, 2, 2) == 2 * (LAYER // 2 + 128) + EMBEDDING // 2 + 64 == N_TP2_PP2
     tied = ModelArch(**{**SMALL.__dict__, "tie_word_embeddings": True})
     assert params_per_gpu(tied, 1, 1) == total_params(SMALL) - EMBEDDING  # one shared matrix at PP = 1
     assert params_per_gpu(tied, 1, 2) == params_per_gpu(SMALL, 1, 2)  # the last stage keeps its own copy
 
 
-def test_activation_and_kv_bytes_by_hand():
-    # 8h bytes replicated over TP + 2 bytes x (2q + 2kv + 3f) / TP: 512 + 2 * (128 + 64 + 384) / 2.
-    assert activation_bytes_per_token_layer(SMALL, 2) == 512 + 576 == 1088
+def test_state_bytes_per_parameter_by_hand():
+    n = N_TP2_PP2
+    per_param = {}
+    for precision in ("fp32", "bf16"):
+        for dist in ("false", "true"):
+            st = states(_small_layout(f"trainer.precision={precision}", f"optim.use_distributed_optimizer={dist}"),
+                        SMALL, 2, 2, 2, stage=1)
+            per_param[precision, dist] = sum(st.values()) / n
+            assert st["gradients"] == 4 * n  # fp32 main_grad, whole on every DP rank
+    # fp32: 4 params + 4 grads + 8 Adam moments; the distributed optimizer shards the moments over DP 2.
+    assert per_param["fp32", "false"] == 16 and per_param["fp32", "true"] == 8 + 8 / 2
+    # bf16: 2 params + 4 fp32 grads + 12 (fp32 main weights + moments), the 12 over DP: 6 + 12 / DP.
+    assert per_param["bf16", "false"] == 18 and per_param["bf16", "true"] == 6 + 12 / 2
+    # LoRA: the frozen base and the adapters in the model's precision; grads and optimizer of the adapters.
+    lora = lora_params_per_gpu(SMALL, 2, 2, 8, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    st = states(_small_layout("trainer.precision=bf16", "lora.enabled=true"), SMALL, 2, 2, 2, stage=1)
+    assert st == {"parameters": 2 * (n + lora), "gradients": 4 * lora, "optimizer_state": 12 * lora}
+
+
+def test_activation_bytes_by_hand():
+    # TE layers, bf16, TP 2 (2 heads, q = 32, k = 16, f = 64 per rank), per token: norms 2 x (2h·2 + 4) = 520,
+    # RoPE 4d·2 = 128, attention (3q + 3k)·2 + 4 x 2 heads = 296, MLP 5f·2 = 640.
+    t = 1024
+    bf16 = _small_layout("trainer.precision=bf16")
+    assert layer_bytes(bf16, SMALL, 2, t, "te") == (520 + 128 + 296 + 640) * t
+    # Sequence parallelism halves the norms; selective recomputation drops the softmax statistics.
+    assert layer_bytes(_small_layout("trainer.precision=bf16", "parallel.sequence_parallel=true"), SMALL, 2, t,
+                       "te") == (260 + 128 + 296 + 640) * t
+    assert layer_bytes(_small_layout("trainer.precision=bf16", "trainer.recompute=selective"), SMALL, 2, t,
+                       "te") == (520 + 128 + 288 + 640) * t
+    # Local layers: torch's RMSNorm keeps fp32 copies, 2 x ((8 + 2)h + 4) = 1288; q, k and v repeated to
+    # every head + the context 4q·2 = 256; per layer the T x T softmax (fp32 + bf16) of 2 heads and the mask.
+    assert layer_bytes(bf16, SMALL, 2, t, "local") == (1288 + 128 + 256 + 640) * t + 2 * t * t * 6 + t * t
+    # Stages, one micro-batch: 2 layers; the first adds token ids and the embedding's mask (9 per token),
+    # the last the final norm (260 per token) and the head's fp32 probabilities and log-probs (8 x 50 + 13).
+    layer = 1584 * t
+    assert stage_activations(bf16, SMALL, 2, 2, t, 0).saved == 2 * layer + 9 * t
+    assert stage_activations(bf16, SMALL, 2, 2, t, 1).saved == 2 * layer + 260 * t + 413 * t
+    # Full recomputation: each layer keeps its input (h·2 per token), the stage the fp32 rotary table once
+    # (4d); one layer's activations while it reruns.
+    full = stage_activations(_small_layout("trainer.precision=bf16", "trainer.recompute=full"), SMALL, 2, 2, t, 0)
+    assert (full.saved, full.working) == (2 * 128 * t + 64 * t + 9 * t, layer)
+    one = stage_activations(_small_layout("trainer.precision=bf16", "trainer.recompute=full",
+                                          "trainer.recompute_num_layers=1"), SMALL, 2, 2, t, 0)
+    assert (one.saved, one.working) == (128 * t + 64 * t + layer + 9 * t, layer)
+
+
+# Bytes measured on CPU (megatron-core 0.16.1, torch 2.13, local layers, gloo): a Llama of hidden 128, ffn 256,
+# 2 layers, 4 heads / 2 kv heads, vocab 384, one row of 16 tokens, models.memory.SavedActivations around the
+# model's forward and the log-prob head (15 scored positions) and models.memory.state_bytes.
+MEASURED = [  # (overrides, TP, activations)
+    (["trainer.precision=fp32"], 1, 424067),
+    (["trainer.precision=bf16"], 1, 284803),
+    (["trainer.precision=bf16", "trainer.recompute=full"], 1, 77187),
+    (["trainer.precision=fp32", "trainer.recompute=full", "trainer.recompute_num_layers=1"], 1, 257795),
+    (["trainer.precision=bf16", "parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2"], 2,
+     146931),
+    (["trainer.precision=fp32", "parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2",
+      "trainer.recompute=full"], 2, 45939),
+]
+
+
+@pytest.mark.parametrize(("overrides", "tp", "measured"), MEASURED)
+def test_memory_per_rank_equals_measured_bytes(overrides, tp, measured):
+    tiny = ModelArch(family="llama", vocab_size=384, hidden_size=128, ffn_hidden_size=256, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     rope_scaling_factor=0.0, max_position_embeddings=1024, tie_word_embeddings=False, qkv_bias=False)
+    mem = memory_per_rank(_cfg(*overrides), tiny, tp, 1, 1, 16, spec="local", scored_tokens=15)
+    assert mem["activations"] == measured
+    n = 2 * (3 * 128 * 128 + 3 * 128 * 256) // tp + 2 * 2 * 128 + 128 + 2 * 384 * 128 // tp  # measured too
+    assert mem["parameters"] == n * (4 if "trainer.precision=fp32" in overrides else 2)
+    assert mem["gradients"] == 4 * n
+
+
+def test_kv_bytes_by_hand():
     # K and V, 4 layers, 2 kv heads of 16, bf16; with vLLM TP 4 each GPU keeps one (replicated) kv head.
     assert kv_bytes_per_token(SMALL, 1, 2) == 2 * 4 * 2 * 16 * 2 == 512
     assert kv_bytes_per_token(SMALL, 2, 2) == kv_bytes_per_token(SMALL, 4, 2) == 256
 
 
 def test_memory_lines_of_a_small_plan():
-    cfg = _cfg("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-               "parallel.data_parallel_size=2", "trainer.micro_batch_tokens=1024")
-    n = 40384
-    for dist, optimizer in (("off", 12 * n), ("on", 12 * n / 2)):
-        plan = make_plan(cfg, SMALL, PlanOptions(nodes=1, gpus_per_node=8, distributed_optimizer=dist, recompute="off"))
+    n = N_TP2_PP2 - 64  # training peaks on the first stage (activations), whose half embedding is 64 smaller
+    for dist, optimizer in (("false", 12 * n), ("true", 12 * n // 2)):
+        cfg = _small_layout("trainer.precision=bf16", f"optim.use_distributed_optimizer={dist}")
+        plan = make_plan(cfg, SMALL, PlanOptions(nodes=1, gpus_per_node=8))
         train = plan.memory["training"]
         assert train["parameters (bf16)"] == 2 * n
-        assert train["gradients (fp32)"] == 4 * n
+        assert train["gradients (fp32 main_grad)"] == 4 * n
         assert sum(v for k, v in train.items() if k.startswith("optimizer")) == optimizer
-        assert plan.distributed_optimizer == (dist == "on")
-    # 32 samples of 96 + 64 tokens split over DP 2: 3 micro-batches of 1024 per rank, so stage 0 keeps
-    # PP = 2 of them in flight: 2 micro-batches x 2 layers x 1024 tokens x 1088 bytes.
-    off, on = plan.activations_off_on
-    assert off == 2 * 2 * 1024 * 1088
-    # Recomputation keeps 2h = 128 bytes per token and layer, plus one layer's working set; the last
-    # stage (1 micro-batch, + bf16 logits and their fp32 log-softmax: 1024 x 50 x 6) is the larger here.
-    assert on == max(2 * 2 * 1024 * 128 + 1024 * 1088, 2 * 1024 * 128 + 1024 * 1088 + 1024 * 50 * 6)
+        assert plan.settings["optim.use_distributed_optimizer"] == (dist == "true")
+    # 32 samples of 96 + 64 tokens over DP 2: 3 micro-batches of 1024 per rank, so stage 0 keeps PP = 2 of
+    # them in flight (test_activation_bytes_by_hand: 2 layers x 1584 + 9 bytes per token each).
+    t = 1024
+    assert plan.stages["training"] == 0
+    assert train["activations (no recompute, 2 in flight)"] == 2 * (2 * 1584 + 9) * t
+    assert plan.activations_by_recompute["none"] == 2 * (2 * 1584 + 9) * t
+    # Full recomputation: the last stage (1 in flight, + final norm and head) is now the larger.
+    full = 2 * 128 * t + 64 * t
+    assert plan.activations_by_recompute["full"] == full + (260 + 413) * t + 1584 * t
     # vLLM's share: utilization x GPU memory = weights + 2 GiB reserve + KV cache.
     gen = plan.memory["generation"]
-    budget = cfg.rollout.gpu_memory_utilization * GPUS["H100-80GB"].memory_gib * 1024**3
+    budget = cfg.rollout.gpu_memory_utilization * GPUS["H100-80GB"].memory_gib * GiB
     assert gen["vLLM weights"] == total_params(SMALL) * 2
     assert gen["vLLM weights"] + gen["vLLM activations + non-torch (reserve)"] + gen["vLLM KV cache"] == pytest.approx(
         budget)
@@ -81,16 +168,23 @@ def test_memory_lines_of_a_small_plan():
 
 
 def test_time_model_relations():
-    cfg = _cfg("algorithm.kl_coef=0.1")
-    plan = make_plan(cfg, SMALL, PlanOptions(gpus_per_node=1, recompute="off"))
-    # One reference forward; training is forward + backward = 3 forwards (4 with recomputation).
+    cfg = _cfg("algorithm.kl_coef=0.1", "trainer.precision=bf16")
+    plan = make_plan(cfg, SMALL, PlanOptions(gpus_per_node=1))
+    # One reference forward; training is forward + backward = 3 forwards (4 with full recomputation).
     assert plan.seconds["training"] == pytest.approx(3 * plan.seconds["logprobs"])
-    recomputed = make_plan(cfg, SMALL, PlanOptions(gpus_per_node=1, recompute="on"))
+    recomputed = make_plan(_cfg("algorithm.kl_coef=0.1", "trainer.precision=bf16", "trainer.recompute=full"), SMALL,
+                           PlanOptions(gpus_per_node=1))
     assert recomputed.seconds["training"] == pytest.approx(4 * plan.seconds["logprobs"])
-    # A decode step reads the weights and the KV cache at 80% of HBM bandwidth, plus 2 ms of overhead.
+    # fp32 runs at the fp32 peak (no TF32), not the tensor cores'.
+    fp32 = make_plan(_cfg("algorithm.kl_coef=0.1"), SMALL, PlanOptions(gpus_per_node=1))
     gpu = GPUS["H100-80GB"]
+    assert fp32.seconds["training"] == pytest.approx(plan.seconds["training"] * gpu.bf16_flops / gpu.fp32_flops)
+    # A decode step reads the weights and the KV cache at 80% of HBM bandwidth, plus 2 ms of overhead.
     expected = (total_params(SMALL) * 2 + 10 * 100 * 512) / (gpu.hbm_bytes_s * 0.8) + 2e-3
     assert decode_step_seconds(plan, cfg, 10, 100) == pytest.approx(expected)
+    # The mean response length in tokens instead of a fraction of max_tokens.
+    assert workload(cfg, PlanOptions(response_tokens=40))[0].response == 40
+    assert workload(cfg, PlanOptions())[0].response == 0.5 * cfg.rollout.max_tokens
 
 
 def test_refuses_a_layout_that_is_not_the_allocation():
@@ -100,36 +194,63 @@ def test_refuses_a_layout_that_is_not_the_allocation():
         make_plan(cfg, SMALL, PlanOptions(nodes=1, gpus_per_node=8))
     with pytest.raises(ArchError, match="not divisible by TP=8"):
         make_plan(_cfg("parallel.tensor_model_parallel_size=8"), SMALL, PlanOptions(gpus_per_node=8))
+    with pytest.raises(PlanError, match="trainer.recompute_num_layers=3 is more than the 2 layers"):
+        make_plan(_small_layout("trainer.recompute=full", "trainer.recompute_num_layers=3"), SMALL,
+                  PlanOptions(nodes=1, gpus_per_node=8))
 
 
-def test_refuses_what_does_not_fit():
+def _plan_70b(*overrides: str):
+    return plan_config("configs/raro_70b.yaml", list(overrides), PlanOptions(nodes=8, gpus_per_node=8),
+                       "llama-3.1-70b")
+
+
+def test_the_70b_recipe_plans_its_own_settings():
+    plan = _plan_70b()
+    assert (plan.tp, plan.pp, plan.dp, plan.gpus, plan.engines, plan.spec) == (8, 4, 2, 64, 2, "te")
+    assert plan.settings == {"trainer.precision": "bf16", "optim.use_distributed_optimizer": True,
+                             "trainer.recompute": "full", "trainer.recompute_num_layers": 10,
+                             "parallel.sequence_parallel": True}
+    assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
+    assert plan.kv_tokens_per_engine >= 12288
+    assert set(plan.seconds) == {"generation", "logprobs", "training", "weight refit"}
+
+
+@pytest.mark.parametrize(("override", "fix"), [
+    ("optim.use_distributed_optimizer=false", "set optim.use_distributed_optimizer=true to make it fit"),
+    ("trainer.recompute=none", "set trainer.recompute=full trainer.recompute_num_layers=4 to make it fit"),
+    ("parallel.sequence_parallel=false", "set parallel.sequence_parallel=true to make it fit"),
+    ("trainer.precision=fp32", "set trainer.precision=bf16 to make it fit"),
+])
+def test_the_70b_recipe_needs_each_of_its_settings(override, fix):
+    # Turning one off is refused, naming the setting in the plan and the change that makes it fit again.
+    with pytest.raises(PlanError, match="does not fit") as refused:
+        _plan_70b(override)
+    assert override in str(refused.value) and fix in str(refused.value)
+
+
+def test_refuses_what_no_setting_makes_fit():
     seventy = MODEL_SHAPES["llama-3.1-70b"]
     one_node = _cfg("parallel.tensor_model_parallel_size=8", "rollout.tensor_parallel_size=8")
     with pytest.raises(PlanError, match=r"does not fit: the generation phase needs .* GiB per GPU > 79.6 GiB on "
-                                        r"H100-80GB .*largest: optimizer.* parallel.tensor_model_parallel_size"):
+                                        r"H100-80GB .*largest: optimizer.*no change of trainer.precision.* makes "
+                                        r"it fit: split the model over more GPUs"):
         make_plan(one_node, seventy, PlanOptions(gpus_per_node=8))
-    # Without recomputation the 70B recipe's 16k-token micro-batches do not fit on H100s.
-    with pytest.raises(PlanError, match=r"training phase .*activations \(no recomputation\).*"
-                                        r"trainer.micro_batch_tokens"):
-        plan_config("configs/raro_70b.yaml", [], PlanOptions(recompute="off"), "llama-3.1-70b")
     with pytest.raises(PlanError, match="rollout.gpu_memory_utilization=0.05 .* no room for a KV cache"):
-        plan_config("configs/raro_70b.yaml", ["rollout.gpu_memory_utilization=0.05"], PlanOptions(), "llama-3.1-70b")
-
-
-def test_the_70b_recipe_fits_with_the_settings_auto_picks():
-    plan = plan_config("configs/raro_70b.yaml", [], PlanOptions(nodes=8, gpus_per_node=8), "llama-3.1-70b")
-    assert (plan.tp, plan.pp, plan.dp, plan.gpus, plan.engines) == (8, 4, 2, 64, 2)
-    assert plan.distributed_optimizer and plan.recompute
-    assert all(sum(lines.values()) < 79.6 * 1024**3 for lines in plan.memory.values())
-    assert plan.kv_tokens_per_engine >= 12288
-    assert set(plan.seconds) == {"generation", "logprobs", "training", "weight refit"}
+        _plan_70b("rollout.gpu_memory_utilization=0.05")
 
 
 def test_cli_prints_the_table_and_exits_2_on_refusal(capsys):
     assert main(["plan", "--model-shape", "llama-3.1-70b", "configs/raro_70b.yaml"]) == 0
     out = capsys.readouterr().out
-    for text in ("memory per GPU (GiB)", "vLLM KV cache", "time per step (estimate)", "weight refit"):
+    for text in ("memory per GPU (GiB)", "vLLM KV cache", "time per step (estimate)", "weight refit",
+                 "settings (from the config): trainer.precision=bf16 optim.use_distributed_optimizer=true "
+                 "trainer.recompute=full trainer.recompute_num_layers=10 parallel.sequence_parallel=true"):
         assert text in out
+    assumed = next(line for line in out.splitlines() if line.startswith("assumed:"))
+    assert "distributed" not in assumed and "recompute" not in assumed and "bf16" not in assumed
+    assert main(["plan", "--model-shape", "llama-3.1-70b", "configs/raro_70b.yaml", "trainer.recompute=none"]) == 2
+    assert "with trainer.precision=bf16 optim.use_distributed_optimizer=true trainer.recompute=none" in (
+        capsys.readouterr().err)
     assert main(["plan", "--model-shape", "llama-3.1-70b", "--nodes", "4", "configs/raro_70b.yaml"]) == 2
     err = capsys.readouterr().err
     assert "error: parallel.tensor_model_parallel_size" in err and "= 64 GPUs does not equal" in err
@@ -144,20 +265,18 @@ def test_lora_trains_only_the_adapters():
     assert lora_params_per_gpu(SMALL, 2, 2, 4, ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]) == (
         2 * per_layer)
     assert lora_params_per_gpu(SMALL, 1, 1, 4, ["linear_qkv"]) == 4 * (256 + 512)
-    base = ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
-            "parallel.data_parallel_size=2", "trainer.micro_batch_tokens=1024"]
-    opt = PlanOptions(nodes=1, gpus_per_node=8, distributed_optimizer="off", recompute="off")
-    full = make_plan(_cfg(*base), SMALL, opt)
-    lora = make_plan(_cfg(*base, "lora.enabled=true", "lora.rank=4"), SMALL, opt)
-    train = lora.memory["training"]
-    assert train["parameters (bf16)"] == 2 * 40384  # the frozen base stays
-    assert train["gradients (fp32) of the LoRA adapters"] == 4 * 2 * per_layer
-    assert sum(v for k, v in train.items() if k.startswith("optimizer")) == 12 * 2 * per_layer
-    assert train["LoRA adapters (fp32)"] == 4 * 2 * per_layer
+    full = make_plan(_small_layout(), SMALL, PlanOptions(nodes=1, gpus_per_node=8))
+    lora = make_plan(_small_layout("lora.enabled=true", "lora.rank=4"), SMALL, PlanOptions(nodes=1, gpus_per_node=8))
+    assert lora.spec == "local"  # LoRA builds megatron-core's local layers (models/roles.py)
+    train, a = lora.memory["training"], 2 * per_layer
+    assert train["parameters (fp32, base + LoRA adapters)"] == 4 * (N_TP2_PP2 - 64 + a)  # the frozen base stays
+    assert train["gradients (fp32 main_grad of the LoRA adapters)"] == 4 * a
+    assert sum(v for k, v in train.items() if k.startswith("optimizer")) == 8 * a
     # no weight gradients of the base: 2 of the 3 forward-sized passes
     assert lora.seconds["training"] == pytest.approx(full.seconds["training"] * 2 / 3)
     # with a KL term the reference is the actor with its adapters off: no reference model in memory
-    kl = ["algorithm.kl_coef=0.01"]
-    assert "reference model (onloaded)" in make_plan(_cfg(*base, *kl), SMALL, opt).memory["logprobs"]
-    assert "reference model (onloaded)" not in make_plan(_cfg(*base, *kl, "lora.enabled=true"), SMALL,
+    kl = "algorithm.kl_coef=0.01"
+    opt = PlanOptions(nodes=1, gpus_per_node=8)
+    assert "reference model (onloaded)" in make_plan(_small_layout(kl), SMALL, opt).memory["logprobs"]
+    assert "reference model (onloaded)" not in make_plan(_small_layout(kl, "lora.enabled=true"), SMALL,
                                                          opt).memory["logprobs"]

@@ -1,36 +1,50 @@
 """``megareason plan``: will a training config fit an allocation of GPUs, and how long will a step take?
 
-A back-of-the-envelope model, written out so that every number can be checked by hand:
+A back-of-the-envelope model, written out so that every number can be checked by hand. It plans the
+trainer the config describes: ``trainer.precision``, ``trainer.recompute`` (+ ``recompute_num_layers``),
+``optim.use_distributed_optimizer`` and ``parallel.sequence_parallel`` are read from the config, never
+assumed, and a config that does not fit is refused with the setting that would make it fit.
 
-* **Memory per GPU**, per phase of the colocated layout (vLLM and Megatron share every GPU):
-  generation (Megatron's resident states + vLLM's ``gpu_memory_utilization`` share), training (states +
-  activations; vLLM asleep) and log-probs (states + the reference model onloaded + a forward's working
-  set). Megatron states assume megatron-core bf16 mixed precision: bf16 parameters (2 bytes), fp32 gradient
-  buffer (4, ``grad_reduce_in_fp32``), fp32 master weights and two Adam moments (12, divided over DP by the
-  distributed optimizer). The most loaded pipeline stage is counted.
-* **Activations** follow Korthikanti et al. (2022) for a Llama block with flash attention and no sequence
-  parallelism: per token and layer, 8h bytes replicated over TP (two norm inputs, two linear inputs) plus
-  2(2q + 2kv + 3f)/TP bytes (q/k/v and attention output, fc1 gate+up and the SwiGLU output), all bf16.
-  1F1B keeps up to PP micro-batches in flight on the first stage. Full recomputation keeps only each
-  layer's input (2h bytes per token) and one layer's working set.
-* **Time per step** from FLOPs (6·N·tokens to train, 2·N·tokens per forward, plus causal attention) at an
-  assumed MFU, and from bandwidth for decoding: every decode step of a vLLM engine reads its weight shard
-  and the KV cache of the running sequences from HBM. Refit is bytes over the network (PP stages live on
-  other nodes) and NVLink plus a per-bucket RPC cost.
+* **Memory per GPU**, per phase of the colocated layout (vLLM and Megatron share every GPU), on the most
+  loaded pipeline stage of each phase: generation (Megatron's resident states + vLLM's
+  ``gpu_memory_utilization`` share), training (states + activations; vLLM asleep) and log-probs (states +
+  the reference model onloaded + a forward's working set). The byte formulas (parameters, gradients,
+  optimizer states per precision and distributed optimizer; activations per layer implementation,
+  recomputation and sequence parallelism) are in :mod:`megareason.launch.plan_memory`, whose
+  ``memory_per_rank`` gives them for one micro-batch on one rank. Training holds, on stage s under 1F1B,
+  min(PP - s, micro-batches) micro-batches' saved activations plus one recomputed layer's rerun.
+* **Time per step** from FLOPs (6·N·tokens to train, 2·N·tokens per forward, plus causal attention;
+  recomputation adds the rerun forward of the recomputed layers) at an assumed MFU of the precision's
+  peak (bf16/fp16 tensor cores, or fp32 without TF32), and from bandwidth for decoding: every decode step
+  of a vLLM engine reads its weight shard and the KV cache of the running sequences from HBM. Refit is
+  bytes over the network (PP stages live on other nodes) and NVLink plus a per-bucket RPC cost.
 
 ``make_plan`` is pure (config + shape + allocation in, numbers out); ``format_plan`` prints it; problems
-that make a plan impossible raise :class:`PlanError` naming the config field.
+that make a plan impossible raise :class:`PlanError` naming the config field(s) and, when one exists, the
+cheapest change of the settings above that makes the plan fit.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from megareason.config.load import ConfigError
 from megareason.config.schema import Config
+from megareason.launch.plan_memory import (
+    BYTES,
+    flop_params,
+    layer_bytes,
+    layer_spec,
+    params_per_gpu,
+    recomputed_layers,
+    stage_activations,
+    stage_params,
+    states,
+    total_params,
+)
 from megareason.models.arch import ModelArch
 
 GiB = 1024**3
@@ -44,19 +58,23 @@ class PlanError(ConfigError):
 class GPU:
     name: str
     memory_gib: float  # as nvidia-smi reports it
-    bf16_flops: float  # dense peak, FLOP/s
+    bf16_flops: float  # dense peak, FLOP/s (bf16 and fp16 tensor cores)
+    fp32_flops: float  # dense fp32 peak without TF32 (megatron-core leaves torch's TF32 matmuls off)
     hbm_bytes_s: float  # HBM bandwidth, bytes/s
     nvlink_bytes_s: float  # per GPU, one direction
     network_bytes_s: float  # inter-node, per GPU (one NIC per GPU)
     max_num_seqs: int  # vLLM's default for LLM(...) on this GPU (engine/arg_utils.py)
 
+    def flops(self, precision: str) -> float:
+        return self.fp32_flops if precision == "fp32" else self.bf16_flops
+
 
 GPUS = {
     g.name: g
     for g in (
-        GPU("H100-80GB", 79.6, 989e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
-        GPU("H200", 140.4, 989e12, 4.8e12, 450e9, 50e9, 1024),
-        GPU("A100-80GB", 80.0, 312e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
+        GPU("H100-80GB", 79.6, 989e12, 67e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
+        GPU("H200", 140.4, 989e12, 67e12, 4.8e12, 450e9, 50e9, 1024),
+        GPU("A100-80GB", 80.0, 312e12, 19.5e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
     )
 }
 
@@ -100,12 +118,38 @@ class PlanOptions:
     gpu: str = "H100-80GB"
     nodes: int = 0  # 0: as many as the layout needs (TP x PP x DP / gpus_per_node)
     gpus_per_node: int = 8
-    # auto: on only when the plan does not fit without it (megareason's trainer builds neither today).
-    distributed_optimizer: Literal["auto", "on", "off"] = "auto"
-    recompute: Literal["auto", "on", "off"] = "auto"
     mfu: float = 0.4  # training and log-prob passes, pipeline bubble excluded
     prompt_fraction: float = 0.5  # mean prompt length / data.max_prompt_length
     response_fraction: float = 0.5  # mean response length / rollout.max_tokens (the longest reaches it)
+    response_tokens: int = 0  # > 0: the policy's mean response length in tokens (instead of the fraction)
+
+
+# The trainer's memory settings: read from the config, varied only to say what would make a plan fit.
+SETTINGS = ("trainer.precision", "optim.use_distributed_optimizer", "trainer.recompute",
+            "trainer.recompute_num_layers", "parallel.sequence_parallel")
+
+
+def _get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _with(cfg: Config, changes: dict[str, object]) -> Config:
+    for key, value in changes.items():
+        section, name = key.split(".")
+        cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+    return cfg
+
+
+def _render(changes: dict[str, object]) -> str:
+    """``key=value`` overrides as the CLI takes them."""
+    return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
+
+
+def settings_of(cfg: Config) -> dict[str, object]:
+    """The memory settings the trainer runs with (``recompute_num_layers`` only with full recompute)."""
+    keys = [k for k in SETTINGS if k != "trainer.recompute_num_layers" or cfg.trainer.recompute == "full"]
+    return {k: _get(cfg, k) for k in keys}
 
 
 @dataclass
@@ -123,16 +167,18 @@ class Plan:
     dp: int
     engines: int
     vllm_tp: int
-    distributed_optimizer: bool
-    recompute: bool
+    settings: dict[str, object]  # the config's trainer memory settings (SETTINGS)
+    spec: str  # layers the trainer builds: "te" (TransformerEngine) or "local" (megatron-core's, LoRA)
     options: PlanOptions
     params_per_gpu: int
     total_params: int
-    memory: dict[str, dict[str, float]]  # phase -> line -> bytes
-    activations_off_on: tuple[float, float]  # training activations without / with recomputation
+    memory: dict[str, dict[str, float]]  # phase -> line -> bytes, on the phase's most loaded stage
+    stages: dict[str, int]  # phase -> its most loaded pipeline stage
+    activations_by_recompute: dict[str, float]  # trainer.recompute none / selective / full -> training bytes
     kv_tokens_per_engine: int
     kv_bytes_per_token: int  # per GPU of an engine
-    seconds: dict[str, float]
+    passes: list[Pass] = field(default_factory=list)  # the step's generation passes (workload)
+    seconds: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # phase -> how its seconds were computed
     generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
 
@@ -142,52 +188,6 @@ class Plan:
 
 
 # ----------------------------------------------------------------------------------------- shapes
-
-
-def params_per_gpu(arch: ModelArch, tp: int, pp: int) -> int:
-    """Parameters on one GPU of the most loaded pipeline stage (the first holds the embedding, the last
-    the final norm and the output layer, which with PP > 1 is a separate copy even when tied)."""
-    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    linear = h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size
-    bias = q + 2 * kv if arch.qkv_bias else 0
-    layer = (linear + bias) // tp + 2 * h  # the two RMSNorm weights are replicated over TP
-    vocab = arch.padded_vocab_size(tp) * h // tp
-    layers = arch.num_layers // pp * layer
-    output = 0 if arch.tie_word_embeddings and pp == 1 else vocab
-    if pp == 1:
-        return layers + vocab + h + output
-    return max(layers + vocab, layers + h + output)
-
-
-def lora_params_per_gpu(arch: ModelArch, tp: int, pp: int, rank: int, targets: list[str]) -> int:
-    """LoRA adapter parameters on one GPU (the most loaded stage: every stage has the same layers). A of a
-    column-parallel layer and B of a row-parallel one are whole on every TP rank; the other factor is
-    split like its layer (``models/lora.py``)."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    per_target = {  # (A, B)
-        "linear_qkv": rank * h + (q + 2 * kv) * rank // tp,
-        "linear_proj": rank * q // tp + h * rank,
-        "linear_fc1": rank * h + 2 * f * rank // tp,
-        "linear_fc2": rank * f // tp + h * rank,
-    }
-    return arch.num_layers // pp * sum(per_target[t] for t in targets)
-
-
-def total_params(arch: ModelArch) -> int:
-    return params_per_gpu(arch, 1, 1)
-
-
-def flop_params(arch: ModelArch) -> int:
-    """Parameters that cost FLOPs per token (the input embedding is a lookup)."""
-    untied_embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    return total_params(arch) - untied_embedding
-
-
-def activation_bytes_per_token_layer(arch: ModelArch, tp: int) -> int:
-    """bf16 bytes one transformer layer saves for backward per token (no sequence parallelism)."""
-    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return 2 * 4 * h + 2 * (2 * q + 2 * kv + 3 * arch.ffn_hidden_size) // tp
 
 
 def kv_bytes_per_token(arch: ModelArch, vllm_tp: int, dtype_bytes: int) -> int:
@@ -223,7 +223,8 @@ def workload(cfg: Config, opt: PlanOptions) -> list[Pass]:
     """The generation passes of one step; their sequences are also the rows trained on."""
     r, t = cfg.rollout, cfg.trainer
     prompt = opt.prompt_fraction * cfg.data.max_prompt_length
-    passes = [Pass("policy", t.prompts_per_step * r.n, prompt, opt.response_fraction * r.max_tokens, r.max_tokens)]
+    response = min(opt.response_tokens, r.max_tokens) if opt.response_tokens else opt.response_fraction * r.max_tokens
+    passes = [Pass("policy", t.prompts_per_step * r.n, prompt, response, r.max_tokens)]
     if cfg.algorithm.name == "raro":
         raro = cfg.raro
         fresh = t.prompts_per_step * r.n
@@ -239,11 +240,12 @@ def workload(cfg: Config, opt: PlanOptions) -> list[Pass]:
 def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: str = "",
               arch_source: str = "") -> Plan:
     """The plan of ``cfg`` on ``opt``'s allocation. Raises :class:`PlanError` (or ``ArchError``) when
-    the layout does not match the allocation or a phase does not fit in GPU memory."""
+    the layout does not match the allocation or a phase does not fit in GPU memory; then the message
+    names the settings that would make it fit, if any do."""
     if opt.gpu not in GPUS:
         raise PlanError(f"--gpu {opt.gpu!r} is not known; known: {', '.join(GPUS)}")
     gpu = GPUS[opt.gpu]
-    p, r = cfg.parallel, cfg.rollout
+    p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
     world = tp * pp * dp
     nodes = opt.nodes or max(1, math.ceil(world / opt.gpus_per_node))
@@ -253,6 +255,11 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
             f"{tp} x {pp} x {dp} = {world} GPUs does not equal the allocation's {nodes} nodes x "
             f"{opt.gpus_per_node} GPUs = {nodes * opt.gpus_per_node}")
     arch.check_parallelism(tp, pp)
+    if p.sequence_parallel and tp == 1:
+        raise PlanError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
+    if t.recompute == "full" and t.recompute_num_layers > arch.num_layers // pp:
+        raise PlanError(f"trainer.recompute_num_layers={t.recompute_num_layers} is more than the "
+                        f"{arch.num_layers // pp} layers of a pipeline stage")
     vtp = r.tensor_parallel_size
     if vtp > tp * pp:
         raise PlanError(f"rollout.tensor_parallel_size={vtp} exceeds the {tp * pp} GPUs of a data-parallel "
@@ -262,104 +269,159 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
         raise PlanError(f"rollout.tensor_parallel_size={vtp} does not split {arch.num_heads} attention heads / "
                         f"{arch.num_kv_heads} kv heads (vLLM needs heads % TP == 0 and kv heads % TP == 0 or "
                         f"TP % kv heads == 0)")
+    plan = _plan(cfg, arch, opt, gpu, nodes, config_name, arch_source)
+    problem = _problem(plan, cfg)
+    if problem is None:
+        _add_seconds(plan, cfg)
+        return plan
+    message, hint = problem
+    fix = _cheapest_fix(cfg, arch, opt, gpu, nodes)
+    if fix is None:
+        raise PlanError(f"{message}; {hint}")
+    changes, fitted = fix
+    peak = max(sum(lines.values()) for lines in fitted.memory.values())
+    raise PlanError(f"{message}; set {_render(changes)} to make it fit (then {peak / GiB:.1f} GiB per GPU at the "
+                    f"peak, {sum(fitted.seconds.values()):.0f} s per step)")
 
-    # auto: the cheapest settings that fit (the distributed optimizer first: it costs only communication).
-    dists = [False, True] if opt.distributed_optimizer == "auto" else [opt.distributed_optimizer == "on"]
-    recomputes = [False, True] if opt.recompute == "auto" else [opt.recompute == "on"]
-    tries = [(dist, recompute) for recompute in recomputes for dist in dists]
-    for dist, recompute in tries:
-        plan = _plan(cfg, arch, opt, gpu, nodes, dist, recompute, config_name, arch_source)
-        problem = _problem(plan, cfg)
-        if problem is None:
-            return plan
-    raise PlanError(problem)
+
+def _cheapest_fix(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU,
+                  nodes: int) -> tuple[dict[str, object], Plan] | None:
+    """The change of the memory settings that makes the plan fit with the shortest estimated step (then the
+    fewest changed fields), and its plan; None if none does. Tried: the distributed optimizer, sequence
+    parallelism (TP > 1), bf16 for fp32, and more recomputation (selective, then full on 1, 2, ... layers
+    of each stage)."""
+    t, tp, pp = cfg.trainer, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    choices: list[list[dict[str, object]]] = [[{}], [{}], [{}], [{}]]
+    if not cfg.optim.use_distributed_optimizer:
+        choices[0].append({"optim.use_distributed_optimizer": True})
+    if tp > 1 and not cfg.parallel.sequence_parallel:
+        choices[1].append({"parallel.sequence_parallel": True})
+    if t.precision == "fp32":
+        choices[2].append({"trainer.precision": "bf16"})
+    if t.recompute == "none":
+        choices[3].append({"trainer.recompute": "selective"})
+    per_stage = arch.num_layers // pp
+    for n in range(recomputed_layers(cfg, arch, pp) + 1, per_stage + 1):
+        choices[3].append({"trainer.recompute": "full", "trainer.recompute_num_layers": 0 if n == per_stage else n})
+    best = None
+    for parts in itertools.product(*choices):
+        changes = {k: v for part in parts for k, v in part.items()}
+        if not changes:
+            continue
+        changed = _with(cfg, changes)
+        plan = _plan(changed, arch, opt, gpu, nodes, "", "")
+        if _problem(plan, changed) is None:
+            _add_seconds(plan, changed)
+            cost = (round(sum(plan.seconds.values()), 6), len(changes))
+            if best is None or cost < best[0]:
+                best = (cost, changes, plan)
+    return None if best is None else (best[1], best[2])
 
 
-def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, dist: bool, recompute: bool,
-          config_name: str, arch_source: str) -> Plan:
+def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, config_name: str,
+          arch_source: str) -> Plan:
+    """The plan's memory (its seconds come from ``_add_seconds``)."""
     p, r, t, alg = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algorithm
     tp, pp, dp, vtp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                        r.tensor_parallel_size)
-    n_gpu, n_total, n_flop = params_per_gpu(arch, tp, pp), total_params(arch), flop_params(arch)
-    critic = alg.name == "ppo"
-    shards = dp if dist else 1
-    lora = cfg.lora.enabled
-    # LoRA: the base is frozen (no gradients, no optimizer state); only the adapters train
-    n_train = lora_params_per_gpu(arch, tp, pp, cfg.lora.rank, cfg.lora.targets) if lora else n_gpu
-    states = {
-        "parameters (bf16)": 2 * n_gpu,
-        f"gradients (fp32){' of the LoRA adapters' if lora else ''}": 4 * n_train,
-        f"optimizer: fp32 master + 2 Adam moments{f' (/ DP {dp})' if shards > 1 else ''}": 12 * n_train / shards,
-    }
-    if lora:
-        states["LoRA adapters (fp32)"] = 4 * n_train
-    if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
-        states["critic: parameters + gradients + optimizer"] = sum(states.values())
-    overhead = {"runtime overhead (CUDA contexts, NCCL)": RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)}
+    critic, lora, act = alg.name == "ppo", cfg.lora.enabled, BYTES[t.precision]
+    spec = layer_spec(cfg)
 
-    # Training activations of the most loaded stage.
+    # Micro-batches per DP rank and mini-batch; stage s holds min(PP - s, that many) under 1F1B.
     passes = workload(cfg, opt)
     rows_tokens = sum(ps.tokens for ps in passes)
-    per_rank = rows_tokens / (dp * alg.mini_batches)
-    micro = max(1, math.ceil(per_rank / t.micro_batch_tokens))
-    in_flight = min(pp, micro)
-    tok, layers = t.micro_batch_tokens, arch.num_layers // pp
-    layer_tok = activation_bytes_per_token_layer(arch, tp)
-    logits = tok * arch.padded_vocab_size(tp) // tp * 6  # bf16 logits + their fp32 log-softmax
-    working = tok * layer_tok  # one layer's full activations for one micro-batch
-    act_off = max(in_flight * layers * working, layers * working + logits)
-    saved = tok * 2 * arch.hidden_size  # a layer's input, kept for recomputation
-    act_on = max(in_flight * layers * saved + working, layers * saved + working + logits)
+    micro = max(1, math.ceil(rows_tokens / (dp * alg.mini_batches) / t.micro_batch_tokens))
+    tok = t.micro_batch_tokens
 
     # vLLM's share while it generates.
     dbytes = _dtype_bytes(r.dtype)
     budget = r.gpu_memory_utilization * gpu.memory_gib * GiB
-    vllm_weights = n_total * dbytes / vtp
+    vllm_weights = total_params(arch) * dbytes / vtp
     kv = budget - vllm_weights - VLLM_RESERVE_GIB * GiB
     kv_tok = kv_bytes_per_token(arch, vtp, dbytes)
-    memory = {
-        "generation": {**states, **overhead, "vLLM weights": vllm_weights,
-                       "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB, "vLLM KV cache": kv},
-        "training": {**states, **overhead,
-                     f"activations ({'full recomputation' if recompute else 'no recomputation'})":
-                         act_on if recompute else act_off},
-        "logprobs": {**states, **overhead, "forward working set": working + logits},
-    }
-    if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
-        memory["logprobs"]["reference model (onloaded)"] = 2 * n_gpu
-    engines = dp  # one engine per data-parallel replica (trainer/workers.py)
-    plan = Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
-                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=engines, vllm_tp=vtp,
-                distributed_optimizer=dist, recompute=recompute, options=opt, params_per_gpu=n_gpu,
-                total_params=n_total, memory=memory, activations_off_on=(act_off, act_on),
-                kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, seconds={})
+    vllm = {"vLLM weights": vllm_weights, "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB,
+            "vLLM KV cache": kv}
 
-    # Time per phase.
-    gen, gen_note = generation_seconds(plan, cfg, passes, engines)
+    def training_activations(c: Config, stage: int) -> float:
+        a = stage_activations(c, arch, tp, pp, tok, stage)
+        return min(pp - stage, micro) * a.saved + a.working
+
+    per_stage: list[dict[str, dict[str, float]]] = []
+    for stage in range(pp):
+        st = states(cfg, arch, tp, pp, dp, stage)
+        lines = {
+            f"parameters ({t.precision}{', base + LoRA adapters' if lora else ''})": st["parameters"],
+            f"gradients (fp32 main_grad{' of the LoRA adapters' if lora else ''})": st["gradients"],
+            (f"optimizer: {'Adam moments' if act == 4 else 'fp32 main weights + Adam moments'}"
+             f"{f' (/ DP {dp})' if cfg.optim.use_distributed_optimizer and dp > 1 else ''}"): st["optimizer_state"],
+        }
+        if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
+            lines["critic: parameters + gradients + optimizer"] = sum(lines.values())
+        lines["runtime overhead (CUDA contexts, NCCL)"] = RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)
+        recompute = {"none": "no recompute", "selective": "selective recompute"}.get(
+            t.recompute, f"full recompute {recomputed_layers(cfg, arch, pp)}/{arch.num_layers // pp} layers")
+        working = layer_bytes(cfg, arch, tp, tok, spec)  # a forward's transients: about one layer's activations
+        if stage == pp - 1:  # + logits, their fp32 copy, fp32 probabilities and log-probabilities
+            working += tok * arch.padded_vocab_size(tp) // tp * (act + 12)
+        phases = {
+            "generation": {**lines, **vllm},
+            "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
+                         training_activations(cfg, stage)},
+            "logprobs": {**lines, "forward working set": working},
+        }
+        if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
+            phases["logprobs"]["reference model (onloaded)"] = act * stage_params(arch, tp, pp, stage)
+        per_stage.append(phases)
+    stages = {ph: max(range(pp), key=lambda s, ph=ph: sum(per_stage[s][ph].values())) for ph in per_stage[0]}
+    by_recompute = {}
+    for name in ("none", "selective", "full"):
+        c = _with(cfg, {"trainer.recompute": name, "trainer.recompute_num_layers": 0})
+        by_recompute[name] = max(training_activations(c, s) for s in range(pp))
+    return Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
+                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=dp, vllm_tp=vtp,
+                settings=settings_of(cfg), spec=spec, options=opt, params_per_gpu=params_per_gpu(arch, tp, pp),
+                total_params=total_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
+                stages=stages, activations_by_recompute=by_recompute,
+                kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, passes=passes)
+
+
+def _add_seconds(plan: Plan, cfg: Config) -> None:
+    """Time per phase. One engine per data-parallel replica (trainer/workers.py)."""
+    arch, alg, t, pp = plan.arch, cfg.algorithm, cfg.trainer, plan.pp
+    passes = plan.passes
+    gen, gen_note = generation_seconds(plan, cfg, passes, plan.engines)
     plan.seconds["generation"], plan.notes["generation"] = gen, gen_note
-    plan.generation_all_gpus = generation_seconds(plan, cfg, passes, plan.gpus // vtp)[0]
-    world = plan.gpus
-    flops_rate = world * gpu.bf16_flops * opt.mfu
-    bubble = (pp - 1) / (micro * alg.mini_batches) if pp > 1 else 0.0
+    plan.generation_all_gpus = generation_seconds(plan, cfg, passes, plan.gpus // plan.vllm_tp)[0]
+    flops_rate = plan.gpus * plan.gpu.flops(t.precision) * plan.options.mfu
+    rows_tokens = sum(ps.tokens for ps in passes)
+    micro = max(1, math.ceil(rows_tokens / (plan.dp * alg.mini_batches) / t.micro_batch_tokens))
+    # 1F1B idles (PP - 1) micro-batch slots per pass: the log-prob forward runs every micro-batch at once,
+    # each optimizer step (mini-batch) its own share.
+    bubble, logprobs_bubble = (pp - 1) / micro, (pp - 1) / (micro * alg.mini_batches)
     attn = sum(ps.samples * 2 * arch.num_layers * arch.num_heads * arch.head_dim * (ps.prompt + ps.response) ** 2
                for ps in passes)  # causal attention, forward: 2·L·d_attn·s per token
-    forward = 2 * n_flop * rows_tokens + attn
+    forward = 2 * flop_params(arch) * rows_tokens + attn
+    critic, lora = alg.name == "ppo", cfg.lora.enabled
     off_policy = alg.ppo_epochs > 1 or alg.mini_batches > 1
     kinds = [k for k, on in (("reference", alg.kl_coef > 0), ("old log-probs", off_policy),
                              ("critic values", critic)) if on]
-    plan.seconds["logprobs"] = len(kinds) * forward / flops_rate * (1 + bubble)
+    plan.seconds["logprobs"] = len(kinds) * forward / flops_rate * (1 + logprobs_bubble)
     plan.notes["logprobs"] = (f"{' + '.join(kinds)} forward over {rows_tokens / 1e6:.1f}M tokens" if kinds else
                               "none (on-policy, kl_coef = 0: the update's own forward gives the ratio)")
-    # forward + input gradients + weight gradients (each ~ a forward); LoRA has no base weight gradients
-    passes_per_update = (4 if recompute else 3) - (1 if lora else 0)
-    per_update = passes_per_update * forward
+    # forward + input gradients + weight gradients (each ~ a forward); LoRA has no base weight gradients;
+    # recomputation reruns the forward of the recomputed layers (selective: core attention only).
+    passes_per_update = 3 - (1 if lora else 0)
+    share = recomputed_layers(cfg, arch, pp) / (arch.num_layers // pp)
+    rerun = share * forward + (attn if t.recompute == "selective" else 0.0)
+    per_update = passes_per_update * forward + rerun
     plan.seconds["training"] = alg.ppo_epochs * per_update * (2 if critic else 1) / flops_rate * (1 + bubble)
-    plan.notes["training"] = (f"{2 * passes_per_update}·N·tokens + attention{' (LoRA)' if lora else ''}, "
-                              f"{alg.ppo_epochs} epoch(s)"
-                              f"{' x actor and critic' if critic else ''}; {micro} micro-batches of "
-                              f"{tok} tokens per DP rank, PP bubble {bubble:.1%}")
+    recompute = {"none": "", "selective": " + core attention rerun"}.get(t.recompute,
+                                                                         f" + {share:.0%} of a forward rerun")
+    plan.notes["training"] = (f"{2 * passes_per_update}·N·tokens + attention{recompute}{' (LoRA)' if lora else ''}, "
+                              f"{alg.ppo_epochs} epoch(s){' x actor and critic' if critic else ''}; "
+                              f"{alg.mini_batches} x {micro} micro-batches of {t.micro_batch_tokens} tokens per DP "
+                              f"rank, PP bubble {bubble:.1%}")
     plan.seconds["weight refit"], plan.notes["weight refit"] = refit_seconds(plan, cfg)
-    return plan
 
 
 def decode_step_seconds(plan: Plan, cfg: Config, concurrent: int, context: float) -> float:
@@ -416,32 +478,32 @@ def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
                                    f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
 
 
-def _problem(plan: Plan, cfg: Config) -> str | None:
-    """Why the plan cannot run (naming the field), or None."""
+def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
+    """Why the plan cannot run (naming the fields) and which other field would lower it, or None."""
     cap = plan.gpu.memory_gib * GiB
     gen = plan.memory["generation"]
     kv = gen["vLLM KV cache"]
-    hint = (f" (distributed optimizer {'on' if plan.distributed_optimizer else 'off'}, recomputation "
-            f"{'on' if plan.recompute else 'off'})")
     if kv <= 0:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
                 f"{cfg.rollout.gpu_memory_utilization * plan.gpu.memory_gib:.1f} GiB per GPU, less than its weights "
                 f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
-                f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache")
+                f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache", "raise it")
     if plan.kv_tokens_per_engine < cfg.rollout.max_model_len:
         return (f"rollout.max_model_len={cfg.rollout.max_model_len} does not fit the KV cache of "
                 f"{plan.kv_tokens_per_engine} tokens (rollout.gpu_memory_utilization="
-                f"{cfg.rollout.gpu_memory_utilization})")
+                f"{cfg.rollout.gpu_memory_utilization})", "lower it or raise rollout.gpu_memory_utilization")
     for phase, lines in plan.memory.items():
         need = sum(lines.values())
         if need > cap:
             big = max(lines, key=lines.get)
-            field = {"generation": "rollout.gpu_memory_utilization", "training": "trainer.micro_batch_tokens"}.get(
-                phase, "parallel.tensor_model_parallel_size")
+            fix = {"generation": "lower rollout.gpu_memory_utilization", "training": "lower trainer.micro_batch_tokens"
+                   }.get(phase, "raise parallel.tensor_model_parallel_size")
             if not big.startswith(("activations", "vLLM")):
-                field = "parallel.tensor_model_parallel_size / pipeline_model_parallel_size"
+                fix = ("split the model over more GPUs: parallel.tensor_model_parallel_size / "
+                       "pipeline_model_parallel_size")
             return (f"does not fit: the {phase} phase needs {need / GiB:.1f} GiB per GPU > {plan.gpu.memory_gib} GiB "
-                    f"on {plan.gpu.name}{hint}; largest: {big} {lines[big] / GiB:.1f} GiB; lower it through {field}")
+                    f"on {plan.gpu.name} with {_render(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
+                    f"no change of {', '.join(SETTINGS)} makes it fit: {fix}")
     return None
 
 
@@ -450,31 +512,36 @@ def _problem(plan: Plan, cfg: Config) -> str | None:
 
 def format_plan(plan: Plan) -> str:
     a, g, o = plan.arch, plan.gpu, plan.options
+    spec = "TransformerEngine layers" if plan.spec == "te" else "megatron-core's local layers (LoRA)"
+    lengths = ", ".join(f"{ps.name} {ps.prompt:.0f} + {ps.response:.0f} (longest {ps.max_response})"
+                        for ps in plan.passes)
     out = [
         f"plan: {plan.config_name} on {plan.nodes} node(s) x {plan.gpus_per_node} {g.name} = {plan.gpus} GPUs "
         f"({g.memory_gib} GiB, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_s / 1e12:.2f} TB/s HBM each)",
         f"model: {plan.arch_source}: {a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
         f"{a.num_heads} heads / {a.num_kv_heads} kv heads x {a.head_dim}, vocab {a.vocab_size}; "
         f"{plan.total_params / 1e9:.2f}B parameters, {plan.params_per_gpu / 1e9:.3f}B on the most loaded GPU",
-        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp}; vLLM: {plan.engines} engine(s) (one per DP "
-        f"replica) x TP {plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
-        f"assumed: bf16 mixed precision; distributed optimizer {'on' if plan.distributed_optimizer else 'off'} "
-        f"({o.distributed_optimizer}), recomputation {'full' if plan.recompute else 'off'} ({o.recompute}); "
-        f"MFU {o.mfu:.0%}; prompts {o.prompt_fraction:.0%} of data.max_prompt_length, responses "
-        f"{o.response_fraction:.0%} of their max_tokens on average",
+        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp} ({spec}); vLLM: {plan.engines} engine(s) (one "
+        f"per DP replica) x TP {plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
+        f"settings (from the config): {_render(plan.settings)}",
+        f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
-        f"{'memory per GPU (GiB)':<52}{'generation':>11}{'training':>10}{'logprobs':>10}",
+        f"{'memory per GPU (GiB)':<62}{'generation':>11}{'training':>10}{'logprobs':>10}",
     ]
+    phases = ("generation", "training", "logprobs")
     lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
     for line in lines:
-        cells = [plan.memory[ph].get(line) for ph in ("generation", "training", "logprobs")]
-        out.append(f"  {line:<50}" + "".join(f"{'-' if c is None else f'{c / GiB:.1f}':>{w}}"
+        cells = [plan.memory[ph].get(line) for ph in phases]
+        out.append(f"  {line:<60}" + "".join(f"{'-' if c is None else f'{c / GiB:.1f}':>{w}}"
                                            for c, w in zip(cells, (11, 10, 10), strict=True)))
-    totals = [sum(plan.memory[ph].values()) / GiB for ph in ("generation", "training", "logprobs")]
-    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<50}{totals[0]:>11.1f}{totals[1]:>10.1f}{totals[2]:>10.1f}")
-    off, on = plan.activations_off_on
+    totals = [sum(plan.memory[ph].values()) / GiB for ph in phases]
+    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<60}{totals[0]:>11.1f}{totals[1]:>10.1f}{totals[2]:>10.1f}")
+    act = plan.activations_by_recompute
     out += [
-        f"  activations without / with full recomputation: {off / GiB:.1f} / {on / GiB:.1f} GiB",
+        f"  {'pipeline stage':<60}" + "".join(f"{plan.stages[ph]:>{w}}" for ph, w in zip(phases, (11, 10, 10),
+                                                                                         strict=True)),
+        f"  training activations by trainer.recompute: none {act['none'] / GiB:.1f}, selective "
+        f"{act['selective'] / GiB:.1f}, full (every layer) {act['full'] / GiB:.1f} GiB",
         f"  KV cache: {plan.kv_tokens_per_engine:,} tokens per engine ({plan.kv_bytes_per_token / 1024:.0f} KiB per "
         f"token per GPU)",
         "",
@@ -525,12 +592,16 @@ def plan_config(config: str, overrides: list[str], opt: PlanOptions, model_shape
 HELP = """\
 Print, per GPU, the memory of parameters, gradients, optimizer states, activations and the vLLM KV cache
 in each phase of a step (generation, training, log-probs), and the estimated seconds per phase from FLOPs
-and memory bandwidth. Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not the
-allocation's GPU count, or a config that does not fit. The model's shape comes from model.path's
-config.json, or from --model-shape to plan without the weights. See docs/planner.md.
+and memory bandwidth. The trainer's memory settings come from the config (trainer.precision,
+trainer.recompute, trainer.recompute_num_layers, optim.use_distributed_optimizer,
+parallel.sequence_parallel). Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not
+the allocation's GPU count, or a config that does not fit, saying which settings would make it fit. The
+model's shape comes from model.path's config.json, or from --model-shape to plan without the weights.
+See docs/planner.md.
 
 examples:
   megareason plan --model-shape llama-3.1-70b --nodes 8 --gpus-per-node 8 configs/raro_70b.yaml
+  megareason plan --model-shape llama-3.1-70b configs/raro_70b.yaml trainer.recompute=none   # refused
   megareason plan --gpus-per-node 1 --gpu A100-80GB grpo_smollm2_cpu
 """
 
@@ -544,20 +615,18 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu", choices=list(GPUS), default=d.gpu)
     p.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="",
                    help="plan this architecture instead of reading model.path's config.json")
-    p.add_argument("--distributed-optimizer", choices=["auto", "on", "off"], default=d.distributed_optimizer,
-                   help="shard optimizer states over DP (auto: only if needed to fit)")
-    p.add_argument("--recompute", choices=["auto", "on", "off"], default=d.recompute,
-                   help="full activation recomputation (auto: only if needed to fit)")
     p.add_argument("--mfu", type=float, default=d.mfu, help="assumed model FLOPs utilization")
     p.add_argument("--prompt-fraction", type=float, default=d.prompt_fraction,
                    help="mean prompt length / data.max_prompt_length")
     p.add_argument("--response-fraction", type=float, default=d.response_fraction,
                    help="mean response length / max_tokens")
+    p.add_argument("--response-tokens", type=int, default=d.response_tokens,
+                   help="mean policy response length in tokens (instead of --response-fraction for the policy)")
 
 
 def run_cli(args) -> int:
-    opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                      distributed_optimizer=args.distributed_optimizer, recompute=args.recompute, mfu=args.mfu,
-                      prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction)
+    opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+                      prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction,
+                      response_tokens=args.response_tokens)
     print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
     return 0
