@@ -90,13 +90,16 @@ def test_activation_bytes_by_hand():
     assert layer_bytes(_small_layout("trainer.precision=bf16", "trainer.recompute=selective"), SMALL, 2, t,
                        "te") == (520 + 128 + 288 + 640) * t
     # Local layers: torch's RMSNorm keeps fp32 copies, 2 x ((8 + 2)h + 4) = 1288; q, k and v repeated to
-    # every head + the context 4q·2 = 256; per layer the T x T softmax (fp32 + bf16) of 2 heads and the mask.
-    assert layer_bytes(bf16, SMALL, 2, t, "local") == (1288 + 128 + 256 + 640) * t + 2 * t * t * 6 + t * t
+    # every head + the context 4q·2 = 256; per layer the T x T softmax (fp32 + bf16) of 2 heads.
+    assert layer_bytes(bf16, SMALL, 2, t, "local") == (1288 + 128 + 256 + 640) * t + 2 * t * t * 6
     # Stages, one micro-batch: 2 layers; the first adds token ids and the embedding's mask (9 per token),
-    # the last the final norm (260 per token) and the head's fp32 probabilities and log-probs (8 x 50 + 13).
+    # the last the final norm (260 per token), the head's fp32 probabilities and log-probs (8 x 50 + 13)
+    # and its sequence-start mask (1); local layers add the packed row's T x T mask once.
     layer = 1584 * t
     assert stage_activations(bf16, SMALL, 2, 2, t, 0).saved == 2 * layer + 9 * t
-    assert stage_activations(bf16, SMALL, 2, 2, t, 1).saved == 2 * layer + 260 * t + 413 * t
+    assert stage_activations(bf16, SMALL, 2, 2, t, 1).saved == 2 * layer + 260 * t + 414 * t
+    local = layer_bytes(bf16, SMALL, 2, t, "local")
+    assert stage_activations(bf16, SMALL, 2, 2, t, 0, spec="local").saved == 2 * local + t * t + 9 * t
     # Full recomputation: each layer keeps its input (h·2 per token), the stage the fp32 rotary table once
     # (4d); one layer's activations while it reruns.
     full = stage_activations(_small_layout("trainer.precision=bf16", "trainer.recompute=full"), SMALL, 2, 2, t, 0)
@@ -107,17 +110,18 @@ def test_activation_bytes_by_hand():
 
 
 # Bytes measured on CPU (megatron-core 0.16.1, torch 2.13, local layers, gloo): a Llama of hidden 128, ffn 256,
-# 2 layers, 4 heads / 2 kv heads, vocab 384, one row of 16 tokens, models.memory.SavedActivations around the
-# model's forward and the log-prob head (15 scored positions) and models.memory.state_bytes.
+# 2 layers, 4 heads / 2 kv heads, vocab 384, one packed row of 16 tokens (TrainBatch with cu_seqlens, run by
+# models.schedule), models.memory.SavedActivations around its forward and log-prob head (15 scored positions)
+# and models.memory.state_bytes.
 MEASURED = [  # (overrides, TP, activations)
-    (["trainer.precision=fp32"], 1, 424067),
-    (["trainer.precision=bf16"], 1, 284803),
-    (["trainer.precision=bf16", "trainer.recompute=full"], 1, 77187),
-    (["trainer.precision=fp32", "trainer.recompute=full", "trainer.recompute_num_layers=1"], 1, 257795),
+    (["trainer.precision=fp32"], 1, 423827),
+    (["trainer.precision=bf16"], 1, 284563),
+    (["trainer.precision=bf16", "trainer.recompute=full"], 1, 77459),
+    (["trainer.precision=fp32", "trainer.recompute=full", "trainer.recompute_num_layers=1"], 1, 257811),
     (["trainer.precision=bf16", "parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2"], 2,
-     146931),
+     146691),
     (["trainer.precision=fp32", "parallel.sequence_parallel=true", "parallel.tensor_model_parallel_size=2",
-      "trainer.recompute=full"], 2, 45939),
+      "trainer.recompute=full"], 2, 46211),
 ]
 
 
@@ -157,7 +161,7 @@ def test_memory_lines_of_a_small_plan():
     assert plan.activations_by_recompute["none"] == 2 * (2 * 1584 + 9) * t
     # Full recomputation: the last stage (1 in flight, + final norm and head) is now the larger.
     full = 2 * 128 * t + 64 * t
-    assert plan.activations_by_recompute["full"] == full + (260 + 413) * t + 1584 * t
+    assert plan.activations_by_recompute["full"] == full + (260 + 414) * t + 1584 * t
     # vLLM's share: utilization x GPU memory = weights + 2 GiB reserve + KV cache.
     gen = plan.memory["generation"]
     budget = cfg.rollout.gpu_memory_utilization * GPUS["H100-80GB"].memory_gib * GiB

@@ -37,8 +37,9 @@ token, for the two layer implementations the trainer builds (``layer_spec``):
   norms 2·((8 + B)·h + 4) per token of T' (``torch.nn.RMSNorm`` computes in fp32: its fp32 input 4h, the
   normalised fp32 input 4h, fp32 1/rms, and its output B·h = the linear's input); RoPE 4d·B; attention
   4q·B (q, k and v repeated to all a heads, the context) plus, per layer, the T x T tensors of unfused
-  attention a·T²·(4 + B) (the fp32 softmax and its B-byte copy; in fp32 one tensor, a·T²·4) and the causal
-  mask T² (bool; a packed row's [T, T] mask, the trainer's, is one tensor for all layers); MLP 5f·B.
+  attention a·T²·(4 + B) (the fp32 softmax and its B-byte copy; in fp32 one tensor, a·T²·4); MLP 5f·B;
+  and once per stage the packed row's [T, T] bool attention mask, T² (a forward without ``cu_seqlens``,
+  ``attention_mask=None``, instead saves a causal mask in each layer: (layers - 1)·T² more).
 
 Recomputation. ``trainer.recompute=selective`` (core attention checkpointed) saves, in both, attention
 (3q + 3k)·B: its inputs q, k, v (a view of the QKV output) and linear_proj's input; no statistics and no
@@ -52,13 +53,14 @@ Sequence parallelism splits the sequence outside the TP regions: the norms and a
 count T' = T / TP tokens, everything else T. The first stage saves the token ids, 8 bytes per token (9
 with TP > 1: the vocab-parallel embedding's bool mask). The last saves the final norm (one norm as above,
 T' tokens) and the LM head's fp32 probabilities and log-probabilities (``models/logprobs.py``), 8V + 13
-bytes per scored token (with the fp32 entropy, int64 target index and bool in-range flag); the logits
-themselves are not saved.
+bytes per scored token (with the fp32 entropy, int64 target index and bool in-range flag), plus T bytes
+(the packed row's sequence-start mask); the logits themselves are not saved.
 
 Not counted: tensors of a few bytes per layer (a checkpointed core attention's 4-byte mask-type tensor),
-the T² mask of prefix-shared rows (local layers, once per stage), LoRA's rank-r intermediates.
-Checked: on CPU (local layers, TP 1 and 2, fp32 and bf16, every recompute setting, sequence parallel)
-``stage_activations`` equals ``SavedActivations`` to the byte, but for those 4-byte tensors.
+LoRA's rank-r intermediates; prefix-shared rows (``trainer.share_prompt_prefix``, local layers) are
+shorter than T. Checked: on CPU (local layers, a packed row through ``models.schedule``, TP 1 and 2, fp32
+and bf16, every recompute setting, sequence parallel) ``stage_activations`` equals ``SavedActivations``
+to the byte, but for those 4-byte tensors.
 """
 
 from __future__ import annotations
@@ -167,8 +169,7 @@ def layer_bytes(cfg: Config, arch: ModelArch, tp: int, tokens: int, spec: Spec) 
         return total + (3 * q + 3 * k) * act * tokens
     if spec == "te":
         return total + ((3 * q + 3 * k) * act + 4 * a) * tokens
-    square = a * tokens * tokens * (4 + (act if act < 4 else 0)) + tokens * tokens
-    return total + 4 * q * act * tokens + square
+    return total + 4 * q * act * tokens + a * tokens * tokens * (4 + (act if act < 4 else 0))
 
 
 def recomputed_layers(cfg: Config, arch: ModelArch, pp: int) -> int:
@@ -191,11 +192,14 @@ def stage_activations(cfg: Config, arch: ModelArch, tp: int, pp: int, tokens: in
     saved = (layers - recomputed) * layer
     if recomputed:
         saved += recomputed * h * act * outside + 4 * d * tokens
+    if spec == "local":  # the packed row's [T, T] attention mask, one tensor for all layers
+        saved += tokens * tokens
     if stage == 0:  # token ids, and with TP > 1 the vocab-parallel embedding's out-of-range mask
         saved += (8 + (tp > 1)) * tokens
-    if stage == pp - 1:
+    if stage == pp - 1:  # final norm; head: fp32 probabilities, log-probs, ...; the sequence-start mask
         scored = tokens if scored_tokens is None else scored_tokens
-        saved += norm_bytes(h, act, spec) * outside + (8 * arch.padded_vocab_size(tp) // tp + 13) * scored
+        saved += (norm_bytes(h, act, spec) * outside + (8 * arch.padded_vocab_size(tp) // tp + 13) * scored
+                  + tokens)
     return StageActivations(saved=saved, working=layer if recomputed else 0)
 
 
