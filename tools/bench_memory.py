@@ -46,6 +46,7 @@ class Setting:
 
 SETTINGS = [
     Setting("fp32, plain optimizer, DP=1", ()),
+    Setting("fp32, distributed optimizer, DP=2", ("optim.use_distributed_optimizer=true",), dp=2),
     Setting("bf16, distributed optimizer, DP=1", ("trainer.precision=bf16", "optim.use_distributed_optimizer=true")),
     Setting("bf16, distributed optimizer, DP=2", ("trainer.precision=bf16", "optim.use_distributed_optimizer=true"),
             dp=2),
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(rows, f, indent=1, default=list)
         os.replace(tmp_path, args.json)
     by_name = {r["setting"]: r for r in rows}
-    one, two = by_name.get(SETTINGS[1].name), by_name.get(SETTINGS[2].name)
+    one, two = by_name.get(SETTINGS[2].name), by_name.get(SETTINGS[3].name)
     if one and two:
         ratio = one["measured"][0]["optimizer_state"] / two["measured"][0]["optimizer_state"]
         print(f"optimizer state per rank, DP=1 / DP=2 under the distributed optimizer: {ratio:.3f} (goal 2)")

@@ -35,13 +35,15 @@ def state_bytes(ddp_model, optimizer) -> dict[str, int]:
     every tensor of torch's optimizer state: Adam's ``exp_avg`` and ``exp_avg_sq``)."""
     params = list(ddp_model.module.parameters())
     grads = sum(_bytes(buf.grad_data) for buf in ddp_model.buffers + ddp_model.expert_parallel_buffers)
-    model_ptrs = {p.data_ptr() for p in params}
+    # By storage: megatron-core DDP lays the parameters out in one buffer, and an fp32 run's distributed
+    # optimizer steps views (shards) of it, which are the model's own weights, not main weights.
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
     state = 0
     for opt in _optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
-                if p.data_ptr() not in model_ptrs:  # a separate fp32 main weight (or its shard)
+                if p.untyped_storage().data_ptr() not in model_storages:  # a separate fp32 main weight (or shard)
                     state += _bytes(p)
                 for value in inner.state.get(p, {}).values():
                     if isinstance(value, torch.Tensor) and value.numel() > 1:
