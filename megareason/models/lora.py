@@ -156,7 +156,17 @@ def apply_lora(model, settings: LoRASettings) -> list[str]:
         wrapped.append(name)
     if not wrapped:
         raise ValueError(f"no LoRA target {list(settings.targets)} found in the model")
+    if model.config.recompute_granularity == "full" and getattr(model, "embedding", None) is not None:
+        # megatron-core's full recomputation is a reentrant autograd.Function: its backward runs only if
+        # its input requires grad, and the frozen embedding's output does not, so the adapters inside
+        # would get no gradient at all (measured: grad norm 0). Later pipeline stages receive inputs that
+        # require grad already.
+        model.embedding.register_forward_hook(_input_requires_grad)
     return wrapped
+
+
+def _input_requires_grad(module, args, output):
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 def _global_name(model, name: str) -> str:
