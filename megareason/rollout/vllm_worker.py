@@ -71,10 +71,24 @@ class WeightUpdateExtension:
     def mr_load_bucket(self, transport: Transport, specs: list[Spec]) -> tuple[int, float]:
         """Load one bucket (see ``rollout.buckets``): ``specs`` lists (name, dtype, shape, byte offset).
         Returns the bucket's size in bytes and the seconds spent in vLLM's ``load_weights``."""
-        from vllm.config import set_current_vllm_config
-
         names, views = read_bucket(transport, specs)
-        for name, t in zip(names, views, strict=True):
+        self._mr_check(names, views)
+        # vLLM's layerwise loader holds a tensor until its layer is complete; the trainer refills the
+        # bucket next. A layer completed by this bucket is processed (copied into vLLM's own storage)
+        # inside load_weights, so its tensors load straight from the bucket; only those of a layer
+        # that continues in the next bucket are copied out first.
+        tensors = [v.clone() if self._mr_pending[_unit(n)] else v for n, v in zip(names, views, strict=True)]
+        return self._mr_load(names, tensors)
+
+    def mr_load_tensors(self, names: list[str], tensors: list) -> tuple[int, float]:
+        """In-process callers (``rollout.colocated``, where ``collective_rpc`` is a plain call): load
+        these HF-named tensors as they are. The caller must not modify them until the update finishes
+        (vLLM may hold a tensor until its layer is complete). Returns (bytes, seconds in vLLM)."""
+        self._mr_check(names, tensors)
+        return self._mr_load(names, tensors)
+
+    def _mr_check(self, names: list[str], tensors: list) -> None:
+        for name, t in zip(names, tensors, strict=True):
             want = self._mr_expected.get(name)
             if want is None:
                 raise ValueError(f"weight sync: unknown tensor '{name}' (not a weight of the served model)")
@@ -85,11 +99,10 @@ class WeightUpdateExtension:
                 raise ValueError(f"weight sync: tensor '{name}' sent twice")
             self._mr_received.add(name)
             self._mr_pending[_unit(name)].discard(name)
-        # vLLM's layerwise loader holds a tensor until its layer is complete; the trainer refills the
-        # bucket next. A layer completed by this bucket is processed (copied into vLLM's own storage)
-        # inside load_weights, so its tensors load straight from the bucket; only those of a layer
-        # that continues in the next bucket are copied out first.
-        tensors = [v.clone() if self._mr_pending[_unit(n)] else v for n, v in zip(names, views, strict=True)]
+
+    def _mr_load(self, names: list[str], tensors: list) -> tuple[int, float]:
+        from vllm.config import set_current_vllm_config
+
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.get_model().load_weights(zip(names, tensors, strict=True))

@@ -58,10 +58,14 @@ def is_consumer() -> bool:
     return layout.tp_rank == 0 and layout.pp_rank == 0
 
 
-def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) pairs on the consumer rank, in layer order; every other rank of the
     group must also iterate this generator to the end (it takes part in the collectives and yields
-    nothing). At TP=1 a tensor that needs no re-layout is a view of the parameter, not a copy."""
+    nothing). At TP=1 a tensor that needs no re-layout is a view of the parameter, not a copy.
+
+    ``every_rank``: every rank of the group yields every tensor (the TP pieces are all-gathered and each
+    stage broadcasts to every rank of its pipeline group): what colocated engines need, whose vLLM
+    ranks each take their own slice of the whole tensor (``rollout.colocated``)."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
@@ -69,7 +73,8 @@ def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
     params = merged_state(model)
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_src = ps.get_tensor_model_parallel_src_rank()
-    consumer = is_consumer()
+    receives = every_rank or layout.tp_rank == 0  # holds each whole tensor of its stage
+    consumer = every_rank or is_consumer()
     for item in _items(arch, layout.pp):
         names = [n.format(i=item.layer) for n in item.rule.hf]
         tensors: list[torch.Tensor] | None = None
@@ -77,13 +82,16 @@ def stream_hf_tensors(model, arch: ModelArch) -> Iterator[tuple[str, torch.Tenso
             local = params[item.rule.megatron.format(i=item.local)].detach()
             if item.rule.split == "replicated" or layout.tp == 1:
                 parts = [local] * layout.tp
+            elif every_rank:
+                parts = [torch.empty_like(local) for _ in range(layout.tp)]
+                dist.all_gather(parts, local.contiguous(), group=tp_group)
             else:
                 parts = [torch.empty_like(local) for _ in range(layout.tp)] if layout.tp_rank == 0 else None
                 dist.gather(local.contiguous(), parts, dst=tp_src, group=tp_group)
-            if layout.tp_rank == 0:
+            if receives:
                 tensors = weight_map.unshard(item.rule.split, parts, arch)
             del parts
-        if layout.tp_rank != 0:
+        if not receives:
             continue
         if layout.pp > 1:
             src = dist.get_global_rank(pp_group, item.stage)
