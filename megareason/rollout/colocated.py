@@ -1,9 +1,138 @@
-# NOTE FOR HELPER 19b (from helper 19a, the engine state machine), 13:15:
-# I created a new file with the editor's "create" command at this path without checking it existed, and it
-# overwrote your SPMD module megareason/rollout/colocated.py (your ColocatedEngine). It was untracked, so git
-# has no copy, and I found none on disk (no .pyc: PYTHONDONTWRITEBYTECODE=1). I am very sorry: please
-# re-create it from your session. My state machine now lives in megareason/rollout/engine_state.py
-# (class EngineStateMachine: wraps any engine with generate / update_weights / sleep(level) / wake_up(tags) /
-# shutdown / tokenizer); it no longer uses this path. Your /tmp/col/exp2.py run started at 13:14 imports
-# `from megareason.rollout.colocated import ColocatedEngine`.
-raise ImportError("megareason/rollout/colocated.py was overwritten by accident; see the note in this file")
+"""Colocated rollout engines: one vLLM tensor-parallel rank inside each trainer rank (SPMD).
+
+The trainer's ranks (Ray actors, one GPU each, joined by torch.distributed) are cut into *engines* of
+``tp`` consecutive ranks (``RolloutLayout``): ranks ``[e*tp, (e+1)*tp)`` run engine ``e``. Each rank
+creates a ``vllm.LLM`` with vLLM's ``external_launcher`` executor: no engine process and no worker
+process; vLLM's worker, scheduler and model live in the trainer's process, and vLLM builds its own
+tensor-parallel groups over the trainer's existing default process group (its ``initialize_model_parallel``
+lays the world out as ``[external DP, PP, TP]``, TP fastest, so its TP groups are exactly the engines).
+Every rank of an engine must receive the same ``generate`` calls with the same prompts: each rank runs
+its own scheduler, and vLLM relies on them making identical decisions (deterministic scheduling, the
+same per-request seeds, logits all-gathered over TP before sampling).
+
+Weights reach vLLM in-process, with no IPC and no serialisation: ``weight_sync.stream_hf_tensors(...,
+every_rank=True)`` gives every rank each whole HF tensor in turn (all-gathered over the trainer's TP,
+broadcast over its PP), and each rank's vLLM ``load_weights`` (inside vLLM's layerwise reload, which
+repacks CPU GEMM weights correctly) keeps its own TP slice. The rollout layout is independent of the
+training layout: vLLM TP and the number of engines come from ``rollout.tensor_parallel_size`` alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from megareason.rollout.engine import Completion, EngineSettings, Sampling, VLLMEngine, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RolloutLayout:
+    """This rank's place among the colocated engines."""
+
+    tp: int  # vLLM tensor-parallel size (ranks per engine)
+    engines: int  # world // tp
+    engine: int  # the engine this rank belongs to (rank // tp)
+    engine_rank: int  # its vLLM TP rank (rank % tp)
+
+    @property
+    def leader(self) -> bool:
+        """The engine's first rank: the one whose outputs the driver keeps."""
+        return self.engine_rank == 0
+
+
+def rollout_layout(world: int, rank: int, tp: int) -> RolloutLayout:
+    """Engines of ``tp`` consecutive ranks over a trainer of ``world`` ranks."""
+    if tp < 1 or world % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} must divide the trainer's world size "
+                         f"(TP x PP x DP = {world} ranks): each colocated engine takes that many consecutive ranks")
+    return RolloutLayout(tp=tp, engines=world // tp, engine=rank // tp, engine_rank=rank % tp)
+
+
+class ColocatedEngine(VLLMEngine):
+    """``RolloutEngine`` for one rank of an SPMD engine. Every rank of the trainer's default process group
+    must construct one at the same time (vLLM creates process groups over all of them), and every rank
+    of an engine must make the same calls (``generate``, ``update_weights``) with the same arguments.
+    ``RANK`` must be in the environment (the trainer's workers set it)."""
+
+    def __init__(self, settings: EngineSettings):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ColocatedEngine runs inside a trainer rank: initialise torch.distributed first")
+        self.layout = rollout_layout(dist.get_world_size(), dist.get_rank(), settings.tensor_parallel_size)
+        if int(os.environ.get("RANK", -1)) != dist.get_rank():
+            raise RuntimeError(f"vLLM's external_launcher reads RANK from the environment; it is "
+                               f"{os.environ.get('RANK')!r} but this is rank {dist.get_rank()}")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        extra = dict(settings.extra, distributed_executor_backend="external_launcher")
+        self._calls = 0
+        super().__init__(replace(settings, extra=extra))
+        self._worker = self.llm.llm_engine.model_executor.driver_worker.worker  # in this process
+        log.info("colocated vLLM engine %d/%d, TP rank %d of %d", self.layout.engine, self.layout.engines,
+                 self.layout.engine_rank, self.layout.tp)
+
+    def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
+                 use_tqdm: bool = True) -> list[list[Completion]]:
+        # Each rank samples on its own: an unseeded request would draw from each process's own torch
+        # generator, which the trainer has advanced differently on every rank, and the ranks' schedulers
+        # would drift apart. A seed from (engine seed, engine, call count) is the same on every rank of
+        # the engine and differs between engines.
+        self._calls += 1
+        if sampling.seed is None and sampling.temperature > 0:
+            call = (self._seed * 1_000_003 + self._calls) * self.layout.engines + self.layout.engine
+            sampling = replace(sampling, seed=call * 100_000)
+        return super().generate(prompts_token_ids, sampling, use_tqdm=use_tqdm)
+
+    @property
+    def _seed(self) -> int:
+        return self.llm.llm_engine.vllm_config.model_config.seed or 0
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
+        """Load whole HF-named tensors into this rank's vLLM model in place (each rank keeps its TP slice),
+        ``bucket_bytes`` at a time, then drop the prefix cache. Every rank of the engine must pass the
+        same tensors. Checks and failure behaviour as ``VLLMEngine.update_weights``."""
+        w = self._worker
+        start = time.perf_counter()
+        loads: list[tuple[int, float]] = []
+        begin = w.mr_begin_weight_update()
+        names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        held = 0
+        try:
+            for name, tensor in named_tensors:
+                names.append(name)
+                tensors.append(tensor)
+                held += tensor.numel() * tensor.element_size()
+                if held >= bucket_bytes:
+                    loads.append(w.mr_load_tensors(names, tensors))
+                    names, tensors, held = [], [], 0
+            if names:
+                loads.append(w.mr_load_tensors(names, tensors))
+        except BaseException:
+            with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
+                w.mr_finish_weight_update()
+            self.llm.reset_prefix_cache()
+            raise
+        finish = w.mr_finish_weight_update()
+        self.llm.reset_prefix_cache()
+        return WeightUpdate(
+            bytes=sum(b for b, _ in loads), buckets=len(loads), largest_bucket=max((b for b, _ in loads), default=0),
+            seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
+        )
+
+    def shutdown(self) -> None:
+        """Stop the engine and remove vLLM's process groups; the trainer's default group stays."""
+        super().shutdown()
+        self._worker = None
+        from vllm.distributed.parallel_state import destroy_model_parallel
+
+        destroy_model_parallel()
