@@ -91,6 +91,12 @@ class LoRALinear(torch.nn.Module):
         other.tensor_model_parallel = False
         self.dropout = torch.nn.Dropout(settings.dropout) if settings.dropout > 0 else torch.nn.Identity()
         self.enabled = True  # False: the base layer alone (``adapters_off``)
+        # Sequence parallelism: a column layer's input is this rank's slice of the sequence (the base
+        # gathers it inside), a row layer's output is reduce-scattered to one. The row adapter's B then
+        # sees only this rank's tokens, so its gradient is summed over TP like the norms'.
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        if self.sequence_parallel and kind == "row":
+            self.lora_B.sequence_parallel = True
 
     def forward(self, x, *args, **kwargs):
         from megatron.core.tensor_parallel import (
@@ -101,9 +107,20 @@ class LoRALinear(torch.nn.Module):
         out, bias = self.base(x, *args, **kwargs)
         if not self.enabled:
             return out, bias
+        if self.sequence_parallel and self.kind == "column":
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # The copy-to region below all-reduces the gradient, so the gather keeps each rank's slice of it.
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
         h = torch.nn.functional.linear(self.dropout(x), self.lora_A)
-        h = (copy_to_tensor_model_parallel_region if self.kind == "column"
-             else reduce_from_tensor_model_parallel_region)(h)
+        if self.kind == "column":
+            h = copy_to_tensor_model_parallel_region(h)
+        elif self.sequence_parallel:
+            from megatron.core.tensor_parallel import reduce_scatter_to_sequence_parallel_region
+
+            h = reduce_scatter_to_sequence_parallel_region(h)
+        else:
+            h = reduce_from_tensor_model_parallel_region(h)
         return out + self.settings.scale * torch.nn.functional.linear(h, self.lora_B), bias
 
     def merged_weight(self) -> torch.Tensor:
