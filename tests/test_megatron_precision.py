@@ -88,6 +88,29 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp, lora=False):
             "tp_rank": layout.tp_rank, "refused": refused}
 
 
+def _critic(model_dir, compute, tokens, mask):
+    """The critic's values and the gradients of a value loss (its fp32 value head on the trunk)."""
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Critic
+    from megareason.models.schedule import forward_backward
+    from megareason.models.train import OptimizerSettings, TrainBatch
+
+    init_parallel(2, 1)
+    critic = Critic(HFCheckpoint(model_dir), OptimizerSettings(lr=LR), compute)
+    with torch.no_grad():  # the head starts at zero; make it read the trunk
+        critic.model.output_layer.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
+    values = critic.values(tokens, micro_batch_size=2)
+
+    def value_loss(values_BT, batch):
+        return ((values_BT - 1.0) ** 2 * batch.loss_mask_BT).sum(), batch.loss_mask_BT.sum(), {}
+
+    forward_backward(critic.ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)],
+                     critic.head, value_loss)
+    grads = {n: p.main_grad.detach().clone() for n, p in critic.ddp.module.named_parameters()}
+    return {"values": values, "grads": grads, "head_dtype": critic.model.output_layer.weight.dtype}
+
+
 def _recompute_and_sp_worker(model_dir, tokens, mask):
     out = {}
     for name, compute, tp in [("plain", _compute(), 2), ("selective", _compute(recompute="selective"), 2),
@@ -98,6 +121,9 @@ def _recompute_and_sp_worker(model_dir, tokens, mask):
     for name, compute in [("lora", _compute()), ("lora_full", _compute(recompute="full")),
                           ("lora_sp", _compute(sp=True))]:
         out[name] = _grads_and_saved(model_dir, compute, tokens, mask, 2, lora=True)
+    out["critic"] = _critic(model_dir, _compute(), tokens, mask)
+    out["critic_sp_bf16"] = _critic(model_dir, _compute("bf16", sp=True), tokens, mask)
+    out["critic_sp"] = _critic(model_dir, _compute(sp=True), tokens, mask)
     return out
 
 
@@ -271,3 +297,16 @@ def test_lora_adapters_get_the_same_gradients_under_recomputation_and_sequence_p
         for name, g in plain.items():
             assert (other[name] - g).abs().max().item() <= 1e-6, name
         assert (rank[variant]["logp"] - rank["lora"]["logp"]).abs().max().item() <= 1e-6
+
+
+def test_critic_value_head_under_sequence_parallelism_and_bf16(recompute_and_sp):
+    for rank in recompute_and_sp:
+        plain, sp, bf16 = rank["critic"], rank["critic_sp"], rank["critic_sp_bf16"]
+        assert (sp["values"] - plain["values"]).abs().max().item() <= 1e-6
+        for name, g in plain["grads"].items():
+            assert (sp["grads"][name] - g).abs().max().item() <= 1e-6, name
+        # bf16 trunk, fp32 head: the head's weights and values stay float32, close to fp32's
+        assert bf16["head_dtype"] == torch.float32 and plain["head_dtype"] == torch.float32
+        assert bf16["values"].dtype == torch.float32
+        diff = (bf16["values"] - plain["values"]).abs()
+        assert 0 < diff.mean().item() < 0.05 * plain["values"].abs().mean().item()  # bf16's ~3 digits, 2 layers
