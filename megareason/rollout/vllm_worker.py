@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 
-from megareason.rollout.buckets import Spec, Transport, read_bucket
+from megareason.rollout.buckets import Spec, Transport, read_bucket, release_imports
 
 
 def _unit(name: str) -> str:
@@ -119,6 +119,7 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
             _retie_embeddings(runner.get_model(), self.vllm_config.model_config.hf_config)
+        release_imports()  # the trainer's CUDA-IPC bucket, mapped once for the whole update
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
                 getattr(runner, reset)()

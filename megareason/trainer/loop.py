@@ -199,6 +199,8 @@ def _update(cfg: Config, step: int, actors: WorkerGroup, critic: WorkerGroup | N
     """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x mini_batches updates ->
     weight sync. Returns the completed experience and the actor's, critic's and sync's stats."""
     alg = cfg.algorithm
+    # The rollout engines free the devices while Megatron computes; the sync at the end wakes them.
+    actors.call("sleep_engine")
     with _timed(timer, "logprobs"):
         if not on_policy:
             old_logp_BT, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)),

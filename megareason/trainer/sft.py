@@ -147,6 +147,7 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
             return {}
         prompts, responses = val_set
         exp = _experience(prompts, responses, list(range(len(prompts))))
+        actors.call("sleep_engine")  # Megatron computes; the sync below wakes the engines
         logp, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)), strict=True))
         out = {"val/loss": float(-(logp * exp.mask_BT).sum() / exp.mask_BT.sum())}
         actors.call("sync_weights")  # vLLM answers with the current weights
@@ -165,6 +166,7 @@ def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, sco
         rows = sampler.next(t.prompts_per_step)
         exp = _experience(*train_set, rows)
         lr = _lr(cfg.optim.lr, cfg, step)
+        actors.call("sleep_engine")  # after a validation's generate; else already asleep (no-op)
         stats = actors.call("sft_train", exp, lr)[0]
         metrics = {"sft/loss": stats["nll_num"] / max(stats["nll_den"], 1), "sft/grad_norm": stats["grad_norm"],
                    "sft/lr": lr, "sft/tokens": stats["tokens"]}

@@ -10,7 +10,6 @@ of the step's rows (``share``), and the first rank of each replica returns that 
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
@@ -65,7 +64,14 @@ class _Worker:
     def address(self) -> tuple[str, int]:
         from megareason.utils import free_port
 
-        host = "127.0.0.1" if self.cfg.trainer.ray_address == "" else socket.gethostbyname(socket.gethostname())
+        # A local Ray session lives on loopback; on a cluster, the address Ray reached this node at
+        # (gethostbyname(gethostname()) can resolve to 127.0.1.1 there).
+        if self.cfg.trainer.ray_address == "":
+            host = "127.0.0.1"
+        else:
+            import ray
+
+            host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
     def setup(self, master: tuple[str, int], threads: int) -> tuple[int, int, int]:
@@ -135,6 +141,7 @@ class PolicyWorker(_Worker):
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference
         from megareason.rollout.engine import VLLMEngine
+        from megareason.rollout.engine_state import EngineStateMachine
         from megareason.rollout.weight_sync import is_consumer
 
         cfg = self.cfg
@@ -151,15 +158,22 @@ class PolicyWorker(_Worker):
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
         self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
+        if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
+            self.engine = EngineStateMachine(self.engine)
 
     def generate(self, prompts_token_ids: list[list[list[int]]], samplings: list):
         """Each replica's engine generates its own list of prompts (index ``dp_rank`` of both lists)."""
         if self.engine is None:
             return None
-        r = self.layout.dp_rank
-        out = self.engine.generate(prompts_token_ids[r], samplings[r], use_tqdm=False)
-        self.engine.sleep()
-        return out
+        r = self.layout.dp_rank  # the state machine wakes what the engine needs (or refuses discarded weights)
+        return self.engine.generate(prompts_token_ids[r], samplings[r], use_tqdm=False)
+
+    def sleep_engine(self) -> None:
+        """Before Megatron computes (the loop calls it): the engine frees the device. Level 2, weights
+        discarded: every update ends with a weight sync, which overwrites them (level 1 would copy them
+        to host memory and back for nothing). A sleeping engine stays as it is."""
+        if self.engine is not None:
+            self.engine.sleep(level=2)
 
     def logprobs(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """(old_logp, entropy) [B_share, T] under the actor's current weights."""
@@ -199,17 +213,19 @@ class PolicyWorker(_Worker):
 
     def sync_weights(self) -> dict[str, float] | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
-        from megareason.rollout.weight_sync import stream_hf_tensors
-
-        stream = stream_hf_tensors(self.actor.model, self.actor.arch)
+        stream = self._hf_weights()
         if self.engine is None:
             for _ in stream:  # this rank gathers and sends; the consumer loads
                 pass
             return None
-        self.engine.wake_up(["weights"])
+        # A sleeping engine's weights wake first, then its KV cache once they are loaded.
         update = self.engine.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
-        self.engine.wake_up(["kv_cache"])
         return {"bytes": update.bytes, "seconds": update.seconds, "buckets": update.buckets}
+
+    def _hf_weights(self):
+        from megareason.rollout.weight_sync import stream_hf_tensors
+
+        return stream_hf_tensors(self.actor.model, self.actor.arch)
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,386 @@
+"""The rollout engine's sleep/wake state machine, driven by the real training loops.
+
+``FakeVLLM`` models what vLLM 0.32 does with its memory and scheduler (sleep pauses the scheduler and
+frees the KV cache, level 1 moves the weights to the host, level 2 discards them; the scheduler resumes
+only once everything is awake again) and fails where vLLM would hang or generate from garbage: a generate
+on a paused scheduler, a generate from discarded weights, a load into discarded memory, a wake-up without
+the trainer's cached memory emptied first. The loops (``trainer.loop._train_loop``, ``trainer.sft._loop``)
+run for real over in-process ``PolicyWorker``s whose Megatron parts are stubbed; their engine is the real
+``EngineStateMachine`` over a ``FakeVLLM``. Each scenario checks the engine calls phase by phase against
+the sequence the loop's phases must produce. CPU only, no Ray, no model: ~5 s in all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megareason.config import load_config
+from megareason.data.records import PromptRecord
+from megareason.evaluation.runner import SampleResult
+from megareason.models.tiny import build_tokenizer
+from megareason.rollout.engine import Completion, WeightUpdate
+from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
+from megareason.trainer.run_dir import RunDir
+from megareason.trainer.workers import CriticWorker, PolicyWorker
+
+
+class FakeVLLM:
+    """vLLM's sleep-mode semantics (see the module docstring); ``reply(prompt_text, k)`` writes the
+    completions of the k-th generate call."""
+
+    def __init__(self, tok, reply):
+        self.tokenizer, self.reply = tok, reply
+        self.weights, self.valid, self.kv, self.paused = "device", True, True, False
+        self.calls: list[str] = []
+
+    def empty_cache(self) -> None:
+        self.calls.append("empty_cache")
+
+    def sleep(self, level: int) -> None:
+        assert self.weights == "device" and self.kv and not self.paused, "sleep on an engine not fully awake"
+        self.calls.append(f"sleep{level}")
+        self.paused, self.kv = True, False
+        self.weights = "host" if level == 1 else "discarded"
+        self.valid = level == 1
+
+    def wake_up(self, tags=None) -> None:
+        assert self.calls[-1] == "empty_cache", "woken without emptying the trainer's cached memory"
+        tags = tags or ["weights", "kv_cache"]
+        self.calls.append("wake:" + ",".join(tags))
+        if "weights" in tags:
+            assert self.weights != "device"
+            self.weights = "device"
+        if "kv_cache" in tags:
+            assert not self.kv
+            self.kv = True
+        if self.weights == "device" and self.kv:
+            self.paused = False  # vLLM resumes scheduling once fully awake
+
+    def update_weights(self, named_tensors, bucket_bytes: int) -> WeightUpdate:
+        assert self.weights == "device", "weights loaded into discarded memory"
+        n = sum(t.numel() * t.element_size() for _, t in named_tensors)
+        self.calls.append("sync")
+        self.valid = True
+        return WeightUpdate(bytes=n, buckets=1, largest_bucket=n, seconds=0.0, vllm_seconds=0.0)
+
+    def generate(self, prompts_token_ids, sampling, use_tqdm: bool = True):
+        if self.paused:
+            raise AssertionError("generate on a sleeping vLLM: its scheduler is paused, LLM.generate would hang")
+        assert self.valid, "generate from discarded weights"
+        self.calls.append("gen")
+        call = self.calls.count("gen") - 1
+        out = []
+        for ids in prompts_token_ids:
+            text = self.reply(self.tokenizer.decode(ids), call)
+            tokens = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            out.append([Completion(token_ids=tokens, text=text, logprobs_T=[-0.5] * len(tokens), finish_reason="stop")
+                        for _ in range(sampling.n)])
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _rows(worker, exp) -> torch.Tensor:
+    """[B_share, T]: this replica's rows at the whole batch's width, as the real workers return them."""
+    return torch.zeros(len(worker._share(exp)), exp.tokens_BT.shape[1])
+
+
+def _stats(**extra) -> dict:
+    return {"loss": 0.1, "grad_norm": 1.0, "tokens": 10, **extra}
+
+
+class StubPolicy(PolicyWorker):
+    """A PolicyWorker whose Megatron parts are stubs: generate, sleep_engine and sync_weights are real."""
+
+    def __init__(self, cfg, rank: int, dp: int, tok, reply):
+        super().__init__(cfg, rank, dp)
+        self.layout = SimpleNamespace(dp=dp, dp_rank=rank, tp=1, tp_rank=0, pp=1, pp_rank=0)
+        self.vllm = FakeVLLM(tok, reply)
+        self.engine = EngineStateMachine(self.vllm, empty_cache=self.vllm.empty_cache)
+        self.engine_index, self.engine_leader = rank, True
+
+    def _hf_weights(self):
+        yield "model.embed_tokens.weight", torch.ones(4, 2)
+
+    def logprobs(self, exp):
+        return _rows(self, exp), _rows(self, exp)
+
+    def ref_logprobs(self, exp):
+        return _rows(self, exp)
+
+    def train(self, exp, lr):
+        return _stats(pg_loss_num=0.0, pg_loss_den=1, mismatch_sum=10.0, logp_diff_max=0.0)
+
+    def sft_train(self, exp, lr):
+        return _stats(nll_num=1.0, nll_den=1)
+
+    def save(self, path, metadata):
+        pass
+
+    def load(self, path):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+class StubCritic(CriticWorker):
+    def __init__(self, cfg, rank: int, dp: int):
+        super().__init__(cfg, rank, dp)
+        self.layout = SimpleNamespace(dp=dp, dp_rank=rank, tp=1, tp_rank=0, pp=1, pp_rank=0)
+
+    def values(self, exp):
+        return _rows(self, exp)
+
+    def train(self, exp, lr):
+        return _stats(vf_loss_num=0.0, vf_loss_den=1)
+
+    def save(self, path, metadata):
+        pass
+
+    def load(self, path):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+class InProcessGroup:
+    """``WorkerGroup``'s interface over workers in this process."""
+
+    def __init__(self, name, workers):
+        self.name, self.workers = name, workers
+        self.first_of_replica = list(range(len(workers)))
+
+    def call(self, method, *args):
+        return [getattr(w, method)(*args) for w in self.workers]
+
+    def replicas(self, results):
+        return [results[i] for i in self.first_of_replica]
+
+    def engine_leaders(self):
+        return self.first_of_replica
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+CALL = '<tool_call>{"name": "search", "arguments": {"query": "founder"}}</tool_call>'
+
+
+def _reply(text: str, call: int, garbage_call: int = -1) -> str:
+    """An environment episode searches once, then answers; the RARO critic says A (or nothing parseable
+    in generate call ``garbage_call``); the policy answers."""
+    if "Verdict: A" in text:  # the critic's instructions
+        return "I cannot tell." if call == garbage_call else "Both look fine.\nVerdict: A"
+    if CALL in text:
+        return "<answer>Ada</answer>"
+    return CALL if "search" in text else "<answer>2</answer>"
+
+
+def _cfg(name: str, overrides: list[str]):
+    return load_config(name, ["trainer.steps=2", "trainer.prompts_per_step=2", "trainer.val_every=1",
+                              "trainer.val_before_train=true", "trainer.save_every=0", "trainer.loggers=[]",
+                              "rollout.n=2", *overrides])
+
+
+def _prompts(tok, n: int, question: str = "What is {i} + 1?", **extra):
+    from megareason.data.prompts import tokenize_prompts
+
+    records = [PromptRecord(prompt=[{"role": "user", "content": question.format(i=i)}], data_source="arithmetic",
+                            ground_truth=str(i + 1), extra_info={"index": i, **extra}) for i in range(n)]
+    return tokenize_prompts(records, tok, 512, "filter")
+
+
+def _score(batch, completions):
+    return [SampleResult(index=i, sample=j, data_source=p.record.data_source, question="q",
+                         ground_truth=p.record.ground_truth, response=c.text, reward=float(j % 2), correct=j % 2 == 1,
+                         response_tokens=len(c.token_ids), truncated=c.truncated)
+            for i, (p, group) in enumerate(zip(batch, completions, strict=True)) for j, c in enumerate(group)]
+
+
+def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply):
+    from megareason.trainer.loop import _train_loop
+
+    cfg = replace(cfg, parallel=replace(cfg.parallel, data_parallel_size=dp))
+    actors = InProcessGroup("actor", [StubPolicy(cfg, r, dp, tok, reply) for r in range(dp)])
+    groups = [actors]
+    if cfg.algorithm.name == "ppo":
+        groups.append(InProcessGroup("critic", [StubCritic(cfg, r, dp) for r in range(dp)]))
+    _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, _score, tok)
+    return actors
+
+
+def _phases(worker: StubPolicy) -> list[str]:
+    """The engine calls, empty_cache folded into the wake-up it precedes (FakeVLLM checks the pairing)."""
+    return [c for c in worker.vllm.calls if c != "empty_cache"]
+
+
+def _check_machine(worker: StubPolicy) -> None:
+    """The state machine's own record: generate only when awake, every wake-up right after empty_cache,
+    only level-2 sleeps (every update ends with a sync)."""
+    events = worker.engine.events
+    assert all(e.state is EngineState.AWAKE for e in events if e.kind == "generate")
+    for i, e in enumerate(events):
+        if e.kind == "wake_up":
+            assert events[i - 1].kind == "empty_cache"
+        if e.kind == "sleep":
+            assert e.detail == "2"
+    assert worker.engine.state is EngineState.AWAKE
+
+
+VAL = ["gen"]
+UPDATE = ["sleep2", "wake:weights", "sync", "wake:kv_cache"]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_grpo_steps_and_validation_never_generate_while_asleep_and_resume_syncs(tok, tmp_path, dp):
+    cfg = _cfg("grpo_smollm2_cpu", ["algorithm.kl_coef=0.01", "trainer.save_every=2"])
+    prompts, val = _prompts(tok, 4), _prompts(tok, 2)
+    actors = _run(cfg, tmp_path, prompts, val, tok, dp)
+    for w in actors.workers:
+        assert _phases(w) == VAL + (["gen"] + UPDATE + VAL) * 2
+        _check_machine(w)
+    # Resume from step 2's checkpoint: the fresh (awake) engines take the trained weights in place first.
+    cfg3 = replace(cfg, trainer=replace(cfg.trainer, steps=3))
+    actors = _run(cfg3, tmp_path, prompts, val, tok, dp)
+    for w in actors.workers:
+        assert _phases(w) == ["sync"] + ["gen"] + UPDATE + VAL
+        _check_machine(w)
+
+
+def test_ppo_off_policy_epochs_sleep_once_per_update(tok, tmp_path):
+    cfg = _cfg("ppo_smollm2_cpu", ["algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.val_every=0",
+                                   "trainer.val_before_train=false"])
+    actors = _run(cfg, tmp_path, _prompts(tok, 4), _prompts(tok, 2), tok)
+    (w,) = actors.workers
+    assert _phases(w) == ["gen"] + UPDATE + ["gen"] + UPDATE + VAL  # validation after the last step
+    _check_machine(w)
+
+
+def test_raro_generates_twice_per_step_and_a_skipped_update_leaves_the_engine_awake(tok, tmp_path):
+    # Generate calls: 0 validation, 1-2 step 1 (policy, critic), 3 validation, 4-5 step 2: the critic's
+    # verdicts in call 5 are unparseable, so every row is masked and step 2's update is skipped.
+    cfg = _cfg("raro_smollm2_cpu", ["trainer.steps=3", "raro.critic_n=2", "raro.replay_buffer_ratio=0.0",
+                                    "raro.constrain_verdict_chars=0"])
+    actors = _run(cfg, tmp_path, _prompts(tok, 4), _prompts(tok, 2), tok,
+                  reply=lambda text, call: _reply(text, call, garbage_call=5))
+    (w,) = actors.workers
+    raro_step = ["gen", "gen"]
+    assert _phases(w) == VAL + (raro_step + UPDATE + VAL) + (raro_step + VAL) + (raro_step + UPDATE + VAL)
+    _check_machine(w)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "actor/loss" in m] == [1, 3]  # independent: step 2 trained nothing
+
+
+def test_multi_turn_environment_episodes_generate_once_per_turn_on_an_awake_engine(tok, tmp_path):
+    from megareason.data.loaders import load_records
+    from megareason.data.prompts import tokenize_prompts
+
+    cfg = _cfg("grpo_multihop_cpu", ["env.initial_search=false", "env.max_turns=3"])
+    d = cfg.data
+    records = load_records(replace(d, sources=[replace(d.sources[0], size=6)]))
+    prompts = tokenize_prompts(records, tok, 4096, "error")
+    actors = _run(cfg, tmp_path, prompts[:4], prompts[4:], tok)
+    (w,) = actors.workers
+    episode = ["gen", "gen"]  # a search, then the answer
+    assert _phases(w) == episode + (episode + UPDATE + episode) * 2
+    _check_machine(w)
+
+
+def test_sft_sleeps_before_megatron_and_its_validation_syncs_then_generates(tok, tmp_path):
+    from megareason.trainer.sft import _loop
+
+    cfg = _cfg("sft_smollm2_cpu", [])
+    prompts = _prompts(tok, 4)
+    answers = [Completion(token_ids=tok.encode("2", add_special_tokens=False), text="2", logprobs_T=[0.0],
+                          finish_reason="stop") for _ in prompts]
+    actors = InProcessGroup("actor", [StubPolicy(cfg, 0, 1, tok, _reply)])
+    _loop(cfg, RunDir(str(tmp_path)), actors, (prompts, answers), (prompts[:2], answers[:2]), _score)
+    (w,) = actors.workers
+    validation = UPDATE + ["gen"]  # Megatron's validation loss, then the sync and the greedy answers
+    # step 1 puts the engine to sleep (awake after validation), then its own validation
+    assert _phases(w) == validation + validation * 2
+    _check_machine(w)
+
+
+# --- the state machine alone: error paths ---------------------------------------------------------
+
+
+class Broken(FakeVLLM):
+    def __init__(self, tok, fail: str):
+        super().__init__(tok, _reply)
+        self.fail = fail
+
+    def update_weights(self, named_tensors, bucket_bytes):
+        if self.fail == "update":
+            self.valid = False  # a part-way load: a mix of old and new weights
+            raise ValueError("weight sync: tensor 'x' has shape (1,), the served model expects (2,)")
+        return super().update_weights(named_tensors, bucket_bytes)
+
+    def sleep(self, level):
+        if self.fail == "sleep":
+            raise RuntimeError("CUDA error")
+        super().sleep(level)
+
+
+def _machine(engine):
+    return EngineStateMachine(engine, empty_cache=engine.empty_cache)
+
+
+def test_a_failed_sync_leaves_the_engine_stale_until_a_sync_succeeds(tok):
+    from megareason.rollout.engine import Sampling
+
+    fake = Broken(tok, "update")
+    m = _machine(fake)
+    m.sleep(2)
+    with pytest.raises(EngineStateError, match="asleep_all: its weights were discarded .* sync weights first"):
+        m.generate([[1, 2]], Sampling(max_tokens=4))
+    with pytest.raises(ValueError, match="served model expects"):
+        m.update_weights([("w", torch.ones(2))], 1 << 20)
+    assert m.state is EngineState.STALE
+    with pytest.raises(EngineStateError, match="stale: a weight sync failed part-way"):
+        m.generate([[1, 2]], Sampling(max_tokens=4))
+    fake.fail = ""
+    m.update_weights([("w", torch.ones(2))], 1 << 20)  # wakes the KV cache still asleep from the sleep
+    assert m.state is EngineState.AWAKE and fake.kv and not fake.paused
+    m.generate([[1, 2]], Sampling(max_tokens=4))
+    # A stale engine put to sleep goes to level 2 (nothing worth keeping), from a fully awake engine.
+    fake.fail = "update"
+    with pytest.raises(ValueError):
+        m.update_weights([("w", torch.ones(2))], 1 << 20)
+    m.sleep(1)
+    assert m.state is EngineState.ASLEEP_ALL and fake.weights == "discarded"
+
+
+def test_level_one_sleep_wakes_for_generate_and_a_failed_sleep_refuses_everything(tok):
+    from megareason.rollout.engine import Sampling
+
+    fake = FakeVLLM(tok, _reply)
+    m = _machine(fake)
+    m.sleep(1)
+    m.sleep(2)  # already asleep: stays (level 1, weights in host memory)
+    assert m.state is EngineState.ASLEEP_WEIGHTS
+    m.generate([[1, 2]], Sampling(max_tokens=4))
+    assert fake.calls == ["sleep1", "empty_cache", "wake:weights,kv_cache", "gen"]
+    with pytest.raises(ValueError, match="sleep level must be 1 or 2, got 0"):
+        m.sleep(0)
+    broken = Broken(tok, "sleep")
+    m = _machine(broken)
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        m.sleep(2)
+    assert m.state is EngineState.FAILED
+    for call in (lambda: m.generate([[1]], Sampling()), lambda: m.update_weights([], 1), m.wake_up):
+        with pytest.raises(EngineStateError, match="failed: a sleep or wake-up failed .* restart the engine"):
+            call()
