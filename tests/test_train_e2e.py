@@ -281,3 +281,28 @@ def test_lora_runs_and_resumes_in_ppo_and_raro(tiny_qwen2, tmp_path, algorithm):
         assert meta["lora"]["rank"] == 4
     if algorithm == "ppo":
         assert m[3]["critic/grad_norm"] > 0
+
+
+def test_colocated_tp2_engine_spans_two_replicas_and_takes_the_sync(tiny_qwen2, tmp_path):
+    """rollout.tensor_parallel_size=2 on a trainer of 2 data-parallel ranks: one SPMD vLLM engine whose TP
+    ranks live inside the two Ray workers (``rollout.colocated``), each rank loading the synced weights
+    in-process. The final validation ran greedy in that engine after the last sync: transformers on the
+    exported checkpoint agrees, and step 2's rollouts score as the trained actor scores them."""
+    out = tmp_path / "colocated"
+    _run(_args(tiny_qwen2, tmp_path, out, "parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2",
+               "trainer.steps=2", "trainer.save_every=0", "optim.lr=1e-2"))
+    m = _metrics(out)
+    assert sorted(m) == [1, 2] and m[1]["actor/grad_norm"] > 0
+    assert m[2]["rollout/token_mult_prob_error"] < 1.001 and m[2]["rollout/max_abs_logp_diff"] < 1e-3
+    export = tmp_path / "export"
+    _run([sys.executable, "-m", "megareason.cli", "convert", "megatron-to-hf",
+          str(out / "checkpoints" / "step_00000002" / "actor"), str(export)], timeout=300)
+    # one engine (not one per data-parallel replica) took the whole model: the export's tensor bytes
+    with open(export / "model.safetensors", "rb") as f:
+        header = 8 + int.from_bytes(f.read(8), "little")
+    assert m[1]["sync/bytes"] == (export / "model.safetensors").stat().st_size - header
+    rows = [json.loads(line) for line in (out / "rollouts" / "val_step_00000002.jsonl").read_text().splitlines()]
+    prompts = [r["prompt_token_ids"] for r in rows]
+    vllm_greedy = [r["response_token_ids"] for r in rows]
+    assert _hf_greedy(export, prompts, 24) == vllm_greedy
+    assert _hf_greedy(tiny_qwen2, prompts, 24) != vllm_greedy  # the sync changed what vLLM generates

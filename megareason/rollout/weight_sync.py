@@ -58,14 +58,16 @@ def is_consumer() -> bool:
     return layout.tp_rank == 0 and layout.pp_rank == 0
 
 
-def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False,
+                      dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) pairs on the consumer rank, in layer order; every other rank of the
     group must also iterate this generator to the end (it takes part in the collectives and yields
     nothing). At TP=1 a tensor that needs no re-layout is a view of the parameter, not a copy.
 
     ``every_rank``: every rank of the group yields every tensor (the TP pieces are all-gathered and each
     stage broadcasts to every rank of its pipeline group): what colocated engines need, whose vLLM
-    ranks each take their own slice of the whole tensor (``rollout.colocated``)."""
+    ranks each take their own slice of the whole tensor (``rollout.colocated``). ``dtype``: each shard is
+    cast before it is gathered (the rollout's dtype: bf16 halves an fp32 trainer's traffic)."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
@@ -80,6 +82,8 @@ def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False) -> Itera
         tensors: list[torch.Tensor] | None = None
         if layout.pp_rank == item.stage:
             local = params[item.rule.megatron.format(i=item.local)].detach()
+            if dtype is not None:
+                local = local.to(dtype)
             if item.rule.split == "replicated" or layout.tp == 1:
                 parts = [local] * layout.tp
             elif every_rank:
@@ -97,7 +101,7 @@ def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False) -> Itera
             src = dist.get_global_rank(pp_group, item.stage)
             if tensors is None:
                 some = next(iter(params.values()))  # NCCL receives into device memory
-                tensors = [torch.empty(shapes[n], dtype=some.dtype, device=some.device) for n in names]
+                tensors = [torch.empty(shapes[n], dtype=dtype or some.dtype, device=some.device) for n in names]
             tensors = [t.contiguous() for t in tensors]
             for t in tensors:
                 dist.broadcast(t, src=src, group=pp_group)

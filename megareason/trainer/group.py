@@ -121,6 +121,7 @@ class WorkerGroup:
         ranks = ray.get([w.setup.remote(master, threads) for w in self.workers])
         self.first_of_replica = [i for i, (_, tp, pp) in enumerate(ranks) if tp == 0 and pp == 0]
         self.first_of_replica.sort(key=lambda i: ranks[i][0])
+        self._engine_leaders: list[int] | None = None
 
     def call(self, method: str, *args) -> list:
         import ray
@@ -131,6 +132,14 @@ class WorkerGroup:
 
     def replicas(self, results: list) -> list:
         return [results[i] for i in self.first_of_replica]
+
+    def engine_leaders(self) -> list[int]:
+        """Policy groups: the rank that returns each rollout engine's outputs, in engine order (the first
+        rank of each data-parallel replica, or of each colocated SPMD engine; ``PolicyWorker.rollout_engine``)."""
+        if self._engine_leaders is None:
+            engine = self.call("rollout_engine")
+            self._engine_leaders = sorted((i for i, e in enumerate(engine) if e is not None), key=lambda i: engine[i])
+        return self._engine_leaders
 
     def shutdown(self) -> None:
         import ray

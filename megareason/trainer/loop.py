@@ -330,13 +330,16 @@ def validate(actors: WorkerGroup, val_prompts: list[TokenizedPrompt], cfg: Confi
 
 
 def _generate(actors: WorkerGroup, prompts: list[TokenizedPrompt], sampling: Sampling):
-    """Split the prompts over the data-parallel replicas' engines; completions in prompt order."""
-    n = len(actors.first_of_replica)
+    """Split the prompts over the rollout engines (one per data-parallel replica, or the colocated SPMD
+    engines of rollout.tensor_parallel_size ranks each); completions in prompt order."""
+    leaders = actors.engine_leaders()
+    n = len(leaders)
     bounds = [round(i * len(prompts) / n) for i in range(n + 1)]
     parts = [[p.token_ids for p in prompts[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     # Prompt i of the whole batch is sampled with seed + i, whichever replica serves it.
     samplings = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a) for a in bounds[:-1]]
-    return [c for part in actors.replicas(actors.call("generate", parts, samplings)) for c in part]
+    results = actors.call("generate", parts, samplings)
+    return [c for i in leaders for c in results[i]]
 
 
 def _generate_ids(actors: WorkerGroup, contexts: list[list[int]], sampling: Sampling):

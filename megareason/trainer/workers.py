@@ -1,8 +1,10 @@
 """The processes the driver drives: one per rank of a model-parallel role, placed by Ray (``group.py``).
 
-``PolicyWorker`` holds the actor (trained), the reference (when the KL coefficient is > 0) and, on the
-first rank of each data-parallel replica, the vLLM engine that generates with the actor's weights:
-the colocated layout (on GPU, vLLM sleeps while Megatron trains). ``CriticWorker`` holds the critic
+``PolicyWorker`` holds the actor (trained), the reference (when the KL coefficient is > 0) and its share
+of a vLLM engine that generates with the actor's weights (on GPU, vLLM sleeps while Megatron trains):
+with ``rollout.tensor_parallel_size`` > 1 every rank holds one TP rank of a colocated SPMD engine of that
+many consecutive ranks (``rollout.colocated``); at 1, the first rank of each data-parallel replica holds a
+whole engine (its own vLLM engine process, fed through shared-memory buckets). ``CriticWorker`` holds the critic
 (PPO). Every rank of a group receives the same calls; each data-parallel replica works on its share
 of the step's rows (``share``), and the first rank of each replica returns that share's results.
 """
@@ -24,6 +26,11 @@ def share(n: int, dp: int, dp_rank: int) -> slice:
     if n < dp:
         raise ValueError(f"{n} rows cannot be shared by {dp} data-parallel replicas")
     return slice(n * dp_rank // dp, n * (dp_rank + 1) // dp)
+
+
+def colocated_rollout(cfg: Config) -> bool:
+    """Whether the policy's engines are SPMD engines spread over the trainer's ranks (vLLM TP > 1)."""
+    return cfg.rollout.tensor_parallel_size > 1
 
 
 def optimizer_settings(cfg: Config, lr: float):
@@ -140,6 +147,7 @@ class PolicyWorker(_Worker):
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference
+        from megareason.rollout.colocated import ColocatedEngine
         from megareason.rollout.engine import VLLMEngine
         from megareason.rollout.engine_state import EngineStateMachine
         from megareason.rollout.weight_sync import is_consumer
@@ -157,16 +165,28 @@ class PolicyWorker(_Worker):
                           if cfg.algorithm.kl_coef > 0 and not lora else None)
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
-        self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
+        if colocated_rollout(cfg):  # every rank holds one vLLM TP rank of engine rank // TP
+            self.engine = ColocatedEngine(engine_settings(cfg))
+            self.engine_index = self.engine.layout.engine
+            self.engine_leader = self.engine.layout.leader
+        else:  # the first rank of each data-parallel replica holds a whole engine
+            self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
+            self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
             self.engine = EngineStateMachine(self.engine)
 
+    def rollout_engine(self) -> int | None:
+        """The index of the engine whose outputs this rank returns (its first rank), else None."""
+        return self.engine_index if self.engine_leader else None
+
     def generate(self, prompts_token_ids: list[list[list[int]]], samplings: list):
-        """Each replica's engine generates its own list of prompts (index ``dp_rank`` of both lists)."""
+        """Each engine generates its own list of prompts (index ``rollout_engine`` of both lists); every
+        rank of a colocated engine generates them all, and the engine's first rank returns them."""
         if self.engine is None:
             return None
-        r = self.layout.dp_rank  # the state machine wakes what the engine needs (or refuses discarded weights)
-        return self.engine.generate(prompts_token_ids[r], samplings[r], use_tqdm=False)
+        e = self.engine_index  # the state machine wakes what the engine needs (or refuses discarded weights)
+        out = self.engine.generate(prompts_token_ids[e], samplings[e], use_tqdm=False)
+        return out if self.engine_leader else None
 
     def sleep_engine(self) -> None:
         """Before Megatron computes (the loop calls it): the engine frees the device. Level 2, weights
@@ -220,11 +240,15 @@ class PolicyWorker(_Worker):
             return None
         # A sleeping engine's weights wake first, then its KV cache once they are loaded.
         update = self.engine.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
+        if not self.engine_leader:
+            return None
         return {"bytes": update.bytes, "seconds": update.seconds, "buckets": update.buckets}
 
     def _hf_weights(self):
         from megareason.rollout.weight_sync import stream_hf_tensors
 
+        if colocated_rollout(self.cfg):  # every rank loads every tensor, in the engine's dtype, into its vLLM rank
+            return stream_hf_tensors(self.actor.model, self.actor.arch, every_rank=True, dtype=self.engine.engine.dtype)
         return stream_hf_tensors(self.actor.model, self.actor.arch)
 
     def shutdown(self) -> None:

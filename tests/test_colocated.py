@@ -1,0 +1,109 @@
+"""Colocated SPMD engines (``rollout.colocated``): vLLM TP ranks inside the trainer's Megatron ranks.
+
+The Ray path (``megareason train`` with rollout.tensor_parallel_size=2) is in test_train_e2e.py; here four
+gloo processes hold Megatron's groups (TP=2 x PP=2) as the trainer's workers do, and two vLLM engines of
+TP=2 run on ranks [0, 1] and [2, 3], independently of the training layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+from test_weight_sync import MAX_TOKENS, QUESTIONS
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from megareason.config import ConfigError, load_config, validate_training
+from megareason.rollout.colocated import rollout_layout
+
+
+def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field():
+    got = [rollout_layout(8, r, 4) for r in range(8)]
+    assert [(x.engine, x.engine_rank, x.leader) for x in got[3:6]] == [(0, 3, False), (1, 0, True), (1, 1, False)]
+    assert {x.engines for x in got} == {2}
+    assert rollout_layout(64, 63, 8).engine == 7  # the 70B recipe: 8 engines of TP 8 on 64 GPUs
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=4 must divide .* 6 ranks"):
+        rollout_layout(6, 0, 4)
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size must divide the trainer's world size "
+                                          r"TP x PP x DP = 6"):
+        validate_training(load_config("grpo_smollm2_cpu", ["parallel.data_parallel_size=3",
+                                                           "parallel.tensor_model_parallel_size=2",
+                                                           "rollout.tensor_parallel_size=4"]))
+
+
+def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
+    import torch.distributed as dist
+
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.convert import write_hf
+    from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Actor
+    from megareason.models.train import OptimizerSettings
+    from megareason.rollout.colocated import ColocatedEngine
+    from megareason.rollout.engine import EngineSettings, Sampling
+    from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
+
+    layout = init_parallel(2, 2)
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, OptimizerSettings())
+    engine = ColocatedEngine(EngineSettings(model_path=model_dir, max_model_len=256, tensor_parallel_size=2))
+    greedy = Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
+    mine = prompts[engine.layout.engine :: engine.layout.engines]  # each engine its own prompts
+    before = [c[0].token_ids for c in engine.generate(mine, greedy, use_tqdm=False)]
+    # Perturb every weight as in test_weight_sync (TP-split weights per shard, replicated ones per stage).
+    split = torch.Generator().manual_seed(100 + dist.get_rank())
+    shared = torch.Generator().manual_seed(200 + layout.pp_rank)
+    with torch.no_grad():
+        for p in actor.model.parameters():
+            g = split if getattr(p, "tensor_model_parallel", False) else shared
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    stats = engine.update_weights(stream_hf_tensors(actor.model, ckpt.arch, every_rank=True), bucket_bytes=1 << 16)
+    after = [c[0].token_ids for c in engine.generate(mine, greedy, use_tqdm=False)]
+    unseeded = [[c.token_ids for c in group] for group in
+                engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8), use_tqdm=False)]
+    engine.shutdown()
+    naive = gather_hf_naive(actor.model, ckpt.arch)
+    if naive is not None:
+        write_hf(naive, ckpt.dir, out_dir)
+    # vLLM's process groups over the same processes leave Megatron's working
+    logp, _ = actor.logprobs(torch.tensor([prompts[0]]), micro_batch_size=1)
+    return {"engine": engine.layout.engine, "engine_rank": engine.layout.engine_rank, "mine": mine,
+            "before": before, "after": after, "unseeded": unseeded, "bytes": stats.bytes, "logp": logp}
+
+
+@pytest.mark.slow
+def test_two_tp2_engines_in_a_tp2_pp2_trainer_take_the_sync_exactly(tiny_qwen2, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False) for q in QUESTIONS]
+    out = tmp_path / "perturbed"
+    results = run_workers(4, _worker, str(tiny_qwen2), str(out), prompts)
+
+    assert [(r["engine"], r["engine_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    perturbed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+
+    def hf_greedy(model, ids):
+        return model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+
+    with torch.inference_mode():
+        for r in results:
+            assert r["before"] == [hf_greedy(original, ids) for ids in r["mine"]]
+            assert r["after"] == [hf_greedy(perturbed, ids) for ids in r["mine"]]
+            assert r["after"] != r["before"]
+    # the engines served different prompts; the ranks of one engine sampled identically (SPMD), unseeded
+    # sampling differs between engines
+    assert results[0]["mine"] != results[2]["mine"]
+    assert results[0]["unseeded"] == results[1]["unseeded"] and results[2]["unseeded"] == results[3]["unseeded"]
+    assert results[0]["unseeded"] != results[2]["unseeded"]
+    # every rank loaded the whole model (each vLLM rank keeps its slice of each whole tensor)
+    file = out / "model.safetensors"
+    with open(file, "rb") as f:
+        header = 8 + int.from_bytes(f.read(8), "little")
+    assert {r["bytes"] for r in results} == {file.stat().st_size - header}
+    # after the engines ran and shut down, Megatron (TP 0, PP 0 holds the result) still scores as transformers
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        want = torch.log_softmax(perturbed(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert (results[0]["logp"][0, 1:] - want).abs().max() < 1e-4
