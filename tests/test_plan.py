@@ -210,7 +210,8 @@ def _plan_70b(*overrides: str):
 
 def test_the_70b_recipe_plans_its_own_settings():
     plan = _plan_70b()
-    assert (plan.tp, plan.pp, plan.dp, plan.gpus, plan.engines, plan.spec) == (8, 4, 2, 64, 2, "te")
+    # rollout TP 8: one colocated SPMD engine per 8 consecutive ranks, every GPU generates
+    assert (plan.tp, plan.pp, plan.dp, plan.gpus, plan.engines, plan.spec) == (8, 4, 2, 64, 8, "te")
     assert plan.settings == {"trainer.precision": "bf16", "optim.use_distributed_optimizer": True,
                              "trainer.recompute": "full", "trainer.recompute_num_layers": 10,
                              "parallel.sequence_parallel": True}
@@ -284,3 +285,13 @@ def test_lora_trains_only_the_adapters():
     assert "reference model (onloaded)" in make_plan(_small_layout(kl), SMALL, opt).memory["logprobs"]
     assert "reference model (onloaded)" not in make_plan(_small_layout(kl, "lora.enabled=true"), SMALL,
                                                          opt).memory["logprobs"]
+
+
+def test_rollout_engines_follow_the_trainer_placement():
+    from megareason.launch.plan import rollout_engines
+
+    assert rollout_engines(64, 8, 2) == 8  # colocated SPMD engines: every GPU generates
+    assert rollout_engines(64, 1, 2) == 2  # rollout TP 1: one engine per data-parallel replica
+    plan = _plan_70b()
+    assert plan.engines * plan.vllm_tp == plan.gpus
+    assert plan.notes["weight refit"].startswith("141 GB to every rank, in-process")

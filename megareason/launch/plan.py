@@ -363,8 +363,14 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         working = layer_bytes(cfg, arch, tp, tok, spec)  # a forward's transients: about one layer's activations
         if stage == pp - 1:  # + logits, their fp32 copy, fp32 probabilities and log-probabilities
             working += tok * arch.padded_vocab_size(tp) // tp * (act + 12)
+        # The weight sync: vLLM's weights woken (KV cache still asleep), every rank gathering whole HF
+        # tensors in the engine's dtype (the largest, the embedding, plus a bucket in flight).
+        largest = arch.padded_vocab_size(1) * arch.hidden_size * dbytes
+        sync = {"vLLM weights": vllm_weights,
+                "weight sync: largest gathered tensor + bucket": largest + t.weight_sync_bucket_mb * 2**20}
         phases = {
             "generation": {**lines, **vllm},
+            "sync": {**lines, **sync},
             "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
                          training_activations(cfg, stage)},
             "logprobs": {**lines, "forward working set": working},
@@ -378,15 +384,23 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         c = _with(cfg, {"trainer.recompute": name, "trainer.recompute_num_layers": 0})
         by_recompute[name] = max(training_activations(c, s) for s in range(pp))
     return Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
-                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=dp, vllm_tp=vtp,
+                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=rollout_engines(tp * pp * dp, vtp, dp),
+                vllm_tp=vtp,
                 settings=settings_of(cfg), spec=spec, options=opt, params_per_gpu=params_per_gpu(arch, tp, pp),
                 total_params=total_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
                 stages=stages, activations_by_recompute=by_recompute,
                 kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, passes=passes)
 
 
+def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
+    """vLLM engines of the trainer (trainer/workers.py): at rollout.tensor_parallel_size > 1 one SPMD
+    engine per ``vllm_tp`` consecutive ranks (every GPU generates, ``rollout/colocated.py``); at 1 one
+    engine per data-parallel replica, on its first rank."""
+    return world // vllm_tp if vllm_tp > 1 else dp
+
+
 def _add_seconds(plan: Plan, cfg: Config) -> None:
-    """Time per phase. One engine per data-parallel replica (trainer/workers.py)."""
+    """Time per phase, with the engines of ``rollout_engines``."""
     arch, alg, t, pp = plan.arch, cfg.algorithm, cfg.trainer, plan.pp
     passes = plan.passes
     gen, gen_note = generation_seconds(plan, cfg, passes, plan.engines)
@@ -462,20 +476,36 @@ def generation_seconds(plan: Plan, cfg: Config, passes: list[Pass], engines: int
 
 
 def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
-    """Every engine receives the whole model: PP stages on other nodes broadcast over the network, TP
-    shards gather over NVLink, and each of the engine's vLLM ranks reads every bucket over NVLink from
-    the consumer GPU (CUDA IPC), one RPC per bucket."""
+    """Every engine receives the whole model, in the engine's dtype. Colocated SPMD engines
+    (rollout.tensor_parallel_size > 1, ``rollout/colocated.py``): every rank all-gathers its stage's
+    tensors over Megatron TP (NVLink) and receives the other stages' over the PP broadcast (the network
+    where stages live on other nodes, each rank its own copy over its own NIC), then loads in-process.
+    One engine per replica (rollout TP 1): the consumer gathers the same way, and the engine's ranks
+    read every bucket over NVLink (CUDA IPC), one RPC per bucket."""
     gpu = plan.gpu
     size = plan.total_params * _dtype_bytes(cfg.rollout.dtype)
     stages_per_node = max(1, plan.gpus_per_node // plan.tp)
     remote = size * max(0, plan.pp - stages_per_node) / plan.pp
     network = remote / (gpu.network_bytes_s * NET_EFFICIENCY)
+    if plan.vllm_tp > 1:
+        nvlink = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+        return network + nvlink, (f"{size / 1e9:.0f} GB to every rank, in-process: {network:.1f} s network (PP "
+                                  f"broadcast), {nvlink:.1f} s NVLink (TP all-gather of a stage)")
     nvlink = size * (1 + plan.vllm_tp) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
     buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
     rpc = buckets * REFIT_RPC_S
     return network + nvlink + rpc, (f"{size / 1e9:.0f} GB per engine: {network:.1f} s network (PP), "
                                    f"{nvlink:.1f} s NVLink (TP gather + {plan.vllm_tp} vLLM ranks), "
                                    f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
+
+
+def _trainer_resident(plan: Plan) -> float:
+    """The trainer's bytes per GPU while vLLM is awake (its states stay resident; the reference is offloaded)."""
+    return sum(v for k, v in plan.memory["generation"].items() if not k.startswith("vLLM"))
+
+
+def _vllm_share(plan: Plan) -> float:
+    return sum(v for k, v in plan.memory["generation"].items() if k.startswith("vLLM"))
 
 
 def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
@@ -521,29 +551,37 @@ def format_plan(plan: Plan) -> str:
         f"model: {plan.arch_source}: {a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
         f"{a.num_heads} heads / {a.num_kv_heads} kv heads x {a.head_dim}, vocab {a.vocab_size}; "
         f"{plan.total_params / 1e9:.2f}B parameters, {plan.params_per_gpu / 1e9:.3f}B on the most loaded GPU",
-        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp} ({spec}); vLLM: {plan.engines} engine(s) (one "
-        f"per DP replica) x TP {plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
+        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp} ({spec}); vLLM: {plan.engines} engine(s) "
+        f"({'SPMD, colocated on consecutive ranks' if plan.vllm_tp > 1 else 'one per DP replica'}) x TP "
+        f"{plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
         f"settings (from the config): {_render(plan.settings)}",
         f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
-        f"{'memory per GPU (GiB)':<62}{'generation':>11}{'training':>10}{'logprobs':>10}",
+        f"{'memory per GPU (GiB)':<62}{'generation':>11}{'sync':>10}{'training':>10}{'logprobs':>10}",
     ]
-    phases = ("generation", "training", "logprobs")
+    phases = ("generation", "sync", "training", "logprobs")
+    widths = (11, 10, 10, 10)
     lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
     for line in lines:
         cells = [plan.memory[ph].get(line) for ph in phases]
         out.append(f"  {line:<60}" + "".join(f"{'-' if c is None else f'{c / GiB:.1f}':>{w}}"
-                                           for c, w in zip(cells, (11, 10, 10), strict=True)))
+                                           for c, w in zip(cells, widths, strict=True)))
     totals = [sum(plan.memory[ph].values()) / GiB for ph in phases]
-    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<60}{totals[0]:>11.1f}{totals[1]:>10.1f}{totals[2]:>10.1f}")
+    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<60}" + "".join(f"{x:>{w}.1f}" for x, w in
+                                                                           zip(totals, widths, strict=True)))
     act = plan.activations_by_recompute
     out += [
-        f"  {'pipeline stage':<60}" + "".join(f"{plan.stages[ph]:>{w}}" for ph, w in zip(phases, (11, 10, 10),
+        f"  {'pipeline stage':<60}" + "".join(f"{plan.stages[ph]:>{w}}" for ph, w in zip(phases, widths,
                                                                                          strict=True)),
         f"  training activations by trainer.recompute: none {act['none'] / GiB:.1f}, selective "
         f"{act['selective'] / GiB:.1f}, full (every layer) {act['full'] / GiB:.1f} GiB",
         f"  KV cache: {plan.kv_tokens_per_engine:,} tokens per engine ({plan.kv_bytes_per_token / 1024:.0f} KiB per "
         f"token per GPU)",
+        # vLLM starts after the actor and refuses to unless free memory >= gpu_memory_utilization x total
+        # (vllm/v1/worker/gpu_worker.py); the generation column is that sum, so it fits iff vLLM starts.
+        f"  vLLM start-up: {g.memory_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
+        f"{_trainer_resident(plan) / GiB:.1f} GiB, needs rollout.gpu_memory_utilization x total = "
+        f"{_vllm_share(plan) / GiB:.1f} GiB",
         "",
         f"{'time per step (estimate)':<26}{'seconds':>8}   basis",
     ]

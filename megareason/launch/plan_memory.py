@@ -9,13 +9,13 @@ The settings are the trainer's own config fields: ``trainer.precision``, ``train
 Notation, per rank: h hidden size, d head dim, a = heads / TP, q = a·d, k = (kv heads / TP)·d,
 f = ffn hidden / TP, V = padded vocab / TP; T tokens of the micro-batch (one packed row), T' = T / TP
 under sequence parallelism, else T; B bytes of an activation and P of a parameter (4 in fp32, 2 in
-bf16 and fp16); n parameters of this rank's pipeline stage (``stage_params``), n_a of its LoRA adapters.
+bf16); n parameters of this rank's pipeline stage (``stage_params``), n_a of its LoRA adapters.
 
 **States** (``states``), kept between steps, bytes on the rank:
 
 - ``trainer.precision=fp32``: parameters 4n, gradients 4n (DDP's ``main_grad`` buffer), optimizer_state 8n
   (Adam's ``exp_avg`` + ``exp_avg_sq``; the parameters are the main weights): 16 B/param.
-- ``bf16`` / ``fp16``: parameters 2n, gradients 4n (fp32 ``main_grad``, ``grad_reduce_in_fp32``),
+- ``bf16``: parameters 2n, gradients 4n (fp32 ``main_grad``, ``grad_reduce_in_fp32``),
   optimizer_state 12n (fp32 main weights 4 + Adam moments 8): 18 B/param.
 - ``optim.use_distributed_optimizer`` divides optimizer_state by DP: fp32 8 + 8/DP B/param, bf16 6 + 12/DP;
   gradients stay whole (reduce-scattered into the full buffer). Megatron pads its buffers to multiples of
@@ -72,7 +72,7 @@ from megareason.config.schema import Config
 from megareason.models.arch import ModelArch
 
 Spec = Literal["te", "local"]
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {"fp32": 4, "bf16": 2}
 
 
 def layer_spec(cfg: Config) -> Spec:
@@ -211,7 +211,7 @@ def memory_per_rank(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, tok
     - ``parameters``: the model's parameters in ``trainer.precision`` (LoRA: base + adapters);
     - ``gradients``: DDP's fp32 gradient buffer (``main_grad``) of the trained parameters;
     - ``optimizer_state``: Adam's ``exp_avg`` + ``exp_avg_sq`` (fp32), plus the fp32 main weights of a
-      bf16/fp16 run, ÷ DP under ``optim.use_distributed_optimizer``;
+      bf16 run, ÷ DP under ``optim.use_distributed_optimizer``;
     - ``activations``: what the forward pass saves for backward, each storage once, parameters excluded
       (``models.memory.SavedActivations`` around the forward of the micro-batch and its log-prob head),
       without the transient rerun of a recomputed layer (``stage_activations(...).working``).
