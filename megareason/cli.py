@@ -155,11 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
 
-    from megareason.launch import nemo_run, plan
+    from megareason.launch import nemo_run, node_check, plan, preemption
 
-    plan.add_arguments(sub.add_parser("plan", help="per-GPU memory and time per step of a training config on an "
-                                      "allocation", description=plan.HELP,
-                                      formatter_class=argparse.RawDescriptionHelpFormatter))
+    plan_parser = sub.add_parser("plan", help="per-GPU memory and time per step of a training config on an "
+                                 "allocation", description=plan.HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_arguments(plan_parser)
+    preemption.add_arguments(plan_parser)
+    node_check.add_arguments(sub.add_parser("node-check", help="what NCCL, gloo and Ray will use on this node "
+                                            "(interfaces, HCAs, ports, limits)", description=node_check.HELP,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     nemo_run.add_arguments(sub.add_parser("launch", help="launch a recipe with NeMo-Run (local or Slurm executor)",
                                           description=nemo_run.HELP,
                                           formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -198,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-verifier":
             return _serve_verifier(args)
         if args.command == "plan":
-            return plan.run_cli(args)
+            rc = plan.run_cli(args)
+            print("\n" + preemption.lead_for(args).line())
+            return rc
+        if args.command == "node-check":
+            return node_check.run_cli(args)
         if args.command == "launch":
             return nemo_run.run_cli(args, list(sys.argv[1:] if argv is None else argv))
         return _models(args)

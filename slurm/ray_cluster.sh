@@ -1,45 +1,71 @@
 #!/bin/bash
-# Ray across a Slurm allocation, then the megareason driver: the logic every slurm/*.sbatch recipe shares.
+# Ray across a Slurm allocation, then the megareason driver: the logic every slurm/*.sbatch recipe (and
+# `megareason launch --executor slurm`) shares.
 #
-# A recipe sources this file and calls `megareason_slurm_run CONFIG_NAME "$@"`, which
-#   1. starts a Ray head on the allocation's first node and a Ray worker on each other node (srun steps,
-#      `ray start --block`), with a per-job auth token and ports in a per-job block;
-#   2. waits until Ray reports every node (and every GPU, when the job has GPUs), or fails with a message;
-#   3. runs `megareason train --config-name CONFIG_NAME trainer.ray_address=HEAD:PORT OVERRIDES...` on the
-#      first node and exits with its exit code;
-#   4. on SIGUSR1 (sbatch --signal=B:USR1@SECONDS, before the time limit) forwards SIGUSR1 to the driver,
-#      which saves a checkpoint after the step in progress and exits with 75; the job is then requeued
-#      (`scontrol requeue`) and the next run resumes from that checkpoint (trainer.resume_mode=auto);
-#   5. stops Ray by ending its srun steps (their PIDs), never `ray stop`, which kills every Ray on a node.
-# `bash slurm/ray_cluster.sh node` is step 1's per-node command (run inside the srun steps).
+# A recipe sources this file and calls `megareason_slurm_run CONFIG "$@"` (CONFIG: a name in configs/ or a
+# path to a YAML file), which
+#   1. checks every node (one task per node, in the container; megareason/launch/node_check.py): the
+#      interfaces gloo and NCCL will use, InfiniBand HCAs, open-files and memory limits, the ephemeral port
+#      range against the job's Ray ports, Ray's temp dir. With a pyxis image this step also creates each
+#      node's container, once, before the concurrent steps attach to it (concurrent first attaches of one
+#      named container fail with "Could not acquire rootfs lock");
+#   2. resolves the run folder (trainer.output_dir) with the driver's own arguments: a bad config or
+#      override fails here, naming the field, before Ray starts;
+#   3. starts a Ray head on the first node and a Ray worker on each other node (srun steps running
+#      megareason/launch/ray_node.py: `ray start --block` with SIGTERM blocked, retried while the cluster
+#      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range;
+#   4. waits until Ray reports every node (and every GPU, when the job has GPUs), or fails saying what is
+#      missing (a Ray step that dies fails the job at once);
+#   5. runs `megareason train --config-name CONFIG trainer.ray_address=HEAD:PORT OVERRIDES...` on the first
+#      node and exits with its exit code;
+#   6. stops: SIGUSR1 to this script (sbatch --signal=B:USR1@LEAD, before the time limit) is forwarded to
+#      the driver, which saves a checkpoint after the step in progress and exits with 75. A pre-emption's
+#      SIGTERM reaches the job steps (not this script): the driver does the same on it, and Ray, which
+#      ignores it, stays up for the checkpoint. On exit code 75 the job requeues itself (`scontrol
+#      requeue`) and the next run resumes from that checkpoint (trainer.resume_mode=auto);
+#   7. stops Ray through a file the Ray steps watch: each kills its Ray process tree and copies its Ray logs
+#      to RUN_FOLDER/ray_logs/restart_R/NODE/; never `ray stop`, which kills every Ray on a node.
+# `bash slurm/ray_cluster.sh node` is step 3's per-node command (run inside the srun steps).
 #
 # Environment (all optional):
-#   MEGAREASON_ROOT              the megareason checkout (default: $SLURM_SUBMIT_DIR; submit from there)
+#   MEGAREASON_ROOT              the megareason checkout (default: $SLURM_SUBMIT_DIR; submit from there); the
+#                                driver runs there, so a relative trainer.output_dir is relative to it
 #   MEGAREASON_PYTHON            python with megareason and ray installed (default: python3)
-#   MEGAREASON_CONTAINER_IMAGE   run every step in this image via pyxis/enroot (srun --container-image);
-#                                unset: the plain environment of the nodes
-#   MEGAREASON_CONTAINER_MOUNTS  extra pyxis mounts, SRC:DST[,...]; the checkout is always mounted
-#   MEGAREASON_RAY_PORT_BASE     first port of the job's block (default: 19000 + 1600 x (job id mod 8));
-#                                node k uses BASE + 200 x (k mod 8) ... + 199, the head's GCS is BASE
-#   MEGAREASON_RAY_WAIT_S        how long to wait for the Ray cluster (default: 600 s)
-#   MEGAREASON_RAY_TMPDIR        root of Ray's per-node temp dirs (default: /tmp; keep it short: Ray's
-#                                socket paths must stay under 107 characters)
+#   MEGAREASON_CONTAINER_IMAGE   run every step in this image via pyxis/enroot (srun --container-image,
+#                                --no-container-mount-home); unset: the plain environment of the nodes
+#   MEGAREASON_CONTAINER_MOUNTS  extra pyxis mounts, SRC:DST[,...]; the checkout and the Ray temp dir are
+#                                always mounted (models, data and output folders are yours to add)
+#   MEGAREASON_RAY_PORT_BASE     first port of the job's block (default: 2000 + 800 x (job id mod 8), so every
+#                                port stays below 9000, where the ephemeral range starts on some DGX nodes);
+#                                node k uses BASE + 200 x (k mod 4) ... + 199, the head's GCS is BASE
+#   MEGAREASON_RAY_WAIT_S        how long to wait for the Ray cluster (default: 1800 s: unpacking a large
+#                                image on many nodes takes minutes)
+#   MEGAREASON_RAY_START_RETRIES more `ray start` attempts per node while the cluster is not up (ray_node.py's
+#                                default: 3)
+#   MEGAREASON_RAY_TMPDIR        an existing node-local directory for Ray's temp dirs, logs and spilled
+#                                objects (default: $TMPDIR or /tmp; mounted into the container; keep the path
+#                                short: Ray's socket paths must stay under 107 characters)
 #   MEGAREASON_RAY_START_ARGS    extra `ray start` arguments, e.g. --object-store-memory=...
+#   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_*: reach every step (srun passes the job's
+#                                environment on); step 1 prints what they select on each node
 
 MEGAREASON_EXIT_STOPPED=75  # the driver's exit code after a signal-requested checkpoint (trainer/loop.py)
+MR_NODE_SLOTS=4             # Slurm nodes of one job that may share a host (a test cluster): distinct ports
 
 _mr_log() { echo "$(date +%T) megareason-slurm: $*"; }
 
 # srun on the given nodes, inside the container when one is configured; extra srun options first.
 _mr_srun() {
-    local container=()
+    local where=(--chdir="$MR_ROOT")
     if [[ -n ${MEGAREASON_CONTAINER_IMAGE:-} ]]; then
-        local mounts="$MR_ROOT:$MR_ROOT${MEGAREASON_CONTAINER_MOUNTS:+,$MEGAREASON_CONTAINER_MOUNTS}"
-        container=(--container-image="$MEGAREASON_CONTAINER_IMAGE" --container-name=megareason
-                   --container-mounts="$mounts" --container-workdir="$MR_ROOT")
+        local mounts="$MR_ROOT:$MR_ROOT,$MR_RAY_TMPDIR:$MR_RAY_TMPDIR"
+        mounts+=${MEGAREASON_CONTAINER_MOUNTS:+,$MEGAREASON_CONTAINER_MOUNTS}
+        # One container name for every step: step 1 creates it on each node, later steps attach to it.
+        where=(--container-image="$MEGAREASON_CONTAINER_IMAGE" --container-name=megareason
+               --container-mounts="$mounts" --container-workdir="$MR_ROOT" --no-container-mount-home)
     fi
     # --overlap: the Ray steps, the driver and the checks share the nodes' CPUs and GPUs.
-    srun --overlap "${container[@]}" "$@"
+    srun --overlap "${where[@]}" "$@"
 }
 
 # One Ray node (inside an srun step, one task per node): the head on the job's first node.
@@ -48,10 +74,9 @@ _mr_ray_node() {
     read -ra nodes <<< "$MR_NODES"
     for k in "${!nodes[@]}"; do [[ ${nodes[k]} == "$SLURMD_NODENAME" ]] && index=$k; done
     (( index >= 0 )) || { echo "node $SLURMD_NODENAME is not in MR_NODES=$MR_NODES" >&2; exit 1; }
-    # Distinct ports for up to 8 Slurm nodes sharing one host (a test cluster); the same on real hosts.
-    local b=$((MR_RAY_PORT_BASE + 200 * (index % 8)))
-    local args=(--block --disable-usage-stats --num-cpus="$SLURM_CPUS_ON_NODE"
-                --temp-dir="$MR_RAY_TMPDIR/mr-ray-$SLURM_JOB_ID-$index"
+    # Distinct ports for Slurm nodes sharing one host (a test cluster); the same on real hosts.
+    local b=$((MR_RAY_PORT_BASE + 200 * (index % MR_NODE_SLOTS)))
+    local args=(--disable-usage-stats --num-cpus="$SLURM_CPUS_ON_NODE"
                 --node-manager-port=$((b + 3)) --object-manager-port=$((b + 4)) --metrics-export-port=$((b + 5))
                 --dashboard-agent-listen-port=$((b + 6)) --dashboard-agent-grpc-port=$((b + 7))
                 --runtime-env-agent-port=$((b + 8)) --min-worker-port=$((b + 10)) --max-worker-port=$((b + 199)))
@@ -61,35 +86,12 @@ _mr_ray_node() {
     else
         args+=(--address="$MR_HEAD_IP:$MR_RAY_PORT_BASE")
     fi
-    # shellcheck disable=SC2086  # MEGAREASON_RAY_START_ARGS is a list of words
-    exec "$MR_PYTHON" -m ray.scripts.scripts start "${args[@]}" ${MEGAREASON_RAY_START_ARGS:-}
+    # shellcheck disable=SC2206  # MEGAREASON_RAY_START_ARGS is a list of words
+    args+=(${MEGAREASON_RAY_START_ARGS:-})
+    exec "$MR_PYTHON" -m megareason.launch.ray_node --job-dir="$MR_JOBDIR" \
+        --temp-dir="$MR_RAY_TMPDIR/mr-ray-$SLURM_JOB_ID-$index" \
+        ${MEGAREASON_RAY_START_RETRIES:+--retries="$MEGAREASON_RAY_START_RETRIES"} -- "${args[@]}"
 }
-
-# Poll Ray until it has $2 alive nodes and $3 GPUs, for at most $4 seconds (run on the head node).
-_MR_WAIT_PY='
-import socket, sys, time
-address, nodes, gpus, deadline = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), time.time() + float(sys.argv[4])
-host, port = address.rsplit(":", 1)
-while True:  # ray.init retries forever while the head is not up: wait for its port first
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-        break
-    except OSError:
-        if time.time() > deadline:
-            sys.exit(f"no Ray head answers at {address} after {sys.argv[4]} s")
-        time.sleep(2)
-import ray
-ray.init(address=address, log_to_driver=False, logging_level="WARNING")
-while True:
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    have, cpus = (sum(n["Resources"].get(r, 0) for n in alive) for r in ("GPU", "CPU"))
-    if len(alive) >= nodes and have >= gpus:
-        print(f"megareason-slurm: Ray is up: {len(alive)} nodes, {have:g} GPUs, {cpus:g} CPUs", flush=True)
-        break
-    if time.time() > deadline:
-        sys.exit(f"Ray has {len(alive)} of {nodes} nodes and {have:g} of {gpus} GPUs after {sys.argv[4]} s")
-    time.sleep(2)
-'
 
 _mr_alive() { kill -0 "$1" 2>/dev/null; }
 
@@ -103,13 +105,15 @@ _mr_wait() {
     done
 }
 
-_mr_on_usr1() {
+# SIGUSR1 (the time limit ahead: sbatch --signal=B:USR1@LEAD) or SIGTERM to this script: ask the driver to
+# checkpoint and stop, with SIGUSR1 (it may have had a SIGTERM of its own already; a second one kills it).
+_mr_on_signal() {
     MR_SIGNALS=$((MR_SIGNALS + 1)) MR_STOP_REQUESTED=1
     if [[ -z $MR_DRIVER ]]; then
-        _mr_log "SIGUSR1 before the driver started: requeueing once Ray is up"
+        _mr_log "SIG$1 before the driver started: requeueing once Ray is up"
         return
     fi
-    _mr_log "SIGUSR1 (time limit or pre-emption ahead): asking the driver to checkpoint and stop"
+    _mr_log "SIG$1 (time limit or pre-emption ahead): asking the driver to checkpoint and stop"
     for _ in $(seq 60); do  # the driver may not have written its PID yet
         [[ -s $MR_DRIVER_PIDFILE ]] && { kill -USR1 "$(<"$MR_DRIVER_PIDFILE")" 2>/dev/null; return; }
         _mr_alive "$MR_DRIVER" || return
@@ -117,20 +121,28 @@ _mr_on_usr1() {
     done
 }
 
-# End the Ray steps (their srun PIDs; srun forwards SIGTERM to the step's processes), then wait a minute.
+# Stop Ray: the Ray steps see the stop file, kill their Ray and keep its logs; srun's own SIGTERM handling
+# (SIGKILL to the step's tasks) is the fallback for a step that does not end within two minutes.
 _mr_teardown() {
-    local pid left
+    local pid sig
     (( ${#MR_RAY_STEPS[@]} )) || return 0
-    for pid in "${MR_RAY_STEPS[@]}"; do _mr_alive "$pid" && kill -TERM "$pid"; done
-    for _ in $(seq 60); do
-        left=0
-        for pid in "${MR_RAY_STEPS[@]}"; do _mr_alive "$pid" && left=1; done
-        (( left )) || break
-        sleep 1
+    touch "$MR_JOBDIR/ray.stop"
+    for sig in NONE TERM KILL; do
+        [[ $sig != NONE ]] && for pid in "${MR_RAY_STEPS[@]}"; do _mr_alive "$pid" && kill -"$sig" "$pid"; done
+        for _ in $(seq 120); do
+            _mr_steps_alive || break
+            sleep 1
+        done
+        _mr_steps_alive || break
     done
-    for pid in "${MR_RAY_STEPS[@]}"; do _mr_alive "$pid" && kill -KILL "$pid"; done
     MR_RAY_STEPS=()
     _mr_log "Ray stopped"
+}
+
+_mr_steps_alive() {
+    local pid
+    for pid in "${MR_RAY_STEPS[@]}"; do _mr_alive "$pid" && return 0; done
+    return 1
 }
 
 _mr_fail() {
@@ -138,36 +150,78 @@ _mr_fail() {
     exit 1  # the EXIT trap tears Ray down
 }
 
+_mr_requeue() {
+    _mr_log "requeueing job $SLURM_JOB_ID ($1): the next run resumes from the latest checkpoint"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit "$MEGAREASON_EXIT_STOPPED"
+}
+
+# Open files: Ray's processes hold many sockets and files; srun passes the soft limit on to the steps.
+_mr_raise_nofile() {
+    local hard want=65536
+    hard=$(ulimit -Hn)
+    [[ $hard != unlimited ]] && (( hard < want )) && want=$hard
+    (( $(ulimit -Sn) < want )) && ulimit -Sn "$want"
+}
+
 megareason_slurm_run() {
     local config=$1; shift
     MR_ROOT=${MEGAREASON_ROOT:-$SLURM_SUBMIT_DIR}
     MR_PYTHON=${MEGAREASON_PYTHON:-python3}
-    MR_RAY_TMPDIR=${MEGAREASON_RAY_TMPDIR:-/tmp}
-    MR_RAY_PORT_BASE=${MEGAREASON_RAY_PORT_BASE:-$((19000 + 1600 * (SLURM_JOB_ID % 8)))}
+    MR_RAY_TMPDIR=${MEGAREASON_RAY_TMPDIR:-${TMPDIR:-/tmp}}
+    MR_RAY_PORT_BASE=${MEGAREASON_RAY_PORT_BASE:-$((2000 + 800 * (SLURM_JOB_ID % 8)))}
     MR_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')
-    local nodes
+    local nodes hosts
     read -ra nodes <<< "$MR_NODES"
     local head=${nodes[0]} addr
     addr=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
     MR_HEAD_IP=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
     MR_HEAD_IP=${MR_HEAD_IP:-$addr}
+    hosts=$(scontrol show node "$SLURM_JOB_NODELIST" | grep -oP 'NodeAddr=\K\S+' | sort -u | wc -l)
     MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_RAY_STEPS=() MR_DRIVER=
-    # Per-job files (the driver's PID) on the shared filesystem, also seen from inside the container.
+    # Per-job files (the driver's PID, the run folder, Ray's stop file) on the shared filesystem, also
+    # seen from inside the container.
     MR_JOBDIR="$MR_ROOT/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID"
     MR_DRIVER_PIDFILE="$MR_JOBDIR/driver.pid"
-    mkdir -p "$MR_JOBDIR" && rm -f "$MR_DRIVER_PIDFILE"
+    mkdir -p "$MR_JOBDIR" && rm -f "$MR_JOBDIR"/{driver.pid,ray.stop,ray.up,run_dir}
+    _mr_raise_nofile
     # This job's own Ray auth token: Ray 2.60 turns token auth on for a head when ~/.ray/auth_token
     # exists, and its workers then fail without the token; an explicit one works everywhere.
     RAY_AUTH_TOKEN=$("$MR_PYTHON" -c 'import secrets; print(secrets.token_hex(32))') ||
         _mr_fail "$MR_PYTHON does not run (MEGAREASON_PYTHON)"
     export RAY_AUTH_MODE=token RAY_AUTH_TOKEN RAY_USAGE_STATS_ENABLED=0
-    export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP
-    trap _mr_on_usr1 USR1
+    export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP MR_JOBDIR MR_NODE_SLOTS
+    trap '_mr_on_signal USR1' USR1
+    trap '_mr_on_signal TERM' TERM
     trap '_mr_teardown; rm -rf "$MR_JOBDIR"' EXIT
     local n=${#nodes[@]} gpus=$(( ${#nodes[@]} * ${SLURM_GPUS_ON_NODE:-0} ))
+    local ports="$MR_RAY_PORT_BASE-$((MR_RAY_PORT_BASE + 200 * MR_NODE_SLOTS - 1))"
     _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes ($MR_NODES)," \
-            "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE, container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
+            "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports), Ray temp dirs in $MR_RAY_TMPDIR," \
+            "open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
 
+    # 1. every node, one task each: what NCCL/gloo/Ray will use (and the container, created once per node)
+    _mr_srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 "$MR_PYTHON" -m megareason.launch.node_check \
+             --nodes="$hosts" --ports="$ports" --ray-tmpdir="$MR_RAY_TMPDIR" --head-ip="$MR_HEAD_IP" ||
+        _mr_fail "the node check failed (its errors are above)"
+
+    # 2. the run folder, with the driver's own arguments
+    local train_args=(--config-name "$config")
+    if [[ $config == *.yaml || $config == *.yml || $config == */* ]]; then
+        train_args=(--config-dir "$(dirname "$config")" --config-name "$(basename "${config%.y*ml}")")
+    fi
+    local out rc
+    out=$(_mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -m megareason.launch.slurm_job run-dir \
+                   "${train_args[@]}" "$@"); rc=$?
+    if (( rc != 0 )); then
+        _mr_log "the config was refused (exit code $rc, the reason is above); Ray was not started"
+        exit "$rc"
+    fi
+    MR_RUN_DIR=${out##*$'\n'}
+    echo "$MR_RUN_DIR" > "$MR_JOBDIR/run_dir.tmp" && mv "$MR_JOBDIR/run_dir.tmp" "$MR_JOBDIR/run_dir"
+    _mr_log "run folder: $MR_RUN_DIR (this run's Ray logs: ray_logs/restart_${SLURM_RESTART_COUNT:-0}/)"
+
+    # 3. Ray
     local ray_node=(bash "$MR_ROOT/slurm/ray_cluster.sh" node)
     _mr_srun --nodes=1 --ntasks=1 -w "$head" --cpus-per-task="$SLURM_CPUS_ON_NODE" "${ray_node[@]}" &
     MR_RAY_STEPS+=($!)
@@ -176,9 +230,11 @@ megareason_slurm_run() {
                  --cpus-per-task="$SLURM_CPUS_ON_NODE" "${ray_node[@]}" &
         MR_RAY_STEPS+=($!)
     fi
-    local wait_s=${MEGAREASON_RAY_WAIT_S:-600}
-    _mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -c "$_MR_WAIT_PY" "$MR_HEAD_IP:$MR_RAY_PORT_BASE" \
-             "$n" "$gpus" "$wait_s" &
+
+    # 4. the wait
+    local wait_s=${MEGAREASON_RAY_WAIT_S:-1800} pid
+    _mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -m megareason.launch.slurm_job wait \
+             "$MR_HEAD_IP:$MR_RAY_PORT_BASE" "$n" "$gpus" "$wait_s" &
     local waiter=$!
     while _mr_alive "$waiter"; do  # a Ray step that dies early fails the job now, not after the timeout
         for pid in "${MR_RAY_STEPS[@]}"; do
@@ -186,30 +242,29 @@ megareason_slurm_run() {
         done
         sleep 2
     done
-    _mr_wait "$waiter" || _mr_fail "the Ray cluster did not come up: expected $n nodes and $gpus GPUs" \
-                                   "within $wait_s s (MEGAREASON_RAY_WAIT_S)"
+    if ! _mr_wait "$waiter"; then
+        (( MR_STOP_REQUESTED )) && _mr_requeue "a stop signal came during start-up"
+        _mr_fail "the Ray cluster did not come up: expected $n nodes and $gpus GPUs within $wait_s s" \
+                 "(MEGAREASON_RAY_WAIT_S)"
+    fi
+    touch "$MR_JOBDIR/ray.up"
     if (( MR_STOP_REQUESTED )); then
         _mr_teardown
-        scontrol requeue "$SLURM_JOB_ID"
-        exit "$MEGAREASON_EXIT_STOPPED"
+        _mr_requeue "a stop signal came during start-up"
     fi
 
-    # The driver writes its PID (the host's, also in a pyxis container) so SIGUSR1 reaches it alone:
-    # a signal to its srun would reach every process of the step, the reward workers included.
+    # 5. the driver. It writes its PID (the host's, also in a pyxis container) so SIGUSR1 reaches it
+    # alone: a signal to its srun would reach every process of the step, the reward workers included.
     # shellcheck disable=SC2016  # $$ and $@ belong to the inner bash
     _mr_srun --nodes=1 --ntasks=1 -w "$head" --cpus-per-task="$SLURM_CPUS_ON_NODE" \
              bash -c 'echo $$ > "$0" && exec "$@"' "$MR_DRIVER_PIDFILE" \
-             "$MR_PYTHON" -m megareason.cli train --config-name "$config" \
+             "$MR_PYTHON" -m megareason.cli train "${train_args[@]}" \
              "trainer.ray_address=$MR_HEAD_IP:$MR_RAY_PORT_BASE" "$@" &
     MR_DRIVER=$!
-    local rc
     _mr_wait "$MR_DRIVER"; rc=$?
     _mr_log "driver exited with $rc"
     _mr_teardown
-    if (( MR_STOP_REQUESTED && rc == MEGAREASON_EXIT_STOPPED )); then
-        _mr_log "requeueing job $SLURM_JOB_ID: the next run resumes from the checkpoint just saved"
-        scontrol requeue "$SLURM_JOB_ID"
-    fi
+    (( rc == MEGAREASON_EXIT_STOPPED )) && _mr_requeue "the driver stopped on a signal after a checkpoint"
     exit "$rc"
 }
 

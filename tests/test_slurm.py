@@ -1,67 +1,33 @@
-"""The sbatch recipes for real: a Slurm controller and two ``slurmd`` "nodes" (n1, n2) on this machine.
+"""The sbatch recipes for real, on a Slurm controller and two ``slurmd`` "nodes" on this machine
+(``tests/slurm_cluster.py``, one cluster per session), plus the parts of the job that run without it.
 
-Each node gives the job one CPU, so Ray (one CPU per node) must place the two data-parallel ranks on
-both nodes. Slurm comes from Debian's ``slurm-wlm`` (installed here when missing; we run as root), with
-``auth/none`` (no munge), ports and state in a private directory, and every daemon stopped by PID.
+The end-to-end runs (each ~2-4 minutes here): the tiny 70B recipe uninterrupted (the reference, also the
+NeMo-Run test's), a broken override refused before Ray starts, ``sbatch --test-only`` of the recipe's
+directives, and a pre-emption's SIGTERM to every job step (``scancel --signal=TERM``: the steps, not the
+batch shell, as Slurm's pre-emption sends it): checkpoint, requeue, resume with the reference's losses.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_train_e2e import _raro_args
+import slurm_cluster
+from slurm_cluster import REPO, SAME_KEYS, metrics, read_log, tiny_raro, wait_for_loop
 
-from megareason.trainer.loop import EXIT_STOPPED, stop_signals
-from megareason.utils import free_port
+from megareason.config import load_config
+from megareason.launch import nemo_run, ray_node
+from megareason.launch.plan import PlanOptions, plan_config
+from megareason.launch.preemption import LeadOptions, checkpoint_bytes, plan_lead, preemption_lead
+from megareason.trainer.loop import EXIT_STOPPED, checkpoint_due, stop_signals
 
-REPO = Path(__file__).resolve().parent.parent
-
-SLURM_CONF = """\
-ClusterName={name}
-SlurmctldHost=localhost
-SlurmUser=root
-SlurmdUser=root
-SlurmctldPort={ctld_port}
-AuthType=auth/none
-CredType=cred/none
-# A requeued job may start again after cred_expire seconds (default 120).
-AuthInfo=cred_expire=10
-StateSaveLocation={dir}/state
-SlurmdSpoolDir={dir}/spool/%n
-SlurmctldPidFile={dir}/run/slurmctld.pid
-SlurmdPidFile={dir}/run/slurmd-%n.pid
-SlurmctldLogFile={dir}/log/slurmctld.log
-SlurmdLogFile={dir}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SwitchType=switch/none
-MpiDefault=none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-ReturnToService=2
-SlurmdTimeout=60
-InactiveLimit=0
-KillWait=10
-MinJobAge=300
-NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=1 RealMemory=4000 State=UNKNOWN
-NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=1 RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
-"""
+# ----------------------------------------------------------------------------------------- no cluster
 
 
 def test_a_signal_asks_the_loop_to_stop_and_the_handlers_come_back():
@@ -70,7 +36,11 @@ def test_a_signal_asks_the_loop_to_stop_and_the_handlers_come_back():
         assert stop.signal is None
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.signal == signal.SIGUSR1
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second signal kills as usual
+        # the job script's SIGUSR1 first, then a pre-emption's SIGTERM: still handled (not a kill)
+        assert signal.getsignal(signal.SIGTERM) is stop
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signal == signal.SIGUSR1
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # a second SIGTERM kills as usual
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
     with stop_signals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -78,188 +48,220 @@ def test_a_signal_asks_the_loop_to_stop_and_the_handlers_come_back():
     assert EXIT_STOPPED == 75  # slurm/ray_cluster.sh relies on it
 
 
-def _ensure_slurm() -> None:
-    """Debian's slurm-wlm, installed once (a no-op when present)."""
-    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch")):
-        return
-    if os.geteuid() != 0:
-        pytest.fail("Slurm is missing and installing it needs root: apt-get install slurm-wlm")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", "slurm-wlm"]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:  # no package lists yet
-        subprocess.run(["apt-get", "update", "-o", "DPkg::Lock::Timeout=600"], env=env, check=True,
-                       capture_output=True)
-        proc = subprocess.run(install, env=env, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+def test_a_checkpoint_is_due_every_n_steps_every_m_minutes_and_at_the_end():
+    cfg = load_config("raro_smollm2_cpu", ["trainer.steps=10", "trainer.save_every=4",
+                                           "trainer.save_every_minutes=30"])
+    assert [s for s in range(1, 11) if checkpoint_due(cfg, s, 0.0)] == [4, 8, 10]
+    assert checkpoint_due(cfg, 3, 30 * 60) and not checkpoint_due(cfg, 3, 30 * 60 - 1)
+    off = load_config("raro_smollm2_cpu", ["trainer.steps=10", "trainer.save_every=0"])
+    assert [s for s in range(1, 11) if checkpoint_due(off, s, 1e9)] == [10]  # minutes off by default
+    proc = subprocess.run([sys.executable, "-m", "megareason.cli", "train", "--show-config",
+                           "trainer.save_every_minutes=-1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "trainer.save_every_minutes" in proc.stderr
 
 
-def _port_block(size: int) -> int:
-    """The first port of ``size`` consecutive free ports (for Ray's per-node port blocks)."""
-    for base in range(21000, 32000 - size, 1000):
-        socks = []
-        try:
-            for port in range(base, base + size):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {size} free consecutive ports")
+def test_the_preemption_lead_covers_a_step_and_a_checkpoint_and_the_70b_recipe_asks_for_it():
+    # 70B, bf16: 2 bytes of weights + 12 of fp32 main weights and Adam moments per parameter
+    cfg = load_config("raro_70b", [])
+    assert checkpoint_bytes(cfg, 70_000_000_000, 70_000_000_000) == 70e9 * 14
+    lead = preemption_lead(1000.0, 8e12, nodes=4, options=LeadOptions(write_gb_s_per_node=2.0))
+    assert lead.checkpoint_s == 1000.0  # 8 TB over 4 nodes x 2 GB/s
+    assert lead.seconds == 60 * -(-(2000 * 1.25 + 120) // 60) == 2640  # whole minutes, rounded up
+    plan = plan_config("raro_70b", [], PlanOptions(nodes=8, gpus_per_node=8), "llama-3.1-70b")
+    need = plan_lead(plan, cfg)
+    assert need.step_s == pytest.approx(sum(plan.seconds.values()))
+    assert 0.9e12 < need.checkpoint_bytes < 1.1e12  # ~1 TB: 70.6B parameters x 14 bytes
+    directives = nemo_run.sbatch_directives(REPO / "slurm" / "raro_70b.sbatch")
+    granted = int(re.fullmatch(r"B:USR1@(\d+)", directives["signal"]).group(1))
+    assert granted >= need.seconds, f"slurm/raro_70b.sbatch's --signal lead {granted} s < {need.line()}"
+    assert directives["mem"] == "0" and directives["exclusive"] is True and directives["requeue"] is True
+    out = subprocess.run([sys.executable, "-m", "megareason.cli", "plan", "--model-shape", "llama-3.1-70b",
+                          "--nodes", "8", "configs/raro_70b.yaml"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"--signal=B:USR1@{need.seconds}" in out.stdout
 
 
-@dataclass
-class Cluster:
-    name: str
-    dir: Path
-    env: dict[str, str]
-    ray_tmp: Path
+# A stand-in for `ray start --block`: a child and a grandchild (like the GCS and a raylet's worker), a
+# session log, and its PIDs in a file; it runs until killed.
+FAKE_RAY = """\
+import os, subprocess, sys, time
+from pathlib import Path
+temp = Path(sys.argv[1])
+(temp / "session_1" / "logs").mkdir(parents=True)
+(temp / "session_1" / "logs" / "raylet.out").write_text("raylet log")
+(temp / "session_latest").symlink_to(temp / "session_1")
+child = subprocess.Popen([sys.executable, "-c",
+                          "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                          "'import time; time.sleep(600)']); time.sleep(600)"])
+time.sleep(1)
+(temp.parent / "pids").write_text(f"{os.getpid()} {child.pid}")
+time.sleep(600)
+"""
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 20) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    """slurmctld and two slurmd (n1, n2) on loopback, private ports and state; stopped by PID afterwards."""
-    _ensure_slurm()
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool", "run", "log"):
-        (d / sub).mkdir()
-    conf = d / "slurm.conf"
-    name = f"mr{os.getpid()}"
-    conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=free_port("127.0.0.1"),
-                                      n1_port=free_port("127.0.0.1"), n2_port=free_port("127.0.0.1")))
-    ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths are limited
-    env = {**os.environ, "SLURM_CONF": str(conf), "MEGAREASON_PYTHON": sys.executable,
-           "MEGAREASON_RAY_PORT_BASE": str(_port_block(400)), "MEGAREASON_RAY_TMPDIR": str(ray_tmp),
-           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
-    daemons = []
+def _alive(pid: int) -> bool:
     try:
-        for cmd, log in ((["slurmctld", "-D", "-i"], "ctld"), (["slurmd", "-D", "-N", "n1"], "n1"),
-                         (["slurmd", "-D", "-N", "n2"], "n2")):
-            with open(d / "log" / f"{log}.stdout", "w") as out:
-                daemons.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-            time.sleep(1)
-        deadline = time.time() + 60
-        while _run(env, "sinfo", "-h", "-o", "%T %D").stdout.split() != ["idle", "2"]:
-            assert all(p.poll() is None for p in daemons), "a Slurm daemon exited; logs in " + str(d / "log")
-            assert time.time() < deadline, "the two nodes did not become idle: " + _run(env, "sinfo").stdout
-            time.sleep(1)
-        yield Cluster(name, d, env, ray_tmp)
-    finally:
-        if daemons and daemons[0].poll() is None:  # cancel what a failed test left running, then stop
-            _run(env, "scancel", "--partition=debug")
-            deadline = time.time() + 90
-            while _run(env, "squeue", "-h").stdout.strip() and time.time() < deadline:
-                time.sleep(1)
-        for p in reversed(daemons):
-            _stop(p)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
-def _run(env: dict[str, str], *cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-
-
-def _sbatch(cluster: Cluster, name: str, *overrides: str, timeout: float = 900) -> tuple[int, str]:
-    """``sbatch --wait slurm/raro_70b.sbatch OVERRIDES`` on both nodes without GPUs: (exit code, job log)."""
-    log = cluster.dir / f"{name}.out"
-    cmd = ["sbatch", "--wait", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=30",
-           f"--job-name={name}", f"--output={log}", "slurm/raro_70b.sbatch", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, (log.read_text() if log.exists() else "") + proc.stderr
-
-
-def _assert_cleaned_up(cluster: Cluster) -> None:
-    """No process of the jobs' Ray (they all name its temp dir) and no per-job folder is left."""
-    assert not list((REPO / "outputs" / "slurm").glob(f"{cluster.name}-*"))
-    deadline = time.time() + 60
-    while True:
-        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).find(str(cluster.ray_tmp)) >= 0]
-        if not left:
-            return
-        assert time.time() < deadline, f"Ray processes left: {[_cmdline(p)[:200] for p in left]}"
-        time.sleep(1)
-
-
-def _cmdline(proc_dir: Path) -> str:
-    try:
-        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
-        return ""
+        return False
 
 
-def _tiny_raro(tiny_qwen2: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
-    """configs/raro_70b.yaml cut down to the tiny model on CPU: the e2e RARO test's settings, 2 DP ranks,
-    with its KL term (the reference log-probs of both replicas are concatenated by the driver)."""
-    args = _raro_args(tiny_qwen2, tmp, out, "trainer.steps=2", "parallel.tensor_model_parallel_size=1",
-                      "parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=2",
-                      "rollout.tensor_parallel_size=1", "rollout.dtype=float32", "optim.warmup_steps=0",
-                      "algorithm.kl_coef=0.001", *extra)
-    assert args[:4] == [sys.executable, "-m", "megareason.cli", "train"]
-    return args[4:]
+def test_a_ray_node_outlives_sigterm_then_stops_on_the_stop_file_and_keeps_its_logs(tmp_path):
+    job_dir, temp, run = tmp_path / "job", tmp_path / "node" / "mr-ray-7-0", tmp_path / "run"
+    job_dir.mkdir()
+    temp.mkdir(parents=True)
+    (job_dir / ray_node.RUN_DIR_FILE).write_text(f"{run}\n")
+    (tmp_path / "fake_ray.py").write_text(FAKE_RAY)
+    script = (f"import sys; from pathlib import Path; from megareason.launch import ray_node; "
+              f"sys.exit(ray_node.run([sys.executable, {str(tmp_path / 'fake_ray.py')!r}, {str(temp)!r}], "
+              f"Path({str(job_dir)!r}), Path({str(temp)!r}), 0, 0.1))")
+    env = {**os.environ, "SLURMD_NODENAME": "n7", "SLURM_RESTART_COUNT": "3"}
+    sup = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "node" / "pids").exists():
+            assert sup.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+        time.sleep(0.5)
+        tree = ray_node.process_tree(sup.pid)
+        assert len(tree) == 4, tree  # supervisor, fake ray, its child, the grandchild
+        for pid in tree:  # what slurmstepd does on `scancel --signal=TERM`: every process of the step
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(2)
+        assert all(_alive(p) for p in tree), "SIGTERM must not end the Ray node"
+        (job_dir / ray_node.STOP_FILE).touch()
+        assert sup.wait(timeout=60) == 0
+        out = sup.stdout.read()
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert "SIGTERM (a pre-emption or scancel): Ray keeps running" in out
+    deadline = time.time() + 10
+    while any(_alive(p) for p in tree[1:]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in tree[1:]), "the whole process tree is killed"
+    kept = run / "ray_logs" / "restart_3" / "n7" / "raylet.out"
+    assert kept.read_text() == "raylet log" and f"its logs are in {kept.parent}" in out
+    assert not temp.exists(), "the node-local temp dir is removed"
+
+
+def test_ray_start_is_retried_until_the_cluster_is_up(tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    attempts = tmp_path / "attempts"
+    failing = [sys.executable, "-c", f"open({str(attempts)!r}, 'a').write('x'); raise SystemExit(3)"]
+    assert ray_node.run(failing, job_dir, tmp_path / "t", retries=2, retry_delay=0.1) == 3
+    assert attempts.read_text() == "xxx"  # once + 2 retries
+    (job_dir / ray_node.UP_FILE).touch()  # once the cluster is up, a Ray node that dies ends the step
+    attempts.unlink()
+    assert ray_node.run(failing, job_dir, tmp_path / "t", retries=2, retry_delay=0.1) == 3
+    assert attempts.read_text() == "x"
+
+
+SHIELDED_WORKER = """\
+import multiprocessing as mp, os, signal, sys, time
+from pathlib import Path
+
+def blocked(pid):  # SIGTERM in every thread's blocked mask
+    masks = [int(line.split()[1], 16) for t in Path(f"/proc/{pid}/task").iterdir()
+             for line in (t / "status").read_text().splitlines() if line.startswith("SigBlk:")]
+    return all(m & (1 << (signal.SIGTERM - 1)) for m in masks)
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # as inherited from the raylet
+    if sys.argv[1] == "shield":
+        from megareason.launch.ray_node import shield_worker
+        shield_worker()
+    child = mp.get_context("spawn").Process(target=time.sleep, args=(60,))  # what vLLM's engines do
+    child.start()
+    time.sleep(1)
+    print(blocked(os.getpid()), blocked(child.pid), flush=True)
+    os.kill(child.pid, signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1)
+    print("alive", child.is_alive(), flush=True)
+    child.kill()
+"""
+
+
+def test_python_multiprocessing_unblocks_sigterm_and_the_worker_hook_blocks_it_for_good(tmp_path):
+    (tmp_path / "w.py").write_text(SHIELDED_WORKER)
+    plain = subprocess.run([sys.executable, str(tmp_path / "w.py"), "plain"], capture_output=True, text=True,
+                           timeout=60)
+    # starting the resource tracker unblocked SIGTERM: the process dies of it (its child too)
+    assert plain.returncode == -signal.SIGTERM and plain.stdout.split() == ["False", "False"], plain
+    shielded = subprocess.run([sys.executable, str(tmp_path / "w.py"), "shield"], capture_output=True, text=True,
+                              timeout=60, cwd=REPO)
+    assert shielded.returncode == 0, shielded.stderr[-3000:]
+    assert shielded.stdout.split() == ["True", "True", "alive", "True"]
+
+
+# ----------------------------------------------------------------------------------------- on the cluster
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_raro_70b_recipe_spans_two_nodes_and_a_broken_override_fails_the_job(slurm, tiny_qwen2, tmp_path):
-    out = tmp_path / "raro"
-    rc, log = _sbatch(slurm, "raro", *_tiny_raro(tiny_qwen2, tmp_path, out))
+def test_raro_70b_recipe_spans_two_nodes_checks_them_and_keeps_ray_logs_in_the_run_folder(slurm, slurm_reference):
+    rc, log, out = slurm_reference
     assert rc == 0, log[-6000:]
+    for node in ("n1", "n2"):  # the node check ran on each node, before Ray
+        assert re.search(rf"node-check {node}: gloo: \w+ [\d.]+ \(", log), log[:4000]
+        assert f"node-check {node}: NCCL sockets: " in log and f"node-check {node}: ephemeral ports: " in log
     assert "Ray is up: 2 nodes" in log
     placed = re.search(r"actor: ranks on (\d) Ray node\(s\): (.*)", log)
     assert placed and placed.group(1) == "2", log[-6000:]
     assert len(set(re.findall(r"rank \d -> \S+ \((\w+)\)", placed.group(2)))) == 2
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and "raro/critic_accuracy" in metrics[-1]
+    m = metrics(out)
+    assert sorted(m) == [1, 2] and "raro/critic_accuracy" in m[2] and m[2]["actor/grad_norm"] > 0
     assert (out / "checkpoints" / "step_00000002").is_dir()
     assert "driver exited with 0" in log and "Ray stopped" in log
-    _assert_cleaned_up(slurm)
+    for node in ("n1", "n2"):  # each node's Ray logs, kept per restart
+        assert list((out / "ray_logs" / "restart_0" / node).glob("raylet*.out")), node
+    assert (out / "ray_logs" / "restart_0" / "n1" / "gcs_server.out").is_file()  # the head's
+    slurm_cluster.assert_cleaned_up(slurm)
 
-    rc, log = _sbatch(slurm, "broken", *_tiny_raro(tiny_qwen2, tmp_path, tmp_path / "broken"),
-                      "model.path=/nonexistent/model")
-    assert rc != 0, log[-6000:]
-    assert re.search(r"error: .*/nonexistent/model", log), log[-6000:]
-    assert "driver exited with 2" in log and "Ray stopped" in log
-    _assert_cleaned_up(slurm)
+
+@pytest.mark.slow
+def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tmp_path):
+    job, log, proc = slurm_cluster.sbatch(slurm, "broken", *tiny_raro(tiny_qwen2, tmp_path, tmp_path / "broken"),
+                                          "model.path=/nonexistent/model")
+    assert proc.wait(timeout=300) == 2, read_log(log)[-6000:]
+    text = read_log(log)
+    assert re.search(r"error: .*/nonexistent/model", text), text[-6000:]
+    assert "the config was refused (exit code 2" in text and "Ray is up" not in text
+    slurm_cluster.assert_cleaned_up(slurm)
+
+
+def test_sbatch_accepts_the_70b_recipes_directives(slurm):
+    proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, "slurm/raro_70b.sbatch"],
+                          cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_next_run_resumes(slurm, tiny_qwen2, tmp_path):
-    out = tmp_path / "requeue"
-    log = slurm.dir / "requeue.out"
-    cmd = ["sbatch", "--wait", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=30",
-           "--job-name=requeue", f"--output={log}", "slurm/raro_70b.sbatch",
-           *_tiny_raro(tiny_qwen2, tmp_path, out, "trainer.steps=3")]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_sigterm_preemption_checkpoints_requeues_and_resumes_with_the_same_losses(slurm, slurm_reference,
+                                                                                   tiny_qwen2, tmp_path):
+    out = tmp_path / "preempted"
+    job, log, proc = slurm_cluster.sbatch(slurm, "preempted", *tiny_raro(tiny_qwen2, tmp_path, out))
     try:
-        job = proc.stdout.readline().strip()
-        deadline = time.time() + 900
-        # The loop has started (its Tracker wrote metrics.jsonl): send what --signal=B:USR1@... sends.
-        while not (out / "metrics.jsonl").exists():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-6000:]
-            time.sleep(1)
-        assert _run(slurm.env, "scancel", "--signal=USR1", "--batch", job).returncode == 0
-        assert proc.wait(timeout=1200) == 0, log.read_text()[-6000:] + proc.stderr.read()
+        wait_for_loop(out, proc, log)
+        # A pre-emption's signal: SIGTERM to every process of every job step at once, not to the batch
+        # shell (the driver, the reward workers, `ray start`, the GCS, the raylets, the actors, vLLM).
+        assert slurm.run("scancel", "--signal=TERM", job).returncode == 0
+        assert proc.wait(timeout=1500) == 0, read_log(log)[-6000:] + proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = log.read_text()
-    assert re.search(r"SIGUSR1: stopped after step [12] with a checkpoint", text), text[-6000:]
+    text = read_log(log)
+    assert "megareason-ray-node n1: SIGTERM" in text and "megareason-ray-node n2: SIGTERM" in text
+    assert "SIGTERM: stopped after step 1 with a checkpoint" in text, text[-6000:]
     assert f"requeueing job {job}" in text and "restart 1" in text and "resuming from" in text
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3], steps  # each step once: the stop came after a step, never inside one
-    assert "Restarts=1" in _run(slurm.env, "scontrol", "show", "job", job).stdout
-    _assert_cleaned_up(slurm)
+    assert "Restarts=1" in slurm.run("scontrol", "show", "job", job).stdout
+    resumed, reference = metrics(out), metrics(slurm_reference[2])
+    assert sorted(resumed) == [1, 2]  # each step once
+    for step in (1, 2):
+        for key in SAME_KEYS:
+            assert resumed[step][key] == reference[step][key], (step, key, resumed[step][key], reference[step][key])
+    for restart in (0, 1):  # the Ray logs of both runs of the job
+        assert list((out / "ray_logs" / f"restart_{restart}" / "n2").glob("raylet*.out")), restart
+    slurm_cluster.assert_cleaned_up(slurm)

@@ -209,6 +209,7 @@ def validate_training(cfg: Config) -> None:
            f"must be >= rollout.max_model_len = {cfg.rollout.max_model_len} (a whole sequence fits one "
            "micro-batch)", t.micro_batch_tokens)
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0", t.save_every)
+    _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0: off)", t.save_every_minutes)
     _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1", t.keep_last)
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0", t.val_every)
     _check(t.weight_sync_bucket_mb >= 1, "trainer.weight_sync_bucket_mb", "must be >= 1", t.weight_sync_bucket_mb)

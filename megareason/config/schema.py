@@ -311,6 +311,9 @@ class TrainerConfig:
     # auto: continue from the latest complete checkpoint in output_dir/checkpoints, if any.
     resume_mode: Literal["auto", "disable"] = "auto"
     save_every: int = 10  # 0 saves only at the end
+    # Also save when this many minutes passed since the last checkpoint (0: off): bounds what a job killed
+    # without warning (a pre-emption's SIGTERM with a short grace time, a node failure) loses.
+    save_every_minutes: float = 0.0
     keep_last: int = 2
     # Greedy validation on data.val_sources every val_every steps (0: only before and after training).
     val_every: int = 10

@@ -90,7 +90,10 @@ def score_one(scorer: Scorer, request: ScoreRequest) -> ScoreOutcome:
 
 def _worker_main(conn: Connection, scorer: Scorer) -> None:
     """Worker loop: announce readiness, then score each request received until ``None`` or EOF."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills us
+    # Ctrl-C and SIGTERM are the parent's to handle (Slurm signals every process of the driver's step on
+    # pre-emption: the driver finishes its step, scored here, then checkpoints); the parent kills us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn.send(_READY)
     try:
         while (request := conn.recv()) is not None:

@@ -102,9 +102,16 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
     if t.val_before_train and state.step == 0 and val_prompts:
         tracker.log(0, validate(actors, val_prompts, cfg, score_fn, tokenizer, run.root, 0))
+    last_save = time.monotonic()  # trainer.save_every_minutes counts from here
 
     for step in tqdm(range(state.step + 1, t.steps + 1), desc="training", unit="step",
                      initial=state.step, total=t.steps):
+        # A stop request while nothing was done since the last checkpoint (or the start): stop now.
+        if stop is not None and stop.signal is not None and step == state.step + 1:
+            log.warning("%s before step %d: stopped; run again to resume (exit code %d)",
+                        signal.Signals(stop.signal).name, step, EXIT_STOPPED)
+            tracker.close()
+            raise SystemExit(EXIT_STOPPED)
         timer: dict[str, float] = {}
         batch = [prompts[i] for i in sampler.next(t.prompts_per_step)]
 
@@ -152,7 +159,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             metrics.update(validate(actors, val_prompts, cfg, score_fn, tokenizer, run.root, step))
         tracker.log(step, metrics)
         stopping = stop is not None and stop.signal is not None  # read once: save and exit agree
-        if step == t.steps or (t.save_every and step % t.save_every == 0) or stopping:
+        if checkpoint_due(cfg, step, time.monotonic() - last_save) or stopping:
+            saving = time.monotonic()
             state = TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position))
             tmp = run.begin_checkpoint(step)
             for g in groups:
@@ -160,6 +168,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             if alg.name == "raro":
                 atomic_write(tmp / _REPLAY_FILE, json.dumps(buffer.state_dict()))
             run.commit_checkpoint(tmp, state, t.keep_last)
+            log.info("checkpoint of step %d saved in %.1f s", step, time.monotonic() - saving)
+            last_save = time.monotonic()
         if stopping and step < t.steps:
             log.warning("%s: stopped after step %d with a checkpoint; run again to resume (exit code %d)",
                         signal.Signals(stop.signal).name, step, EXIT_STOPPED)
@@ -168,9 +178,18 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     tracker.close()
 
 
+def checkpoint_due(cfg: Config, step: int, since_save_s: float) -> bool:
+    """Save after ``step``: the last step, every ``trainer.save_every`` steps, or when
+    ``trainer.save_every_minutes`` have passed since the last checkpoint (``since_save_s`` seconds)."""
+    t = cfg.trainer
+    return (step == t.steps or (t.save_every > 0 and step % t.save_every == 0)
+            or (t.save_every_minutes > 0 and since_save_s >= 60 * t.save_every_minutes))
+
+
 class StopRequest:
     """Signal handler: records the first SIGUSR1/SIGTERM (``signal``); the loop then finishes the step in
-    progress, saves a checkpoint and exits with ``EXIT_STOPPED``. A second SIGTERM kills as usual."""
+    progress, saves a checkpoint and exits with ``EXIT_STOPPED``. A second SIGTERM kills as usual (a
+    SIGUSR1 first, e.g. the Slurm job script's, then a pre-emption's SIGTERM: still the checkpoint)."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -178,7 +197,8 @@ class StopRequest:
     def __call__(self, signum: int, frame) -> None:
         # Nothing else here: a handler runs between two bytecodes of the main thread (no logging locks).
         self.signal = self.signal or signum
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signum == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextmanager

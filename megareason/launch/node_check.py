@@ -1,0 +1,320 @@
+"""``megareason node-check``: what NCCL, gloo and Ray will use on this node, and what will break them.
+
+Every Slurm job runs it once per node before Ray starts (``slurm/ray_cluster.sh``; in the container, so it
+is also the step that creates each node's pyxis container, one task per node), and prints per node:
+
+* the network interfaces, and which of them **gloo** binds (``GLOO_SOCKET_IFNAME``, else the address the
+  host name resolves to, as torch's gloo does; megatron-core creates gloo groups beside NCCL's) and which
+  **NCCL** uses for its sockets (``NCCL_SOCKET_IFNAME`` with NCCL's prefix / ``^`` exclude / ``=`` exact
+  syntax, else NCCL's default order: ``ib*`` interfaces, then any but ``docker*`` and ``lo``);
+* the InfiniBand HCAs and their ports (``/sys/class/infiniband``) and which ``NCCL_IB_HCA`` selects;
+* the address Ray registers (the source address of the route to the head, as ``ray start`` finds it);
+* the open-files limit, the job's memory limit (cgroup) against the node's RAM, the kernel's ephemeral
+  port range against the job's Ray ports, and the file system and free space of Ray's temp dir.
+
+Errors (an interface variable that names nothing on this node) exit with code 1 so the job fails before
+Ray starts; warnings (a host name that resolves to loopback on a multi-node job, ports inside the
+ephemeral range, a RAM-backed temp dir, a memory limit below the node's RAM) are printed and pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import resource
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HELP = """\
+Print what NCCL, gloo and Ray will use on this node: network interfaces, the interface gloo binds
+(GLOO_SOCKET_IFNAME or the host name's address), the interfaces NCCL's sockets use (NCCL_SOCKET_IFNAME or
+NCCL's default order), InfiniBand HCAs (NCCL_IB_HCA), Ray's node address, open-files and memory limits,
+the ephemeral port range against the Ray ports, Ray's temp dir. Exit code 1 when an interface variable
+names nothing here. Run it on every node of an allocation:
+
+  srun --ntasks-per-node=1 megareason node-check --nodes $SLURM_JOB_NUM_NODES
+  srun --ntasks-per-node=1 --container-image=IMAGE python -m megareason.launch.node_check --ports 2000-2799
+"""
+
+NCCL_DEFAULT_EXCLUDE = ("docker", "lo")  # NCCL_SOCKET_IFNAME's default is "^docker,lo", after ib* first
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    ipv4: tuple[str, ...]
+    up: bool
+
+
+@dataclass
+class Report:
+    lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def local_interfaces() -> list[Interface]:
+    import psutil
+
+    stats = psutil.net_if_stats()
+    out = []
+    for name, addrs in sorted(psutil.net_if_addrs().items()):
+        ipv4 = tuple(a.address for a in addrs if a.family == socket.AF_INET)
+        out.append(Interface(name, ipv4, bool(stats.get(name) and stats[name].isup)))
+    return out
+
+
+def match_nccl_spec(names: list[str], spec: str) -> list[str]:
+    """The names NCCL selects with NCCL_SOCKET_IFNAME / NCCL_IB_HCA ``spec``: comma-separated prefixes,
+    ``^`` excludes them, ``=`` makes them exact names (an ``:port`` suffix is dropped here)."""
+    exclude, spec = spec.startswith("^"), spec.lstrip("^")
+    exact, spec = spec.startswith("="), spec.lstrip("=")
+    parts = [p.split(":")[0] for p in spec.split(",") if p]
+
+    def hit(name: str) -> bool:
+        return any(name == p if exact else name.startswith(p) for p in parts)
+
+    return [n for n in names if hit(n) != exclude]
+
+
+def nccl_socket_interfaces(ifaces: list[Interface], spec: str | None) -> tuple[list[str], str]:
+    """The interfaces NCCL's socket transport and bootstrap use (the first one leads), and why."""
+    usable = [i.name for i in ifaces if i.up and i.ipv4]
+    if spec:
+        return match_nccl_spec(usable, spec), f"NCCL_SOCKET_IFNAME={spec}"
+    ib = [n for n in usable if n.startswith("ib")]
+    if ib:
+        return ib, "NCCL's default: ib* interfaces first"
+    rest = match_nccl_spec(usable, "^" + ",".join(NCCL_DEFAULT_EXCLUDE))
+    if rest:
+        return rest, "NCCL's default: no ib*, any interface but docker*/lo"
+    return [n for n in usable if n.startswith("lo")], "NCCL's default: only loopback is left"
+
+
+def gloo_interface(ifaces: list[Interface], spec: str | None, hostname: str,
+                   resolved: list[str]) -> tuple[str | None, str | None, str]:
+    """(interface, address, why) that torch's gloo binds: GLOO_SOCKET_IFNAME's first interface, else the
+    first local address the host name resolves to, else loopback (torch's fallback)."""
+    by_addr = {a: i.name for i in ifaces for a in i.ipv4}
+    if spec:
+        name = spec.split(",")[0]
+        iface = next((i for i in ifaces if i.name == name), None)
+        if iface is None or not iface.ipv4:
+            return None, None, f"GLOO_SOCKET_IFNAME={spec}: no interface {name!r} with an IPv4 address here"
+        return name, iface.ipv4[0], f"GLOO_SOCKET_IFNAME={spec}"
+    for addr in resolved:
+        if addr in by_addr:
+            return by_addr[addr], addr, f"host name {hostname!r} resolves to {addr}"
+    lo = next((i for i in ifaces if i.name.startswith("lo") and i.ipv4), None)
+    why = f"host name {hostname!r} resolves to {', '.join(resolved) or 'nothing'}, not a local address: loopback"
+    return (lo.name if lo else None), (lo.ipv4[0] if lo else None), why
+
+
+def infiniband_ports(root: Path = Path("/sys/class/infiniband")) -> dict[str, list[str]]:
+    """HCA name -> ["port N: STATE (link layer)"], from sysfs (empty without InfiniBand/RoCE)."""
+    out: dict[str, list[str]] = {}
+    for dev in sorted(root.glob("*")) if root.is_dir() else []:
+        ports = []
+        for port in sorted((dev / "ports").glob("*")):
+            state = _read(port / "state").split(":")[-1].strip() or "?"
+            ports.append(f"port {port.name}: {state} ({_read(port / 'link_layer') or '?'})")
+        out[dev.name] = ports
+    return out
+
+
+def route_source(head_ip: str) -> str | None:
+    """The local address of the route to ``head_ip`` (what ``ray start`` registers as the node's IP)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((head_ip, 9))  # UDP connect sends nothing; it only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def ranges_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def check(*, nodes: int = 1, ports: tuple[int, int] | None = None, ray_tmpdir: str = "", head_ip: str = "",
+          env: dict[str, str] | None = None, ifaces: list[Interface] | None = None) -> Report:
+    """The node's report (see the module docstring); ``env`` and ``ifaces`` default to this machine's."""
+    env = dict(os.environ) if env is None else env
+    ifaces = local_interfaces() if ifaces is None else ifaces
+    r = Report()
+    hostname = socket.gethostname()
+    r.lines.append("interfaces: " + "; ".join(
+        f"{i.name} {','.join(i.ipv4) or '-'} {'up' if i.up else 'down'}" for i in ifaces))
+    set_vars = {k: v for k, v in sorted(env.items()) if k.startswith(("NCCL_", "GLOO_", "UCX_", "TP_SOCKET"))}
+    r.lines.append("variables: " + (" ".join(f"{k}={v}" for k, v in set_vars.items()) or "none of NCCL_*/GLOO_* set"))
+
+    try:
+        resolved = sorted({a[4][0] for a in socket.getaddrinfo(hostname, None, socket.AF_INET)})
+    except OSError:
+        resolved = []
+    name, addr, why = gloo_interface(ifaces, env.get("GLOO_SOCKET_IFNAME"), hostname, resolved)
+    if name is None and env.get("GLOO_SOCKET_IFNAME"):
+        r.errors.append(why)
+    else:
+        r.lines.append(f"gloo: {name} {addr} ({why})")
+        if addr and ipaddress.ip_address(addr).is_loopback and nodes > 1:
+            r.warnings.append(f"gloo binds loopback {addr} ({why}) on a {nodes}-node job: other nodes cannot reach "
+                              f"it (\"Gloo connectFullMesh failed\"); set GLOO_SOCKET_IFNAME to the interface "
+                              f"between the nodes")
+
+    nccl, why = nccl_socket_interfaces(ifaces, env.get("NCCL_SOCKET_IFNAME"))
+    if not nccl:
+        (r.errors if env.get("NCCL_SOCKET_IFNAME") else r.warnings).append(f"NCCL sockets: no interface ({why})")
+    else:
+        r.lines.append(f"NCCL sockets: {', '.join(nccl)} ({why}; bootstrap on {nccl[0]})")
+
+    hcas = infiniband_ports()
+    if hcas:
+        chosen = match_nccl_spec(list(hcas), env["NCCL_IB_HCA"]) if env.get("NCCL_IB_HCA") else list(hcas)
+        r.lines.append("InfiniBand HCAs: " + "; ".join(f"{h} [{', '.join(p)}]" for h, p in hcas.items()))
+        r.lines.append(f"NCCL IB: {', '.join(chosen) or 'none'} "
+                       f"({'NCCL_IB_HCA=' + env['NCCL_IB_HCA'] if env.get('NCCL_IB_HCA') else 'every HCA'})")
+        if not chosen:
+            r.errors.append(f"NCCL_IB_HCA={env['NCCL_IB_HCA']} selects none of the HCAs {', '.join(hcas)}")
+    else:
+        r.lines.append("InfiniBand HCAs: none (NCCL uses its socket transport between nodes)")
+
+    if head_ip:
+        r.lines.append(f"Ray node address: {route_source(head_ip) or '?'} (the route to the head {head_ip})")
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    r.lines.append(f"open files (ulimit -n): {soft} (hard {hard})")
+    if soft < 65536 and soft != resource.RLIM_INFINITY:
+        r.warnings.append(f"open files limit {soft} < 65536: Ray with many workers may run out of file descriptors")
+
+    mem_total, limit = _mem_total(), _cgroup_memory_limit()
+    if mem_total:
+        shown = f"{limit / 2**30:.1f} GiB" if limit else "none"
+        r.lines.append(f"memory: node {mem_total / 2**30:.1f} GiB, this job's limit (cgroup) {shown}")
+        if limit and limit < 0.9 * mem_total:
+            r.warnings.append(f"the job may use {limit / 2**30:.1f} GiB of the node's {mem_total / 2**30:.1f} GiB "
+                              f"(sbatch --mem=0 asks for all of it)")
+
+    eph = _read_ints(Path("/proc/sys/net/ipv4/ip_local_port_range"))
+    if len(eph) == 2:
+        r.lines.append(f"ephemeral ports: {eph[0]}-{eph[1]}" + (f"; Ray ports {ports[0]}-{ports[1]}" if ports else ""))
+        if ports and ranges_overlap(ports, (eph[0], eph[1])):
+            r.warnings.append(f"Ray ports {ports[0]}-{ports[1]} overlap the ephemeral range {eph[0]}-{eph[1]} "
+                              f"(net.ipv4.ip_local_port_range): an outgoing connection may take one; set "
+                              f"MEGAREASON_RAY_PORT_BASE below {eph[0]}")
+
+    if ray_tmpdir:
+        probe = Path(ray_tmpdir)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        fs = _filesystem(probe)
+        free = shutil.disk_usage(probe).free
+        r.lines.append(f"Ray temp dir {ray_tmpdir}: {fs}, {free / 2**30:.1f} GiB free")
+        if fs in ("tmpfs", "ramfs", "overlay"):
+            r.warnings.append(f"Ray's temp dir {ray_tmpdir} is on {fs} (memory or the container's root): set "
+                              f"MEGAREASON_RAY_TMPDIR to node-local disk for Ray's logs and object spilling")
+
+    gpus = env.get("CUDA_VISIBLE_DEVICES")
+    smi = _nvidia_smi_count()
+    r.lines.append(f"GPUs: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}, "
+                   f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '(unset)')}, nvidia-smi: "
+                   f"{'not found' if smi is None else smi}")
+    return r
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _read_ints(path: Path) -> list[int]:
+    return [int(x) for x in _read(path).split()]
+
+
+def _mem_total() -> int:
+    for line in _read(Path("/proc/meminfo")).splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cgroup_memory_limit() -> int:
+    """This process's memory limit in bytes (cgroup v2 or v1), 0 when unlimited or unknown."""
+    for line in _read(Path("/proc/self/cgroup")).splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            value = _read(Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.max")
+        elif "memory" in controllers.split(","):
+            value = _read(Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.limit_in_bytes")
+        else:
+            continue
+        if value.isdigit() and int(value) < 2**60:
+            return int(value)
+    return 0
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the file system holding ``path`` (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", "?"
+    resolved = str(path.resolve())
+    for line in _read(Path("/proc/mounts")).splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and (resolved == parts[1] or resolved.startswith(parts[1].rstrip("/") + "/")):
+            if len(parts[1]) >= len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
+def _nvidia_smi_count() -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def _port_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        return int(low), int(high or low)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--ports must be LOW-HIGH, got {text!r}") from e
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
+                   help="nodes of the job (default: $SLURM_JOB_NUM_NODES or 1); > 1 warns about loopback gloo")
+    p.add_argument("--ports", type=_port_range, default=None, help="the job's Ray ports, LOW-HIGH")
+    p.add_argument("--ray-tmpdir", default="", help="Ray's temp dir on this node")
+    p.add_argument("--head-ip", default="", help="the Ray head's address (prints the route's source address)")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    r = check(nodes=args.nodes, ports=args.ports, ray_tmpdir=args.ray_tmpdir, head_ip=args.head_ip)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    for line in r.lines:
+        print(f"node-check {node}: {line}")
+    for w in r.warnings:
+        print(f"node-check {node}: warning: {w}")
+    for e in r.errors:
+        print(f"node-check {node}: error: {e}")
+    return 1 if r.errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megareason.launch.node_check", description=HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_cli(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The Slurm pre-emption lead: how long before its time limit a job must be told to stop.
+
+``sbatch --signal=B:USR1@LEAD`` sends SIGUSR1 to the job script LEAD seconds before the time limit; the
+driver then finishes the step in progress, saves a checkpoint and exits (``trainer/loop.py``), and the job
+requeues itself (``slurm/ray_cluster.sh``). That takes up to one whole step plus one checkpoint write, plus
+the teardown (Ray stopped, ``scontrol requeue``), so::
+
+    lead = (step seconds + checkpoint seconds) x SAFETY + TEARDOWN_S, rounded up to whole minutes
+
+with the step's seconds from ``megareason plan`` (``launch/plan.py``) and the checkpoint's seconds from its
+bytes over the nodes' write bandwidth. A checkpoint holds every parameter in the training precision plus
+the Adam state of every trainable one (``models/checkpoint.py``): bf16 weights and fp32 main weights + two
+fp32 moments = 14 bytes per parameter (fp32 training: 4 + 8 = 12), the critic's again for PPO, and with
+LoRA the frozen base weights plus the adapters' states. The lead is printed by ``megareason plan``;
+``tests/test_slurm.py`` checks ``slurm/raro_70b.sbatch``'s ``--signal`` against it.
+
+A pre-emption without that signal (SIGTERM to the job's steps, then SIGKILL after the site's GraceTime) gets
+a checkpoint only if a step and a save fit in the grace time; ``trainer.save_every_minutes`` bounds what
+is lost otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from megareason.config.load import ConfigError
+from megareason.config.schema import Config
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LeadOptions:
+    """Assumptions of the lead (the ``--checkpoint-write-gbs`` flag of ``megareason plan``)."""
+
+    # Sustained write bandwidth of one node to trainer.output_dir's file system (GB/s). Parallel file
+    # systems give roughly 1-5 GB/s per client node; measure yours (the driver logs each save's seconds).
+    write_gb_s_per_node: float = 2.0
+    safety: float = 1.25  # the plan's step time is an estimate
+    teardown_s: float = 120.0  # the driver's exit, Ray's teardown (slurm/ray_cluster.sh waits up to 60 s), requeue
+
+
+@dataclass(frozen=True)
+class Lead:
+    step_s: float
+    checkpoint_bytes: float
+    checkpoint_s: float
+    seconds: int  # the --signal lead: whole minutes
+    options: LeadOptions
+
+    def line(self) -> str:
+        o = self.options
+        return (f"pre-emption lead: a step {self.step_s:.0f} s + a checkpoint of {self.checkpoint_bytes / GB:.0f} GB "
+                f"{self.checkpoint_s:.0f} s (at {o.write_gb_s_per_node:g} GB/s per node), x {o.safety:g} + "
+                f"{o.teardown_s:.0f} s teardown = #SBATCH --signal=B:USR1@{self.seconds}")
+
+
+def checkpoint_bytes(cfg: Config, total_params: int, trainable_params: int) -> float:
+    """Bytes of one checkpoint: the model in the training precision + Adam's state of the trainable params
+    (fp32 main weights and two moments in bf16 training; two moments in fp32); twice with PPO's critic."""
+    weights = (2 if cfg.trainer.precision == "bf16" else 4) * total_params
+    adam = (12 if cfg.trainer.precision == "bf16" else 8) * trainable_params
+    return (weights + adam) * (2 if cfg.algorithm.name == "ppo" else 1)
+
+
+def preemption_lead(step_s: float, ckpt_bytes: float, nodes: int, options: LeadOptions = LeadOptions()) -> Lead:
+    if options.write_gb_s_per_node <= 0:
+        raise ConfigError(f"--checkpoint-write-gbs must be > 0, got {options.write_gb_s_per_node}")
+    ckpt_s = ckpt_bytes / (options.write_gb_s_per_node * GB * max(nodes, 1))
+    seconds = 60 * math.ceil(((step_s + ckpt_s) * options.safety + options.teardown_s) / 60)
+    return Lead(step_s, ckpt_bytes, ckpt_s, seconds, options)
+
+
+def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
+    """The lead of a ``megareason plan`` result (``plan.Plan``) for its config."""
+    from megareason.launch.plan_memory import lora_params_per_gpu
+
+    trainable = plan.total_params
+    if cfg.lora.enabled:  # the adapters of the whole model (TP = PP = 1)
+        trainable = lora_params_per_gpu(plan.arch, 1, 1, cfg.lora.rank, cfg.lora.targets)
+    return preemption_lead(sum(plan.seconds.values()), checkpoint_bytes(cfg, plan.total_params, trainable),
+                           plan.nodes, options)
+
+
+def lead_for(args: argparse.Namespace) -> Lead:
+    """The lead for ``megareason plan``'s arguments (the plan's own flags plus ``--checkpoint-write-gbs``)."""
+    from megareason.config import load_config
+    from megareason.launch.plan import PlanOptions, plan_config
+
+    opt = PlanOptions(**{f.name: getattr(args, f.name) for f in fields(PlanOptions) if hasattr(args, f.name)})
+    plan = plan_config(args.config, args.overrides, opt, args.model_shape)
+    path = Path(args.config)
+    is_file = path.suffix in (".yaml", ".yml") or "/" in args.config
+    cfg = load_config(path.stem if is_file else args.config, args.overrides, path.parent if is_file else None)
+    return plan_lead(plan, cfg, LeadOptions(write_gb_s_per_node=args.checkpoint_write_gbs))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint-write-gbs", type=float, default=LeadOptions.write_gb_s_per_node,
+                   help="checkpoint write bandwidth per node in GB/s, for the Slurm pre-emption lead "
+                   "(--signal=B:USR1@LEAD) printed after the plan")

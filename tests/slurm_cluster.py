@@ -1,0 +1,255 @@
+"""A real Slurm cluster on this machine for the launch tests: slurmctld and two ``slurmd`` "nodes" (n1, n2).
+
+Each node gives jobs one CPU, so Ray (one CPU per node) must place two data-parallel ranks on both nodes.
+Slurm comes from Debian's ``slurm-wlm`` (installed when missing; the tests run as root), with ``auth/none``
+(no munge), ports and state in a private directory, every daemon bound to loopback and stopped by PID.
+One cluster serves every test of a session (``conftest.py``'s ``slurm`` fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megareason.utils import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+SLURM_CONF = """\
+ClusterName={name}
+SlurmctldHost=localhost
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+AuthType=auth/none
+CredType=cred/none
+# A requeued job may start again after cred_expire seconds (default 120).
+AuthInfo=cred_expire=10
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool/%n
+SlurmctldPidFile={dir}/run/slurmctld.pid
+SlurmdPidFile={dir}/run/slurmd-%n.pid
+SlurmctldLogFile={dir}/log/slurmctld.log
+SlurmdLogFile={dir}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmdTimeout=60
+InactiveLimit=0
+KillWait=10
+MinJobAge=300
+NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=1 RealMemory=4000 State=UNKNOWN
+NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=1 RealMemory=4000 State=UNKNOWN
+PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+@dataclass
+class Cluster:
+    name: str
+    dir: Path
+    env: dict[str, str]
+    ray_tmp: Path
+    daemons: list[subprocess.Popen] = field(default_factory=list)
+
+    def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
+
+    def job_state(self, job: str) -> dict[str, str]:
+        """``scontrol show job`` as a dict (JobState, ExitCode, Restarts, ...); empty once it is gone."""
+        out = self.run("scontrol", "show", "job", job).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_for_job(self, job: str, timeout: float) -> dict[str, str]:
+        """Poll until the job is COMPLETED/FAILED/CANCELLED/TIMEOUT (requeues included); its final state."""
+        deadline = time.time() + timeout
+        while True:
+            state = self.job_state(job)
+            if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                return state
+            assert time.time() < deadline, f"job {job} did not finish within {timeout} s: {state}"
+            time.sleep(2)
+
+
+def ensure_slurm() -> None:
+    """Debian's slurm-wlm, installed once (a no-op when present)."""
+    if all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch")):
+        return
+    if os.geteuid() != 0:
+        raise RuntimeError("Slurm is missing and installing it needs root: apt-get install slurm-wlm")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", "slurm-wlm"]
+    if subprocess.run(install, env=env, capture_output=True).returncode != 0:  # no package lists yet
+        subprocess.run(["apt-get", "update", "-o", "DPkg::Lock::Timeout=600"], env=env, check=True,
+                       capture_output=True)
+        proc = subprocess.run(install, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
+
+
+def port_block(size: int) -> int:
+    """The first port of ``size`` consecutive free ports (for Ray's per-node port blocks)."""
+    for base in range(21000, 32000 - size, 1000):
+        socks = []
+        try:
+            for port in range(base, base + size):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {size} free consecutive ports")
+
+
+def start(base_dir: Path) -> Cluster:
+    """slurmctld and two slurmd on loopback, private ports and state under ``base_dir``; idle when returned."""
+    ensure_slurm()
+    d = base_dir
+    for sub in ("state", "spool", "run", "log"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    conf = d / "slurm.conf"
+    name = f"mr{os.getpid()}"
+    conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=free_port("127.0.0.1"),
+                                      n1_port=free_port("127.0.0.1"), n2_port=free_port("127.0.0.1")))
+    ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths are limited
+    # The block holds 4 node slots of 200 ports (slurm/ray_cluster.sh); one per test job at a time.
+    env = {**os.environ, "SLURM_CONF": str(conf), "MEGAREASON_PYTHON": sys.executable,
+           "MEGAREASON_RAY_PORT_BASE": str(port_block(800)), "MEGAREASON_RAY_TMPDIR": str(ray_tmp),
+           "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
+    cluster = Cluster(name, d, env, ray_tmp)
+    try:
+        for cmd, log in ((["slurmctld", "-D", "-i"], "ctld"), (["slurmd", "-D", "-N", "n1"], "n1"),
+                         (["slurmd", "-D", "-N", "n2"], "n2")):
+            with open(d / "log" / f"{log}.stdout", "w") as out:
+                cluster.daemons.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+            time.sleep(1)
+        deadline = time.time() + 60
+        while cluster.run("sinfo", "-h", "-o", "%T %D").stdout.split() != ["idle", "2"]:
+            if not all(p.poll() is None for p in cluster.daemons):
+                raise RuntimeError("a Slurm daemon exited; logs in " + str(d / "log"))
+            if time.time() > deadline:
+                raise RuntimeError("the two nodes did not become idle: " + cluster.run("sinfo").stdout)
+            time.sleep(1)
+    except BaseException:
+        stop(cluster)
+        raise
+    return cluster
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def stop(cluster: Cluster) -> None:
+    """Cancel what is left in the queue, then stop the daemons by PID."""
+    if cluster.daemons and cluster.daemons[0].poll() is None:
+        cluster.run("scancel", "--partition=debug")
+        deadline = time.time() + 90
+        while cluster.run("squeue", "-h").stdout.strip() and time.time() < deadline:
+            time.sleep(1)
+    for p in reversed(cluster.daemons):
+        _stop_process(p)
+    shutil.rmtree(cluster.ray_tmp, ignore_errors=True)
+
+
+def cmdline(proc_dir: Path) -> str:
+    try:
+        return (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def assert_cleaned_up(cluster: Cluster) -> None:
+    """No process of the jobs' Ray is left (they all name its temp dir), no per-job folder, no Ray temp dir."""
+    assert not list((REPO / "outputs" / "slurm").glob(f"{cluster.name}-*"))
+    deadline = time.time() + 60
+    while True:
+        left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(cluster.ray_tmp) in cmdline(p)]
+        if not left:
+            break
+        assert time.time() < deadline, f"Ray processes left: {[cmdline(p)[:200] for p in left]}"
+        time.sleep(1)
+    assert not list(cluster.ray_tmp.glob("mr-ray-*")), "a Ray temp dir was left on the node"
+
+
+# --------------------------------------------------------------------------- the tiny 70B recipe on it
+
+# What the interrupted runs must reproduce from the uninterrupted one.
+SAME_KEYS = ("actor/loss", "actor/grad_norm", "reward/mean", "response_length/mean", "raro/critic_accuracy")
+
+
+def tiny_raro(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
+    """Overrides that cut configs/raro_70b.yaml down to the tiny model on CPU: the e2e RARO test's settings,
+    2 DP ranks (one per node), fp32 without the 70B recipe's memory settings, its KL term (the reference
+    log-probs of both replicas are concatenated by the driver), 2 steps."""
+    from test_train_e2e import _raro_args
+
+    args = _raro_args(model, tmp, out, "trainer.steps=2", "parallel.tensor_model_parallel_size=1",
+                      "parallel.pipeline_model_parallel_size=1", "parallel.data_parallel_size=2",
+                      "rollout.tensor_parallel_size=1", "rollout.dtype=float32", "optim.warmup_steps=0",
+                      "algorithm.kl_coef=0.001", "trainer.precision=fp32", "trainer.recompute=none",
+                      "optim.use_distributed_optimizer=false", "parallel.sequence_parallel=false", *extra)
+    assert args[:4] == [sys.executable, "-m", "megareason.cli", "train"]
+    return args[4:]
+
+
+# Both nodes, no GPUs, one CPU each; a time limit well beyond the recipe's --signal lead (30 minutes).
+SBATCH_ON_TWO_NODES = ("--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", "--time=90")
+
+
+def sbatch(cluster: Cluster, name: str, *overrides: str, wait: bool = True) -> tuple[str, Path, subprocess.Popen]:
+    """``sbatch slurm/raro_70b.sbatch OVERRIDES`` on both nodes: (job id, job log, the sbatch process, which
+    with ``wait`` follows the job through its requeues and exits with its final code)."""
+    log = cluster.dir / f"{name}.out"
+    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *SBATCH_ON_TWO_NODES, f"--job-name={name}",
+           f"--output={log}", "slurm/raro_70b.sbatch", *overrides]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    job = proc.stdout.readline().strip()
+    assert job.isdigit(), proc.stderr.read()
+    return job, log, proc
+
+
+def read_log(log: Path) -> str:
+    return log.read_text() if log.exists() else ""
+
+
+def metrics(out: Path) -> dict[int, dict]:
+    import json
+
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def wait_for_loop(out: Path, proc: subprocess.Popen | None, log: Path, timeout: float = 900) -> None:
+    """Until the training loop has started (its Tracker created metrics.jsonl, before step 1)."""
+    deadline = time.time() + timeout
+    while not (out / "metrics.jsonl").exists():
+        assert proc is None or proc.poll() is None, read_log(log)[-6000:]
+        assert time.time() < deadline, read_log(log)[-6000:]
+        time.sleep(1)
