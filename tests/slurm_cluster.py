@@ -247,9 +247,13 @@ def metrics(out: Path) -> dict[int, dict]:
 
 
 def wait_for_loop(out: Path, proc: subprocess.Popen | None, log: Path, timeout: float = 900) -> None:
-    """Until the training loop has started (its Tracker created metrics.jsonl, before step 1)."""
+    """Until step 1 is under way: the Tracker creates metrics.jsonl just before the loop, whose first
+    iteration stops at once on a signal that came before it ("before step 1: stopped", no checkpoint: seen
+    once in CI); 2 s later step 1 is generating (a tiny RARO step takes 5 s or more here: two generate
+    passes, log-probs, an update and a sync through Ray), so the stop comes after it, with a checkpoint."""
     deadline = time.time() + timeout
     while not (out / "metrics.jsonl").exists():
         assert proc is None or proc.poll() is None, read_log(log)[-6000:]
         assert time.time() < deadline, read_log(log)[-6000:]
-        time.sleep(1)
+        time.sleep(0.2)
+    time.sleep(2.0)
