@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from golden_curves import check_golden
 
 from megareason.config import ConfigError
 from megareason.data.loaders import DataError
@@ -105,6 +106,7 @@ def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path,
 @pytest.mark.slow
 def test_sft_run_matches_transformers_and_lowers_the_loss(tiny_qwen2, tmp_path):
     data, out, m = _sft_run(tiny_qwen2, tmp_path, "sft")
+    check_golden("sft", m)
     from transformers import AutoTokenizer
 
     from megareason.data.loaders import load_file

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from golden_curves import check_golden
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +88,7 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path)
     straight = tmp_path / "straight"
     _run(_args(tiny_qwen2, tmp_path, straight, *AT_SCALE))
     reference = _metrics(straight)
+    check_golden("grpo", reference)
     # bf16 training against fp32 generation: the mismatch is reported, > 1 and still small.
     assert all(1.0 < reference[s]["rollout/token_mult_prob_error"] < 1.5 for s in reference)
     assert set(reference) == {1, 2, 3, 4}
@@ -123,6 +125,7 @@ def test_ppo_with_a_critic_runs_and_its_value_loss_falls(tiny_qwen2, tmp_path):
                "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true", "algorithm.mini_batches=2",
                "trainer.save_every=0"))
     m = _metrics(out)
+    check_golden("ppo", m)
     losses = [m[s]["critic/vf_loss"] for s in range(1, 7)]
     assert sum(losses[-2:]) / 2 < 0.5 * sum(losses[:2]) / 2, losses
     assert (out / "checkpoints" / "step_00000006" / "critic").is_dir()
@@ -168,6 +171,7 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
     straight = tmp_path / "straight"
     _run(_raro_args(tiny_qwen2, tmp_path, straight, "trainer.steps=3", "trainer.save_every=2"))
     reference = _metrics(straight)
+    check_golden("raro", reference)
     assert sorted(reference) == [1, 2, 3]
     for key in ("raro/critic_accuracy", "raro/tie_rate", "raro/format_error_rate", "raro/policy_fool_rate",
                 "raro/expert_win_rate", "raro/buffer_size", "raro/critic_fresh", "raro/critic_historical",
@@ -212,6 +216,7 @@ def test_grpo_on_the_retrieval_qa_environment(tiny_qwen2, tmp_path):
                "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]",
                "trainer.loggers=[console,tensorboard,wandb,mlflow]"))
     m = _metrics(out)
+    check_golden("grpo_env", m)
     # every logger of a real run: tensorboard events, an offline wandb run folder, an MLflow run
     assert list((out / "tensorboard").glob("events.*")) and list((out / "wandb").glob("offline-run-*"))
     assert (out / "mlflow_run_id").is_file() and list((out / "mlruns").glob("*/*/metrics/reward"))

@@ -1,0 +1,35 @@
+"""Golden curves: the per-step metrics of short deterministic tiny-model runs, recorded once and compared
+exactly (the runs are bit-reproducible on this machine: same seeds, same thread counts, same kernels).
+
+A refactor must leave them unchanged. To re-record them (``tools/regen_golden.sh``) set
+``MEGAREASON_WRITE_GOLDEN=1``; a changed ``tests/golden/*.jsonl`` must be explained in its commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+GOLDEN = Path(__file__).parent / "golden"
+# Wall-clock measurements differ from run to run; everything else must not.
+VOLATILE_PREFIXES = ("time/", "throughput/", "sync/seconds")
+
+
+def curve(metrics: dict[int, dict]) -> list[dict]:
+    """The comparable part of a run's metrics.jsonl rows, in step order."""
+    return [{k: v for k, v in sorted(metrics[s].items()) if not k.startswith(VOLATILE_PREFIXES)}
+            for s in sorted(metrics)]
+
+
+def check_golden(name: str, metrics: dict[int, dict]) -> None:
+    """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` exactly (or record it)."""
+    rows, path = curve(metrics), GOLDEN / f"{name}.jsonl"
+    if os.environ.get("MEGAREASON_WRITE_GOLDEN") == "1":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return
+    expected = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in expected], f"{path.name}: other steps"
+    for got, want in zip(rows, expected, strict=True):
+        diff = {k: (got.get(k), want.get(k)) for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)}
+        assert not diff, f"{path.name} step {want['step']}: (this run, golden) differ: {diff}"
