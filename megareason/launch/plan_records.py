@@ -1,0 +1,157 @@
+"""The records of ``megareason plan`` (``launch/plan.py``): the GPUs and model shapes it knows, the options
+a plan is made under, the step's generation passes (``workload``) and the ``Plan`` itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megareason.config.load import ConfigError
+from megareason.config.schema import Config
+from megareason.models.arch import ModelArch
+
+GiB = 1024**3
+CRITIC_PROMPT_EXTRA = 256  # tokens the RARO critic prompt adds to the question (instructions, two answers)
+
+
+class PlanError(ConfigError):
+    """The config cannot run on the allocation; the message names the field and the numbers."""
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float  # as nvidia-smi reports it
+    bf16_flops: float  # dense peak, FLOP/s (bf16 and fp16 tensor cores)
+    fp32_flops: float  # dense fp32 peak without TF32 (megatron-core leaves torch's TF32 matmuls off)
+    hbm_bytes_s: float  # HBM bandwidth, bytes/s
+    nvlink_bytes_s: float  # per GPU, one direction
+    network_bytes_s: float  # inter-node, per GPU (one NIC per GPU)
+    max_num_seqs: int  # vLLM's default for LLM(...) on this GPU (engine/arg_utils.py)
+
+    def flops(self, precision: str) -> float:
+        return self.fp32_flops if precision == "fp32" else self.bf16_flops
+
+
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("H100-80GB", 79.6, 989e12, 67e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
+        GPU("H200", 140.4, 989e12, 67e12, 4.8e12, 450e9, 50e9, 1024),
+        GPU("A100-80GB", 80.0, 312e12, 19.5e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
+    )
+}
+
+
+def _llama(vocab, hidden, ffn, layers, heads, kv, *, family="llama", tied=False, theta=500000.0, factor=8.0,
+           eps=1e-5, max_pos=131072) -> ModelArch:
+    return ModelArch(family=family, vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
+                     num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, rms_norm_eps=eps, rope_theta=theta,
+                     rope_scaling_factor=factor, max_position_embeddings=max_pos, tie_word_embeddings=tied,
+                     qkv_bias=family == "qwen2")
+
+
+# Shapes from the models' published config.json files, for planning without the weights.
+MODEL_SHAPES = {
+    "llama-3.1-70b": _llama(128256, 8192, 28672, 80, 64, 8),  # also Llama-3.3-70B
+    "llama-3.1-8b": _llama(128256, 4096, 14336, 32, 32, 8),
+    "qwen2.5-72b": _llama(152064, 8192, 29568, 80, 64, 8, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
+                          max_pos=32768),
+    "qwen2.5-7b": _llama(152064, 3584, 18944, 28, 28, 4, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
+                         max_pos=32768),
+    "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, tied=True, theta=100000.0, factor=0.0, max_pos=8192),
+}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The allocation and the assumptions a plan is made under (the CLI flags of ``megareason plan``)."""
+
+    gpu: str = "H100-80GB"
+    nodes: int = 0  # 0: as many as the layout needs (TP x PP x DP / gpus_per_node)
+    gpus_per_node: int = 8
+    mfu: float = 0.4  # training and log-prob passes, pipeline bubble excluded
+    prompt_fraction: float = 0.5  # mean prompt length / data.max_prompt_length
+    response_fraction: float = 0.5  # mean response length / rollout.max_tokens (the longest reaches it)
+    response_tokens: int = 0  # > 0: the policy's mean response length in tokens (instead of the fraction)
+
+
+
+@dataclass
+class Plan:
+    """Per-GPU bytes per phase and seconds per phase of one training step."""
+
+    config_name: str
+    arch: ModelArch
+    arch_source: str
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+    tp: int
+    pp: int
+    dp: int
+    engines: int
+    vllm_tp: int
+    settings: dict[str, object]  # the config's trainer memory settings (SETTINGS)
+    spec: str  # layers the trainer builds: "te" (TransformerEngine) or "local" (megatron-core's, LoRA)
+    options: PlanOptions
+    params_per_gpu: int
+    total_params: int
+    memory: dict[str, dict[str, float]]  # phase -> line -> bytes, on the phase's most loaded stage
+    stages: dict[str, int]  # phase -> its most loaded pipeline stage
+    activations_by_recompute: dict[str, float]  # trainer.recompute none / selective / full -> training bytes
+    kv_tokens_per_engine: int
+    kv_bytes_per_token: int  # per GPU of an engine
+    passes: list[Pass] = field(default_factory=list)  # the step's generation passes (workload)
+    seconds: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # phase -> how its seconds were computed
+    generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+
+
+def kv_bytes_per_token(arch: ModelArch, vllm_tp: int, dtype_bytes: int) -> int:
+    """KV cache bytes per token on one GPU of an engine (kv heads are replicated when fewer than TP)."""
+    heads = max(arch.num_kv_heads // vllm_tp, 1)
+    return 2 * arch.num_layers * heads * arch.head_dim * dtype_bytes
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes per element of a vLLM ``rollout.dtype``."""
+    return 4 if dtype == "float32" else 2  # "auto" is bf16 for these models
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One generation pass: ``samples`` sequences of ``prompt`` + ``response`` tokens on average, the
+    longest response ``max_response`` tokens."""
+
+    name: str
+    samples: int
+    prompt: float
+    response: float
+    max_response: int
+
+    @property
+    def tokens(self) -> float:
+        return self.samples * (self.prompt + self.response)
+
+
+def workload(cfg: Config, opt: PlanOptions) -> list[Pass]:
+    """The generation passes of one step; their sequences are also the rows trained on."""
+    r, t = cfg.rollout, cfg.trainer
+    prompt = opt.prompt_fraction * cfg.data.max_prompt_length
+    response = min(opt.response_tokens, r.max_tokens) if opt.response_tokens else opt.response_fraction * r.max_tokens
+    passes = [Pass("policy", t.prompts_per_step * r.n, prompt, response, r.max_tokens)]
+    if cfg.algorithm.name == "raro":
+        raro = cfg.raro
+        fresh = t.prompts_per_step * r.n
+        triplets = fresh + round(fresh * raro.replay_buffer_ratio / (1 - raro.replay_buffer_ratio))
+        passes.append(Pass("critic", triplets * raro.critic_n, prompt + CRITIC_PROMPT_EXTRA,
+                           opt.response_fraction * raro.critic_max_tokens, raro.critic_max_tokens))
+    return passes
+
+
