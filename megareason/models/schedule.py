@@ -246,6 +246,8 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
 
 
 def padded_micro_batches(tokens_BT: torch.Tensor, micro_batch_size: int) -> list[TokenBatch]:
+    """``tokens_BT`` (right-padded rows) cut into padded ``TokenBatch``es of ``micro_batch_size`` rows
+    each (views, no copy); ``ValueError`` unless B is a multiple of it."""
     if tokens_BT.shape[0] % micro_batch_size:
         raise ValueError(f"batch size {tokens_BT.shape[0]} is not a multiple of micro_batch_size {micro_batch_size}")
     return [TokenBatch(t) for t in tokens_BT.split(micro_batch_size)]

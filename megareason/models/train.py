@@ -32,6 +32,10 @@ class TrainBatch:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
+    """megatron-core's AdamW as ``wrap_for_training`` builds it (the config's ``optim``): ``clip_grad`` is
+    the maximum global gradient norm; ``use_distributed_optimizer`` shards the optimizer state over the
+    data-parallel ranks (its checkpoints then resume only into a distributed optimizer)."""
+
     lr: float = 1e-6
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -43,6 +47,9 @@ class OptimizerSettings:
 
 @dataclass
 class StepResult:
+    """What one ``train_step`` returns, the same on every rank (reduced over data-parallel ranks and
+    broadcast from the last pipeline stage)."""
+
     loss: float  # sum of loss_sum / sum of count, over the global batch
     grad_norm: float  # before clipping
     metrics: dict[str, float]  # each metric summed over micro-batches and DP ranks

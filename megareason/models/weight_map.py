@@ -27,6 +27,9 @@ from megareason.models.arch import ModelArch
 
 @dataclass(frozen=True)
 class Rule:
+    """One megatron-core tensor, the HF tensors it is made of (in the order ``split`` combines them; see
+    the layouts above) and the pipeline stages that hold it (``where``)."""
+
     megatron: str  # "{i}": the layer index local to the pipeline stage
     hf: tuple[str, ...]  # "{i}": the global layer index
     split: str  # "replicated" | "vocab" | "row" | "qkv" | "gate_up"
