@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
+import time
+import traceback
 from dataclasses import asdict
+from pathlib import Path
+
+from megareason import logs
 
 DESCRIPTION = """\
 megareason: RL post-training for LLM reasoning (megatron-core + vLLM).
@@ -104,7 +108,9 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and everything the libraries "
+                        "print on the console (by default their output goes to the run folder's logs/; also "
+                        "MEGAREASON_VERBOSE=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
@@ -179,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # Models and data come from local files only; never let a library reach for a hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logs.setup_console(args.verbose)
     from megareason.config import ConfigError
     from megareason.data import DataError
     from megareason.models.arch import ArchError
@@ -214,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ArchError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        if logs.last_log() is None:
+            raise
+        traceback.print_exc()
+        print(f"error: megareason {args.command} failed; full log: {logs.last_log()} (each Ray worker's log is in "
+              "the same folder)", file=sys.stderr)
+        return 1
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -225,7 +237,12 @@ def _eval(args: argparse.Namespace) -> int:
         return 0
     from megareason.evaluation.runner import format_table, run_eval
 
-    report = run_eval(cfg)
+    # The run's folder is named when it is written: the log moves into it then.
+    log = Path(cfg.eval.output_dir) / f"eval_{time.strftime('%Y%m%d-%H%M%S')}.log"
+    with logs.captured(log) as captured:
+        report = run_eval(cfg)
+    if captured is not None and report.output_dir is not None and log.exists():
+        os.replace(log, report.output_dir / "eval.log")
     print()
     print(format_table(report.summaries))
     if report.hop_rows:
@@ -249,7 +266,8 @@ def _train(args: argparse.Namespace) -> int:
     from megareason.trainer.loop import train
     from megareason.trainer.report import render
 
-    run = train(cfg)
+    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
+        run = train(cfg)
     plots = render(run)
     print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
     return 0
@@ -265,7 +283,8 @@ def _sft(args: argparse.Namespace) -> int:
     from megareason.trainer.report import render
     from megareason.trainer.sft import sft
 
-    run = sft(cfg)
+    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
+        run = sft(cfg)
     plots = render(run)
     print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
     return 0
@@ -275,7 +294,9 @@ def _benchmark(args: argparse.Namespace) -> int:
     from megareason.config import load_config
     from megareason.evaluation.benchmark import analyze, run_benchmark
 
-    out = run_benchmark(load_config(args.config_name, args.overrides, args.config_dir))
+    cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    with logs.captured(Path(cfg.benchmark.output_dir) / "logs" / "benchmark.log"):
+        out = run_benchmark(cfg)
     text, plots = analyze(out)
     print(f"\n{text}\n\nresults in {out} ({len(plots)} plots in {out}/plots); `megareason analyze {out}` "
           "prints this again")

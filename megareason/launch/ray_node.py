@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from megareason.logs import NODE_HOOK_ENV
+
 STOP_FILE, UP_FILE, RUN_DIR_FILE = "ray.stop", "ray.up", "run_dir"
 POLL_S = 1.0
 
@@ -48,7 +50,9 @@ SETUP_HOOK = "megareason.launch.ray_node.shield_worker"
 def start_shielded(cmd: list[str]) -> subprocess.Popen:
     """``cmd`` with SIGTERM blocked in it and everything it starts (this process keeps it unblocked), and
     ``shield_worker`` run in each Ray worker."""
-    env = {**os.environ, SETUP_HOOK_ENV: os.environ.get(SETUP_HOOK_ENV, SETUP_HOOK)}
+    hook = os.environ.get(SETUP_HOOK_ENV, SETUP_HOOK)
+    # NODE_HOOK_ENV: the driver's runtime_env sets a setup hook of its own (megareason.logs), which runs this one.
+    env = {**os.environ, SETUP_HOOK_ENV: hook, NODE_HOOK_ENV: hook}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return subprocess.Popen(cmd, env=env)

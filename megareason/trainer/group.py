@@ -32,11 +32,15 @@ def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    # The workers import megareason from the same place as the driver.
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
-                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                        # vLLM's per-request INFO lines would drown the training log.
-                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}}
+    from megareason.logs import worker_runtime_env
+
+    # The workers import megareason from the same place as the driver; their output goes to the run
+    # folder's logs/ when the driver's does (megareason/logs.py).
+    env = worker_runtime_env({
+        "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        # vLLM's per-request INFO lines would drown the training log.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:

@@ -66,7 +66,10 @@ class _Worker:
     megatron-core's parallel groups for this role."""
 
     def __init__(self, cfg: Config, rank: int, world: int):
+        from megareason.logs import name_worker
+
         self.cfg, self.rank, self.world = cfg, rank, world
+        name_worker(type(self).__name__.removesuffix("Worker").lower(), rank)  # logs/policy_rank0.log
 
     def address(self) -> tuple[str, int]:
         from megareason.utils import free_port
