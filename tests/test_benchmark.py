@@ -8,7 +8,7 @@ import pytest
 
 from megareason.envs.runner import format_rows, hop_rows
 from megareason.evaluation.benchmark import analyze, load_results, run_name, tables
-from megareason.evaluation.runner import SampleResult
+from megareason.rewards.scoring import SampleResult
 
 
 def sample(index, hops, em, f1, recall, end="done", searches=1, reward=None):

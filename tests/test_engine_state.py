@@ -21,8 +21,8 @@ import torch
 
 from megareason.config import load_config
 from megareason.data.records import PromptRecord
-from megareason.evaluation.runner import SampleResult
 from megareason.models.tiny import build_tokenizer
+from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine import Completion, WeightUpdate
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
 from megareason.trainer.run_dir import RunDir

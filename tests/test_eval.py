@@ -8,9 +8,9 @@ import pytest
 
 from megareason.cli import main
 from megareason.config import from_dict
-from megareason.evaluation.metrics import pass_at_k
 from megareason.evaluation.runner import format_table, run_eval
 from megareason.models.tiny import build_tokenizer
+from megareason.rewards.scoring import pass_at_k
 from megareason.rollout.engine import Completion
 
 

@@ -400,7 +400,7 @@ def test_rerank_asks_every_pair_once_and_picks_the_critics_favourite():
 
 
 def test_summarize_reports_the_reranked_accuracy():
-    from megareason.evaluation.runner import SampleResult, summarize
+    from megareason.rewards.scoring import SampleResult, summarize
 
     def s(index, sample, correct):
         return SampleResult(index=index, sample=sample, data_source="countdown", question="q", ground_truth="1",

@@ -20,10 +20,10 @@ from megareason.cli import main
 from megareason.config import Config, ConfigError, from_dict, load_config
 from megareason.config.schema import TinyVConfig
 from megareason.data import DataError, PromptRecord, TokenizedPrompt
-from megareason.evaluation.runner import score, scorer_from
 from megareason.rewards import get_reward_fn, register
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest
 from megareason.rewards.registry import base_source
+from megareason.rewards.scoring import score, scorer_from
 from megareason.rewards.tinyv import (
     CHOICES,
     FALLBACK_ERROR,

@@ -171,7 +171,7 @@ def test_trainer_state_round_trips_through_json(tmp_path):
 
 def test_an_unknown_data_source_fails_at_start_up_listing_the_registered_ones():
     from megareason.data import DataError
-    from megareason.evaluation.runner import scorer_from
+    from megareason.rewards.scoring import scorer_from
 
     records = [PromptRecord([{"role": "user", "content": "q"}], src, "1") for src in ("math", "no_such_source")]
     with pytest.raises(DataError, match=r"no_such_source.*registered: .*countdown.*gsm8k"):

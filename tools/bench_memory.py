@@ -85,7 +85,7 @@ def _measure_rank(model_dir: str, setting: Setting, tokens: int) -> dict:
     from megareason.models.parallel import init_parallel
     from megareason.models.schedule import _run
     from megareason.models.train import TrainBatch, train_step, wrap_for_training
-    from megareason.trainer.workers import compute_settings, optimizer_settings
+    from megareason.settings import compute_settings, optimizer_settings
 
     torch.set_num_threads(1)
     cfg = _config(setting.overrides, setting)

@@ -278,6 +278,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
+    eps: float = 1e-8  # Adam's epsilon
     clip_grad: float = 1.0
     # megatron-core's distributed optimizer: fp32 main weights and Adam moments sharded over the
     # data-parallel ranks (each holds 1/DP); checkpoints reshard across a DP/TP/PP change.

@@ -1,4 +1,5 @@
-"""Prompt sources: local JSON / JSONL / Parquet files (through ``datasets``) and reasoning-gym.
+"""Prompt sources: local JSON / JSONL / Parquet files (through ``datasets``), reasoning-gym, MuSiQue and
+the synthetic multi-hop set; ``LOADERS`` maps each ``data.sources[].kind`` to its loader.
 
 Two row formats are accepted from files (rows are numbered from 1 in error messages):
 
@@ -13,11 +14,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megareason.config.schema import DataConfig, DataSourceConfig
-from megareason.data.records import PromptRecord
+from megareason.data.musique import load_musique
+from megareason.data.records import DataError, PromptRecord
+from megareason.data.rows import check, field, json_object, shown
+from megareason.data.synthetic_multihop import synthetic_multihop
 
 log = logging.getLogger(__name__)
 
@@ -25,32 +30,29 @@ _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataError(ValueError):
-    """Bad input data; the message names the file, the row and the field."""
-
-
 def load_records(cfg: DataConfig) -> list[PromptRecord]:
     """All records of all sources in ``cfg``, in order; each gets ``extra_info["index"]``."""
     records: list[PromptRecord] = []
     for source in cfg.sources:
-        if source.kind == "file":
-            rows = load_file(source.path, source.data_source)
-        elif source.kind == "musique":
-            from megareason.data.musique import load_musique
-
-            rows = load_musique(source.path)
-        elif source.kind == "synthetic_multihop":
-            from megareason.data.synthetic_multihop import synthetic_multihop
-
-            rows = synthetic_multihop(source.size, source.seed, **_multihop_options(source))
-        else:
-            rows = load_reasoning_gym(source)
+        rows = LOADERS[source.kind](source)
         records.extend(rows[: source.size] if source.size else rows)
     for i, rec in enumerate(records):
         rec.extra_info.setdefault("index", i)
         if cfg.system_prompt and rec.prompt[0]["role"] != "system":
             rec.prompt.insert(0, {"role": "system", "content": cfg.system_prompt})
     return records
+
+
+def _load_file_source(source: DataSourceConfig) -> list[PromptRecord]:
+    return load_file(source.path, source.data_source)
+
+
+def _load_musique_source(source: DataSourceConfig) -> list[PromptRecord]:
+    return load_musique(source.path)
+
+
+def _load_synthetic_multihop_source(source: DataSourceConfig) -> list[PromptRecord]:
+    return synthetic_multihop(source.size, source.seed, **_multihop_options(source))
 
 
 def _multihop_options(source: DataSourceConfig) -> dict[str, Any]:
@@ -100,9 +102,8 @@ def _raise_json_row_error(path: Path) -> None:
             raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a JSON list of objects (or JSONL), got {type(data).__name__}")
-        bad = [i for i, row in enumerate(data, 1) if not isinstance(row, dict)]
-        if bad:
-            raise DataError(f"{path} row {bad[0]}: expected a JSON object")
+        for i, row in enumerate(data, start=1):
+            json_object(row, f"{path} row {i}")
     else:
         for lineno, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
@@ -111,59 +112,48 @@ def _raise_json_row_error(path: Path) -> None:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {lineno}: invalid JSON: {e.msg}") from e
-            if not isinstance(row, dict):
-                raise DataError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            json_object(row, f"{path} line {lineno}")
     raise DataError(f"{path}: rows have inconsistent field types (a field is a string in one row "
                     f"and a number or object in another)")
 
 
 def parse_row(row: dict[str, Any], where: str, data_source: str = "") -> PromptRecord:
     """Validate one row (either format) into a record; ``where`` prefixes every error."""
-    source = data_source or row.get("data_source")
-    if not isinstance(source, str) or not source:
+    row = {k: v for k, v in row.items() if v is not None}  # datasets fills the fields a row lacks with None
+    if not data_source and "data_source" not in row:
         raise DataError(f"{where}: missing field 'data_source' (set it in the row, or "
                         f"data.sources[].data_source for the whole file)")
-    extra = row.get("extra_info") or {}
-    if not isinstance(extra, dict):
-        raise DataError(f"{where}: field 'extra_info' must be an object, got {type(extra).__name__}")
+    source = data_source or field(row, "data_source", where, "non-empty text")
+    extra = check(row.get("extra_info") or {}, "extra_info", where, "an object")
     extra = {k: v for k, v in extra.items() if v is not None}
-    if row.get("prompt") is not None:
+    if "prompt" in row:
         messages = _messages(row["prompt"], where)
-        reward_model = row.get("reward_model")
-        truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-        truth = _text(truth, where, "reward_model.ground_truth")
+        truth = _text(row, "reward_model.ground_truth", where)
         return PromptRecord(prompt=messages, data_source=source, ground_truth=truth, extra_info=extra)
-    if row.get("question") is not None:
-        question = _text(row["question"], where, "question")
-        truth = _text(row.get("answer"), where, "answer")
+    if "question" in row:
+        question = _text(row, "question", where)
+        truth = _text(row, "answer", where)
         extra.setdefault("question", question)
-        if row.get("solution") is not None:
-            extra.setdefault("solution", _text(row["solution"], where, "solution"))
+        if "solution" in row:
+            extra.setdefault("solution", _text(row, "solution", where))
         return PromptRecord(prompt=[{"role": "user", "content": question}], data_source=source,
                             ground_truth=truth, extra_info=extra)
-    fields = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
+    fields = ", ".join(sorted(row)) or "none"
     raise DataError(f"{where}: expected a 'prompt' (chat messages) or a 'question' field; found: {fields}")
 
 
-def _text(value: Any, where: str, name: str) -> str:
-    if isinstance(value, bool) or value is None:
-        raise DataError(f"{where}: missing field '{name}'" if value is None
-                        else f"{where}: field '{name}' must be text or a number, got a bool")
-    if isinstance(value, int | float):
-        return str(value)
-    if not isinstance(value, str) or not value.strip():
-        raise DataError(f"{where}: field '{name}' must be non-empty text, got {value!r}")
-    return value
+def _text(row: dict[str, Any], name: str, where: str) -> str:
+    """Field ``name`` as text (a number is its decimal text)."""
+    return str(field(row, name, where, "text or a number"))
 
 
 def _messages(value: Any, where: str) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
+    check(value, "prompt", where, "a non-empty list")
     out = []
     for j, m in enumerate(value):
         if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
             raise DataError(f"{where}: prompt[{j}] must be {{'role': one of {list(_ROLES)}, "
-                            f"'content': text}}, got {m!r}")
+                            f"'content': text}}, got {shown(m)}")
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] == "assistant":
         raise DataError(f"{where}: prompt must not end with an assistant message (that is the answer)")
@@ -198,3 +188,12 @@ def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
             extra_info=extra,
         ))
     return records
+
+
+# data.sources[].kind -> the loader of one source.
+LOADERS: dict[str, Callable[[DataSourceConfig], list[PromptRecord]]] = {
+    "file": _load_file_source,
+    "reasoning_gym": load_reasoning_gym,
+    "musique": _load_musique_source,
+    "synthetic_multihop": _load_synthetic_multihop_source,
+}

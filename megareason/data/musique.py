@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
-from megareason.data.loaders import DataError
-from megareason.data.records import PromptRecord
-from megareason.envs.retrieval import Document
+from megareason.data.records import DataError, Document, PromptRecord
+from megareason.data.rows import field, json_object
 
 DATA_SOURCE = "musique"
 
@@ -41,12 +39,8 @@ def load_musique(path: str | Path, answerable_only: bool = True) -> list[PromptR
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            answerable = row.get("answerable", True)
-            if not isinstance(answerable, bool):
-                raise DataError(f"{where}: field 'answerable' must be true or false, got {json.dumps(answerable)[:80]}")
-            if answerable_only and not answerable:
+            row = json_object(row, where)
+            if answerable_only and not field(row, "answerable", where, "true or false", default=True):
                 continue
             records.append(parse_musique_row(row, where))
     if not records:
@@ -54,43 +48,25 @@ def load_musique(path: str | Path, answerable_only: bool = True) -> list[PromptR
     return records
 
 
-def _field(row: dict, name: str, types: type, where: str, what: str) -> Any:
-    if name not in row:
-        raise DataError(f"{where}: missing field '{name}' ({what})")
-    value = row[name]
-    if not isinstance(value, types) or (types is int and isinstance(value, bool)):  # JSON true is not an idx
-        raise DataError(f"{where}: field '{name}' must be {what}, got {json.dumps(value)[:80]}")
-    return value
-
-
 def parse_musique_row(row: dict, where: str) -> PromptRecord:
-    row_id = _field(row, "id", str, where, "a string")
-    question = _field(row, "question", str, where, "a string")
-    answer = _field(row, "answer", str, where, "a string")
-    aliases = row.get("answer_aliases", [])
-    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
-        raise DataError(f"{where}: field 'answer_aliases' must be a list of strings")
-    paragraphs = _field(row, "paragraphs", list, where, "a non-empty list of paragraphs")
-    if not paragraphs:
-        raise DataError(f"{where}: field 'paragraphs' must be a non-empty list of paragraphs")
+    row_id = field(row, "id", where, "a string")
+    question = field(row, "question", where, "a string")
+    answer = field(row, "answer", where, "a string")
+    aliases = field(row, "answer_aliases", where, "a list of strings", default=[])
+    paragraphs = field(row, "paragraphs", where, "a non-empty list")
     documents, seen = [], set()
     for i, p in enumerate(paragraphs):
         pw = f"{where} paragraphs[{i}]"
         if not isinstance(p, dict):
             raise DataError(f"{pw}: expected an object with idx, title, paragraph_text, is_supporting")
-        idx = _field(p, "idx", int, pw, "an integer")
+        idx = field(p, "idx", pw, "an integer")
         if idx in seen:
             raise DataError(f"{pw}: duplicate paragraph idx {idx}")
         seen.add(idx)
-        is_supporting = p.get("is_supporting", False)
-        if not isinstance(is_supporting, bool):
-            raise DataError(f"{pw}: field 'is_supporting' must be true or false, got {json.dumps(is_supporting)[:80]}")
-        documents.append({"id": str(idx), "title": _field(p, "title", str, pw, "a string"),
-                          "text": _field(p, "paragraph_text", str, pw, "a string"),
-                          "supporting": is_supporting})
-    steps = _field(row, "question_decomposition", list, where, "a non-empty list of steps")
-    if not steps:
-        raise DataError(f"{where}: field 'question_decomposition' must be a non-empty list of steps")
+        is_supporting = field(p, "is_supporting", pw, "true or false", default=False)
+        documents.append({"id": str(idx), "title": field(p, "title", pw, "a string"),
+                          "text": field(p, "paragraph_text", pw, "a string"), "supporting": is_supporting})
+    steps = field(row, "question_decomposition", where, "a non-empty list")
     decomposition = []
     for i, s in enumerate(steps):
         sw = f"{where} question_decomposition[{i}]"
@@ -100,8 +76,8 @@ def parse_musique_row(row: dict, where: str) -> PromptRecord:
         if support is not None and (not isinstance(support, int) or isinstance(support, bool) or support not in seen):
             raise DataError(f"{sw}: paragraph_support_idx {json.dumps(support)} is not the idx of one of the "
                             f"row's paragraphs ({sorted(seen)})")
-        decomposition.append({"question": _field(s, "question", str, sw, "a string"),
-                              "answer": _field(s, "answer", str, sw, "a string"), "paragraph_support_idx": support})
+        decomposition.append({"question": field(s, "question", sw, "a string"),
+                              "answer": field(s, "answer", sw, "a string"), "paragraph_support_idx": support})
     supporting = [d["id"] for d in documents if d["supporting"]]
     return PromptRecord(
         prompt=[{"role": "user", "content": question}], data_source=DATA_SOURCE, ground_truth=answer,

@@ -6,8 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import Literal
 
-from megareason.data.loaders import DataError
-from megareason.data.records import PromptRecord, TokenizedPrompt
+from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 
 log = logging.getLogger(__name__)
 

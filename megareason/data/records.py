@@ -1,9 +1,14 @@
-"""Typed records that cross module boundaries (data -> rollout -> rewards -> evaluation/trainer)."""
+"""Typed records that cross module boundaries (data -> rollout -> rewards -> evaluation/trainer), and
+``DataError``, the error every layer raises for bad input data."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, the row and the field."""
 
 
 @dataclass
@@ -32,3 +37,14 @@ class TokenizedPrompt:
     record: PromptRecord
     text: str
     token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a question's own corpus (MuSiQue: one of its paragraphs), as the retrievers
+    (``envs.retrieval``) search them; ``data.musique.documents_of`` reads them from a record."""
+
+    id: str  # unique within the question's corpus (MuSiQue: the paragraph's idx)
+    title: str
+    text: str
+    supporting: bool = False

@@ -21,19 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
+
+from megareason.data.records import Document
 
 RETRIEVERS = ("bm25", "dense", "hybrid", "golden")
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # it logs every index build at DEBUG
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str  # unique within the question's corpus (MuSiQue: the paragraph's idx)
-    title: str
-    text: str
-    supporting: bool = False
 
 
 class Retriever(Protocol):

@@ -13,29 +13,21 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from megareason.config.schema import Config
-from megareason.data.records import TokenizedPrompt
-from megareason.envs.retrieval_qa import SYSTEM_PROMPT, RetrievalQASettings, make_envs
+from megareason.data.musique import documents_of
+from megareason.data.records import DataError, TokenizedPrompt
+from megareason.envs.retrieval_qa import make_envs
 from megareason.envs.rollout import GenerateFn, run_episodes
-from megareason.evaluation.runner import SampleResult
+from megareason.rewards.scoring import SampleResult, scorer_from
 from megareason.rollout.engine import Completion, Sampling
+from megareason.settings import retrieval_qa_settings
 
 
 def env_enabled(cfg: Config) -> bool:
     return cfg.env.name != "none"
 
 
-def settings_from(cfg: Config) -> RetrievalQASettings:
-    e = cfg.env
-    return RetrievalQASettings(retriever=e.retriever, top_k=e.top_k, max_calls_per_turn=e.max_calls_per_turn,
-                               max_doc_chars=e.max_doc_chars, system_prompt=e.system_prompt or SYSTEM_PROMPT,
-                               initial_search=e.initial_search)
-
-
 def check_env_data(cfg: Config, records: Iterable) -> None:
     """Every record must carry the documents the environment searches (fail before any engine starts)."""
-    from megareason.data.loaders import DataError
-    from megareason.data.musique import documents_of
-
     for rec in records:
         try:
             documents_of(rec, f"row {rec.extra_info.get('index', '?')} ({rec.data_source})")
@@ -45,10 +37,8 @@ def check_env_data(cfg: Config, records: Iterable) -> None:
 
 def run_env(cfg: Config, prompts: list[TokenizedPrompt], generate: GenerateFn, tokenizer,
             sampling: Sampling) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
-    from megareason.evaluation.runner import scorer_from
-
     n = sampling.n
-    envs = make_envs([p.record for p in prompts], n, settings_from(cfg), scorer_from(cfg))
+    envs = make_envs([p.record for p in prompts], n, retrieval_qa_settings(cfg), scorer_from(cfg))
     episodes = run_episodes(envs, generate, tokenizer, sampling, max_turns=cfg.env.max_turns,
                             max_model_len=cfg.rollout.max_model_len)
     seen, groups, samples = [], [], []

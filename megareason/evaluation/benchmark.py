@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from megareason.config import ConfigError
 from megareason.config.schema import Config
-from megareason.data.loaders import DataError
+from megareason.data.records import DataError
 from megareason.utils import atomic_write
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,9 @@ def run_name(model: str, retriever: str) -> str:
 def run_benchmark(cfg: Config) -> Path:
     """Evaluate every (model, retriever) pair; returns the results folder."""
     from megareason.envs.runner import env_enabled
-    from megareason.evaluation.runner import VLLMEngine, engine_settings, run_eval
+    from megareason.evaluation.runner import run_eval
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.settings import engine_settings
 
     b = cfg.benchmark
     if not env_enabled(cfg):

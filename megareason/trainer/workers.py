@@ -17,6 +17,7 @@ import torch
 
 from megareason.config.schema import Config
 from megareason.models.schedule import forward_outputs
+from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
 
 
@@ -31,34 +32,6 @@ def share(n: int, dp: int, dp_rank: int) -> slice:
 def colocated_rollout(cfg: Config) -> bool:
     """Whether the policy's engines are SPMD engines spread over the trainer's ranks (vLLM TP > 1)."""
     return cfg.rollout.tensor_parallel_size > 1
-
-
-def optimizer_settings(cfg: Config, lr: float):
-    from megareason.models.train import OptimizerSettings
-
-    o = cfg.optim
-    return OptimizerSettings(lr=lr, weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2,
-                             clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer)
-
-
-def compute_settings(cfg: Config):
-    """Precision, activation recomputation and sequence parallelism of every Megatron role."""
-    from megareason.models.build import ComputeSettings
-
-    t = cfg.trainer
-    return ComputeSettings(precision=t.precision, recompute=t.recompute, recompute_num_layers=t.recompute_num_layers,
-                           sequence_parallel=cfg.parallel.sequence_parallel)
-
-
-def lora_settings(cfg: Config):
-    """The adapters of the trained roles, or None (full fine-tuning)."""
-    from megareason.models.lora import LoRASettings
-
-    lo = cfg.lora
-    if not lo.enabled:
-        return None
-    return LoRASettings(rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, seed=cfg.trainer.seed,
-                        targets=tuple(lo.targets))
 
 
 class _Worker:
@@ -146,7 +119,6 @@ class _Worker:
 
 class PolicyWorker(_Worker):
     def _build(self) -> None:
-        from megareason.evaluation.runner import engine_settings
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference

@@ -1,0 +1,170 @@
+"""Scoring a batch of completions with the configured reward, and the per-data_source summary.
+
+Used by ``megareason eval``, the trainer (``train``, ``sft``) and the environments: ``scorer_from`` picks
+the reward from the config (and checks the data has one at start-up), ``scoring_pool`` starts the
+scoring processes, ``score`` turns (prompt, completions) into ``SampleResult`` rows and ``summarize``
+reports them per data_source (accuracy, pass@k, response lengths, errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from math import comb
+
+from megareason.config.schema import Config, TinyVConfig
+from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
+from megareason.rewards.custom import Scorer, load_custom
+from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
+from megareason.rewards.registry import compute_score, get_reward_fn
+from megareason.rewards.tinyv import apply_tinyv, is_tinyv
+from megareason.rollout.engine import Completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleResult:
+    index: int
+    sample: int
+    data_source: str
+    question: str
+    ground_truth: str
+    response: str
+    reward: float
+    correct: bool
+    response_tokens: int
+    truncated: bool
+    score_error: str = ""
+    timed_out: bool = False
+    env: dict = field(default_factory=dict)  # a multi-turn episode's details (turns, retrieval, citations)
+
+
+@dataclass
+class SourceSummary:
+    data_source: str
+    prompts: int
+    samples: int
+    accuracy: float
+    mean_reward: float
+    pass_at: dict[int, float]
+    mean_response_tokens: float
+    max_response_tokens: int
+    clip_ratio: float  # fraction of responses cut at rollout.max_tokens
+    score_errors: int
+    # eval.rerank=critic: accuracy of the answer the critic tournament picked from each prompt's n.
+    rerank_accuracy: float | None = None
+
+
+def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
+    """The configured custom reward, else the registry (by data_source). Every data_source of
+    ``records`` must have a registered reward: checked here, at start-up, not mid-run."""
+    if cfg.reward.custom:
+        return load_custom(cfg.reward.custom)
+    for source in sorted({r.data_source for r in records}):
+        try:
+            get_reward_fn(source)
+        except ValueError as e:
+            raise DataError(f"no reward for the data: {e} (or set reward.custom=file.py:function)") from None
+    return compute_score
+
+
+def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
+    """``reward.workers`` scoring processes with ``reward.timeout`` per sample; 0 workers: none."""
+    if cfg.reward.workers == 0:
+        return contextlib.nullcontext()
+    return ScorePool(scorer, workers=cfg.reward.workers, timeout=cfg.reward.timeout)
+
+
+def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
+          pool: ScorePool | None = None, tinyv: TinyVConfig | None = None) -> list[SampleResult]:
+    """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
+    (worker processes, a per-sample timeout) when given, else in this process. Then the samples whose
+    data_source ends in ``_tinyv`` go, in one batch, through the TinyV verifier configured by ``tinyv``
+    (None: the ``TinyVConfig`` defaults); see ``megareason.rewards.tinyv``.
+
+    A scorer that raises or times out gives reward 0 and is counted (``score_error``, ``timed_out``),
+    never silently; the pool logs the first few with their sample ids. So is a TinyV sample the
+    verifier gave no verdict (``score_error`` "TinyVFallback: ...").
+    """
+    pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
+    requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
+                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}") for p, j, c in pairs]
+    outcomes = pool.score(requests) if pool is not None else [score_one(scorer, r) for r in requests]
+    outcomes = _verify_tinyv(requests, outcomes, [p.record.prompt[-1]["content"] for p, _, _ in pairs],
+                             tinyv if tinyv is not None else TinyVConfig())
+    return [SampleResult(
+        index=p.record.extra_info.get("index", -1), sample=j, data_source=p.record.data_source,
+        question=p.record.prompt[-1]["content"], ground_truth=p.record.ground_truth, response=c.text,
+        reward=o.score, correct=o.correct, response_tokens=len(c.token_ids), truncated=c.truncated,
+        score_error=o.error, timed_out=o.timed_out,
+    ) for (p, j, c), o in zip(pairs, outcomes, strict=True)]
+
+
+def _verify_tinyv(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], questions: list[str],
+                  cfg: TinyVConfig) -> list[ScoreOutcome]:
+    """``outcomes`` with those of the ``_tinyv`` requests rescored by ``apply_tinyv`` in one batch. The
+    verifier sees ``extra_info["question"]``, else the prompt's last message."""
+    idx = [i for i, r in enumerate(requests) if is_tinyv(r.data_source)]
+    if not idx:
+        return outcomes
+    batch = [dataclasses.replace(requests[i], extra_info={"question": questions[i], **requests[i].extra_info})
+             for i in idx]
+    rescored, stats = apply_tinyv(batch, [outcomes[i] for i in idx], cfg)
+    log.info("TinyV (%s): %d samples, %d asked, %d upgraded, %d fallbacks", cfg.mode, len(idx), stats["asked"],
+             stats["upgraded"], stats["fallbacks"])
+    out = list(outcomes)
+    for i, o in zip(idx, rescored, strict=True):
+        out[i] = o
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al., 2021).
+
+    The probability that at least one of ``k`` samples drawn without replacement is correct:
+    ``1 - C(n - c, k) / C(n, k)``. Requires ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarize(samples: Iterable[SampleResult], n: int, pass_k: list[int],
+              picks: list[int] | None = None) -> list[SourceSummary]:
+    """Per data_source. ``picks`` (one per prompt, in prompt order) selects each prompt's reranked sample."""
+    samples = list(samples)
+    picked = set()
+    if picks is not None:
+        starts = [i for i, s in enumerate(samples) if s.sample == 0]  # samples are in (prompt, sample) order
+        picked = {start + pick for start, pick in zip(starts, picks, strict=True)}
+    by_source: dict[str, list[SampleResult]] = defaultdict(list)
+    for s in samples:
+        by_source[s.data_source].append(s)
+    ks = sorted(k for k in set(pass_k) if k <= n)
+    out = []
+    for source in sorted(by_source):
+        rows = by_source[source]
+        by_prompt: dict[int, list[SampleResult]] = defaultdict(list)
+        for s in rows:
+            by_prompt[s.index].append(s)
+        out.append(SourceSummary(
+            data_source=source,
+            prompts=len(by_prompt),
+            samples=len(rows),
+            accuracy=sum(s.correct for s in rows) / len(rows),
+            mean_reward=sum(s.reward for s in rows) / len(rows),
+            pass_at={k: sum(pass_at_k(len(g), sum(s.correct for s in g), k) for g in by_prompt.values())
+                     / len(by_prompt) for k in ks},
+            mean_response_tokens=sum(s.response_tokens for s in rows) / len(rows),
+            max_response_tokens=max(s.response_tokens for s in rows),
+            clip_ratio=sum(s.truncated for s in rows) / len(rows),
+            score_errors=sum(bool(s.score_error) for s in rows),
+            rerank_accuracy=(sum(samples[i].correct for i in picked if samples[i].data_source == source)
+                             / len(by_prompt)) if picks is not None else None,
+        ))
+    return out
