@@ -34,19 +34,21 @@ def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field()
 def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     import torch.distributed as dist
 
+    from megareason.config.schema import Config, ModelConfig, OptimConfig, RolloutConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.convert import write_hf
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
     from megareason.rollout.colocated import ColocatedEngine
-    from megareason.rollout.engine import EngineSettings, Sampling
+    from megareason.rollout.engine import Sampling
     from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
+    from megareason.settings import engine_settings, optimizer_settings
 
     layout = init_parallel(2, 2)
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
-    engine = ColocatedEngine(EngineSettings(model_path=model_dir, max_model_len=256, tensor_parallel_size=2))
+    actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
+    engine = ColocatedEngine(engine_settings(Config(model=ModelConfig(path=model_dir),
+                                                   rollout=RolloutConfig(max_model_len=256, tensor_parallel_size=2))))
     greedy = Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS)
     mine = prompts[engine.layout.engine :: engine.layout.engines]  # each engine its own prompts
     before = [c[0].token_ids for c in engine.generate(mine, greedy, use_tqdm=False)]

@@ -17,14 +17,17 @@ EPS = 1e-3  # see test_megatron_checkpoint: Adam with a tiny eps turns rounding 
 
 def _trainer(hf, *, distributed: bool, precision: str = "fp32", from_hf: bool = True):
     """A fresh model (HF weights loaded or not) with megatron-core DDP and optimizer on the current layout."""
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import ComputeSettings, build_gpt, load_hf_weights
-    from megareason.models.train import OptimizerSettings, wrap_for_training
+    from megareason.models.train import wrap_for_training
+    from megareason.settings import optimizer_settings
 
     compute = ComputeSettings(precision=precision, recompute="none", recompute_num_layers=0, sequence_parallel=False)
     model = build_gpt(hf.arch, compute)
     if from_hf:
         load_hf_weights(model, hf)
-    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=LR, eps=EPS, use_distributed_optimizer=distributed))
+    cfg = Config(optim=OptimConfig(eps=EPS, use_distributed_optimizer=distributed))
+    ddp, opt = wrap_for_training(model, optimizer_settings(cfg, LR))
     return model, ddp, opt
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+from megareason.config.schema import Config, ModelConfig, RolloutConfig
+from megareason.rollout.engine import Sampling, VLLMEngine
+from megareason.settings import engine_settings
 
 QUESTIONS = ["What is 12 + 7 * 3?", "Using 3, 5, 7 make 22.", "Natalia sold 48 clips.", "Hello there"]
 MAX_TOKENS = 24
@@ -59,7 +61,8 @@ def test_greedy_matches_transformers_and_bad_weights_fail_loudly(family, request
     prompts = _prompt_ids(AutoTokenizer.from_pretrained(model_dir))
     expected = _hf_greedy(model_dir, prompts)
     assert sum(len(t) for t, _ in expected) > 2 * len(prompts)  # long enough to be a real comparison
-    engine = VLLMEngine(EngineSettings(model_path=str(model_dir), dtype="float32", max_model_len=256))
+    engine = VLLMEngine(engine_settings(Config(model=ModelConfig(path=str(model_dir)),
+                                               rollout=RolloutConfig(dtype="float32", max_model_len=256))))
     try:
         got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         sampled = engine.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=8), use_tqdm=False)

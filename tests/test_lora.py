@@ -6,10 +6,12 @@ import pytest
 import torch
 from distributed import run_workers
 
-from megareason.models.lora import LoRALinear, LoRASettings
+from megareason.config.schema import Config, LoRAConfig, TrainerConfig
+from megareason.models.lora import LoRALinear
+from megareason.settings import lora_settings
 
 IN, OUT, R = 16, 12, 4
-SETTINGS = LoRASettings(rank=R, alpha=8.0, seed=3)
+SETTINGS = lora_settings(Config(lora=LoRAConfig(enabled=True, rank=R, alpha=8.0), trainer=TrainerConfig(seed=3)))
 
 
 def _layer_worker(kind: str, tp: int, w_full, b_full, x, g):
@@ -74,8 +76,11 @@ def test_lora_at_tp2_matches_tp1(kind):
 
 
 def test_settings_checks():
-    assert LoRASettings(rank=8, alpha=16).scale == 2.0
+    def settings(**lora):
+        return lora_settings(Config(lora=LoRAConfig(enabled=True, **lora)))
+
+    assert settings(rank=8, alpha=16).scale == 2.0
     with pytest.raises(ValueError, match="rank must be >= 1"):
-        LoRASettings(rank=0)
+        settings(rank=0)
     with pytest.raises(ValueError, match="dropout"):
-        LoRASettings(dropout=1.0)
+        settings(dropout=1.0)

@@ -27,16 +27,20 @@ def _batch(vocab: int):
 
 
 def _train_worker(model_dir: str, ckpt_dir: str, tokens, mask):
+    from megareason.config.schema import Config, LoRAConfig, OptimConfig, TrainerConfig
     from megareason.models.build import HFCheckpoint
-    from megareason.models.lora import LoRASettings, adapters_off, lora_modules
+    from megareason.models.lora import adapters_off, lora_modules
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor, Reference
-    from megareason.models.train import OptimizerSettings, TrainBatch
+    from megareason.models.train import TrainBatch
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
+    from megareason.settings import lora_settings, optimizer_settings
 
     init_parallel(2, 2)
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings(lr=5e-2, eps=1e-3), lora=LoRASettings(rank=RANK, alpha=ALPHA, seed=5))
+    cfg = Config(optim=OptimConfig(eps=1e-3), lora=LoRAConfig(enabled=True, rank=RANK, alpha=ALPHA),
+                 trainer=TrainerConfig(seed=5))
+    actor = Actor(ckpt, optimizer_settings(cfg, 5e-2), lora=lora_settings(cfg))
     adapters = {id(p) for m in lora_modules(actor.model).values() for p in (m.lora_A, m.lora_B)}
     in_optimizer = [p for g in actor.optimizer.param_groups for p in g["params"]]
     frozen = {n: p.detach().clone() for n, p in actor.model.named_parameters() if not p.requires_grad}

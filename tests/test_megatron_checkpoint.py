@@ -71,11 +71,13 @@ def _nll(logp_BT, entropy_BT, batch):
 
 def _resume_worker(model_dir: str, ckpt: str):
     """Step 1 and save at TP=2, PP=2; resume at TP=1, PP=2 and at TP=2, PP=2; step 2 must agree."""
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.checkpoint import load_checkpoint, save_checkpoint
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
-    from megareason.models.train import OptimizerSettings, TrainBatch, train_step, wrap_for_training
+    from megareason.models.train import TrainBatch, train_step, wrap_for_training
+    from megareason.settings import optimizer_settings
 
     hf = HFCheckpoint(model_dir)
     tokens, mask = _batches(hf.arch.vocab_size)
@@ -95,7 +97,7 @@ def _resume_worker(model_dir: str, ckpt: str):
         model = build_gpt(hf.arch)
         # eps 1e-3: the k-projection bias has a zero gradient in exact arithmetic (softmax is shift
         # invariant), and Adam with a tiny eps would turn its rounding noise into full-size steps.
-        ddp, opt = wrap_for_training(model, OptimizerSettings(lr=LR, eps=1e-3))
+        ddp, opt = wrap_for_training(model, optimizer_settings(Config(optim=OptimConfig(eps=1e-3)), LR))
         if resume:
             meta = load_checkpoint(ckpt, model, opt)
             assert meta["step"] == 1

@@ -32,10 +32,11 @@ def value_loss(values_BT, batch):
 def _worker(model_dir, tokens, targets, mask, head_w, head_b, ckpt_root):
     from dataclasses import dataclass
 
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Critic
-    from megareason.models.train import OptimizerSettings
+    from megareason.settings import optimizer_settings
 
     @dataclass
     class ValueBatch:
@@ -44,10 +45,11 @@ def _worker(model_dir, tokens, targets, mask, head_w, head_b, ckpt_root):
         loss_mask_BT: torch.Tensor
         cu_seqlens: torch.Tensor | None = None
 
+    optim = optimizer_settings(Config(optim=OptimConfig(eps=EPS, clip_grad=0.0)), LR)
     out = {}
     for tp, pp in LAYOUTS:
         layout = init_parallel(tp, pp)
-        critic = Critic(HFCheckpoint(model_dir), OptimizerSettings(lr=LR, eps=EPS, clip_grad=0.0))
+        critic = Critic(HFCheckpoint(model_dir), optim)
         if layout.last_stage:
             with torch.no_grad():
                 critic.model.output_layer.weight.copy_(head_w)
@@ -59,7 +61,7 @@ def _worker(model_dir, tokens, targets, mask, head_w, head_b, ckpt_root):
         state = {n: p.detach().clone() for n, p in critic.model.named_parameters()}
         # A checkpoint round trip (value head included) into a fresh critic gives the same values.
         critic.save(f"{ckpt_root}/critic_{tp}_{pp}")
-        fresh = Critic(HFCheckpoint(model_dir), OptimizerSettings(lr=LR, eps=EPS, clip_grad=0.0))
+        fresh = Critic(HFCheckpoint(model_dir), optim)
         fresh.load(f"{ckpt_root}/critic_{tp}_{pp}")
         assert torch.equal(fresh.values(tokens, micro_batch_size=2), critic.values(tokens, micro_batch_size=2))
         out[(tp, pp)] = dict(values=values, loss=result.loss, state=state, dp=layout.dp_rank,

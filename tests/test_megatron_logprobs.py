@@ -26,18 +26,19 @@ def _packed(vocab: int):
 
 
 def _worker(model_dir: str, tokens: torch.Tensor, packed_row: torch.Tensor, cu: torch.Tensor):
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor, Reference
     from megareason.models.schedule import TokenBatch, forward_outputs, padded_micro_batches
-    from megareason.models.train import OptimizerSettings
+    from megareason.settings import optimizer_settings
 
     out = {}
     for tp, pp in LAYOUTS:
         init_parallel(tp, pp)
         ckpt = HFCheckpoint(model_dir)
-        actor = Actor(ckpt, OptimizerSettings())
+        actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
         out[(tp, pp)] = actor.logprobs(tokens, micro_batch_size=2)
         hot = forward_outputs(actor.model, padded_micro_batches(tokens, 2), logprob_head(ckpt.arch.vocab_size, 0.5), 2)
         out[("temperature", tp, pp)] = torch.cat([o[0] for o in hot])

@@ -37,13 +37,15 @@ def _compute(precision="fp32", recompute="none", layers=0, sp=False):
 def _grads_and_saved(model_dir, compute, tokens, mask, tp, lora=False):
     """One forward/backward of the NLL through megatron-core's schedule: log-probs, gradients (full HF
     tensors on TP rank 0) and the activation bytes saved for backward by a plain forward."""
+    from megareason.config.schema import Config
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.memory import SavedActivations
     from megareason.models.packing import pack_shared, plan_shared
     from megareason.models.parallel import current_layout, init_parallel
     from megareason.models.schedule import TokenBatch, forward_backward, forward_outputs
-    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+    from megareason.models.train import TrainBatch, wrap_for_training
+    from megareason.settings import optimizer_settings
 
     init_parallel(tp, 1)
     ckpt = HFCheckpoint(model_dir)
@@ -58,7 +60,7 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp, lora=False):
             for n, p in model.named_parameters():
                 if n.endswith("lora_B"):
                     p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
-    ddp, _ = wrap_for_training(model, OptimizerSettings(lr=LR))
+    ddp, _ = wrap_for_training(model, optimizer_settings(Config(), LR))
     head = logprob_head(ckpt.arch.vocab_size)
     logp = torch.cat([o[0] for o in forward_outputs(ddp, [TokenBatch(t) for t in tokens.split(2)], head, 2)])
     # The responses-only head (the trainer's path): the LM head runs on the scored positions only.
@@ -90,14 +92,16 @@ def _grads_and_saved(model_dir, compute, tokens, mask, tp, lora=False):
 
 def _critic(model_dir, compute, tokens, mask):
     """The critic's values and the gradients of a value loss (its fp32 value head on the trunk)."""
+    from megareason.config.schema import Config
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Critic
     from megareason.models.schedule import forward_backward
-    from megareason.models.train import OptimizerSettings, TrainBatch
+    from megareason.models.train import TrainBatch
+    from megareason.settings import optimizer_settings
 
     init_parallel(2, 1)
-    critic = Critic(HFCheckpoint(model_dir), OptimizerSettings(lr=LR), compute)
+    critic = Critic(HFCheckpoint(model_dir), optimizer_settings(Config(), LR), compute)
     with torch.no_grad():  # the head starts at zero; make it read the trunk
         critic.model.output_layer.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
     values = critic.values(tokens, micro_batch_size=2)
@@ -162,11 +166,13 @@ def test_sequence_parallel_matches_tensor_parallel(recompute_and_sp, variant):
 
 
 def _bf16_worker(model_dir, tokens, mask, export_dir):
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
     from megareason.models.schedule import TokenBatch, forward_backward, forward_outputs
-    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+    from megareason.models.train import TrainBatch, wrap_for_training
+    from megareason.settings import optimizer_settings
 
     init_parallel(1, 1)
     ckpt = HFCheckpoint(model_dir)
@@ -176,7 +182,7 @@ def _bf16_worker(model_dir, tokens, mask, export_dir):
         model = build_gpt(ckpt.arch, _compute(precision))
         load_hf_weights(model, ckpt)
         # A tiny learning rate: Adam's first step moves every weight by ~LR, well under bf16's resolution.
-        ddp, opt = wrap_for_training(model, OptimizerSettings(lr=1e-5, clip_grad=1e9))
+        ddp, opt = wrap_for_training(model, optimizer_settings(Config(optim=OptimConfig(clip_grad=1e9)), 1e-5))
         out[precision] = {
             "logp": torch.cat([o[0] for o in forward_outputs(ddp, [TokenBatch(t) for t in tokens.split(2)], head, 2)]),
             "dtype": next(ddp.module.parameters()).dtype,
@@ -207,7 +213,8 @@ def _bf16_worker(model_dir, tokens, mask, export_dir):
     # The same step under the distributed optimizer: its checkpoint exports the same main weights.
     model = build_gpt(ckpt.arch, _compute("bf16"))
     load_hf_weights(model, ckpt)
-    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=1e-5, clip_grad=1e9, use_distributed_optimizer=True))
+    sharded = Config(optim=OptimConfig(clip_grad=1e9, use_distributed_optimizer=True))
+    ddp, opt = wrap_for_training(model, optimizer_settings(sharded, 1e-5))
     opt.zero_grad()
     forward_backward(ddp, [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)], head,
                      nll_loss)

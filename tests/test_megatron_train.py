@@ -32,12 +32,14 @@ def nll_loss(logp_BT, entropy_BT, batch):
 
 def _worker(model_dir: str, tokens, mask):
 
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.packing import pack, plan_micro_batches
     from megareason.models.parallel import init_parallel
     from megareason.models.schedule import forward_backward
-    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+    from megareason.models.train import TrainBatch, wrap_for_training
+    from megareason.settings import optimizer_settings
 
     out = {}
     for tp, pp in LAYOUTS:
@@ -45,7 +47,7 @@ def _worker(model_dir: str, tokens, mask):
         ckpt = HFCheckpoint(model_dir)
         model = build_gpt(ckpt.arch)
         load_hf_weights(model, ckpt)
-        ddp, opt = wrap_for_training(model, OptimizerSettings(lr=LR, eps=EPS, clip_grad=CLIP))
+        ddp, opt = wrap_for_training(model, optimizer_settings(Config(optim=OptimConfig(eps=EPS, clip_grad=CLIP)), LR))
         # This DP rank's share of the global batch, as micro-batches of 2.
         share = tokens.shape[0] // layout.dp
         rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)

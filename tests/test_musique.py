@@ -6,16 +6,17 @@ import json
 import pytest
 
 from megareason.config import load_config
-from megareason.data.loaders import DataError, load_records
+from megareason.config.schema import Config, EnvConfig
+from megareason.data.loaders import load_records
 from megareason.data.musique import documents_of, load_musique
-from megareason.data.records import PromptRecord
+from megareason.data.records import DataError, Document, PromptRecord
 from megareason.data.synthetic_multihop import synthetic_multihop
-from megareason.envs.retrieval import Document
-from megareason.envs.retrieval_qa import RetrievalQAEnv, RetrievalQASettings
+from megareason.envs.retrieval_qa import RetrievalQAEnv
 from megareason.envs.rollout import run_episodes
 from megareason.models.tiny import build_tokenizer
 from megareason.rewards import compute_score
 from megareason.rollout.engine import Completion, Sampling
+from megareason.settings import retrieval_qa_settings
 from megareason.trainer.experience import build_experience
 
 
@@ -166,7 +167,7 @@ class Script:
 def test_retrieval_qa_episode_end_to_end(tmp_path):
     tok = build_tokenizer()
     [rec] = load_musique(write(tmp_path, row()))
-    env = RetrievalQAEnv(rec, RetrievalQASettings(retriever="bm25", top_k=1))
+    env = RetrievalQAEnv(rec, retrieval_qa_settings(Config(env=EnvConfig(retriever="bm25", top_k=1))))
     call = '<tool_call>{"name": "search", "arguments": {"query": "Ada Vell works"}}</tool_call>'
     bad = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
     answer = "Quorel Labs was founded by Bo Lind [2] [0] [7]. <answer>Bo Lind</answer>"
@@ -188,19 +189,21 @@ def test_retrieval_qa_episode_end_to_end(tmp_path):
 def test_retrieval_qa_turn_limit_scores_the_last_message():
     tok = build_tokenizer()
     [rec] = synthetic_multihop(1, seed=0, hops=(2,))
-    env = RetrievalQAEnv(rec, RetrievalQASettings(retriever="golden", top_k=5))
+    env = RetrievalQAEnv(rec, retrieval_qa_settings(Config(env=EnvConfig(retriever="golden", top_k=5))))
     call = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
     [ep] = run_episodes([env], Script(tok, [call]), tok, Sampling(), max_turns=1, max_model_len=2048)
     assert ep.end == "turn_limit" and ep.result.reward == 0.0 and not ep.result.correct
     assert ep.result.info["retrieval_recall"] == 1.0  # golden showed both supporting paragraphs
     with pytest.raises(ValueError, match="extra_info\\['documents'\\]"):
-        RetrievalQAEnv(type(rec)(prompt=rec.prompt, data_source="musique", ground_truth="a", extra_info={}))
+        RetrievalQAEnv(type(rec)(prompt=rec.prompt, data_source="musique", ground_truth="a", extra_info={}),
+                       env.settings)
 
 
 def test_initial_search_opens_the_episode_in_the_prompt():
     tok = build_tokenizer()
     [rec] = synthetic_multihop(1, seed=0, hops=(2,))
-    env = RetrievalQAEnv(rec, RetrievalQASettings(retriever="golden", top_k=2, initial_search=True))
+    settings = retrieval_qa_settings(Config(env=EnvConfig(retriever="golden", top_k=2, initial_search=True)))
+    env = RetrievalQAEnv(rec, settings)
     [ep] = run_episodes([env], Script(tok, ["<answer>x</answer>"]), tok, Sampling(), max_turns=2, max_model_len=4096)
     question = rec.prompt[-1]["content"]
     assert env.queries == [question] and ep.result.info["retrieval_recall"] == 1.0

@@ -77,11 +77,13 @@ VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _worker(model_dir: str, exp: Experience):
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
     from megareason.models.schedule import forward_backward, forward_outputs
-    from megareason.models.train import OptimizerSettings, wrap_for_training
+    from megareason.models.train import wrap_for_training
+    from megareason.settings import optimizer_settings
     from megareason.trainer.experience import unpack_to_rows
 
     out = {}
@@ -90,7 +92,7 @@ def _worker(model_dir: str, exp: Experience):
         ckpt = HFCheckpoint(model_dir)
         model = build_gpt(ckpt.arch)
         load_hf_weights(model, ckpt)
-        ddp, _ = wrap_for_training(model, OptimizerSettings())
+        ddp, _ = wrap_for_training(model, optimizer_settings(Config(), OptimConfig.lr))
         head = logprob_head(ckpt.arch.vocab_size)
         for share, responses_only in VARIANTS:
             micro = pack_experience(exp, 24, ["mask_BT"], share_prefix=share, responses_only=responses_only)

@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from megareason.config.schema import Config, ModelConfig, RolloutConfig
 from megareason.models.hub import resolve_model_path
-from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+from megareason.rollout.engine import Sampling, VLLMEngine
+from megareason.settings import engine_settings
 
 QUESTIONS = ["What is 7 + 5?", "Name a prime number larger than 10.", "Write one word about the sea."]
 
@@ -42,7 +44,8 @@ def test_smollm2_converts_both_ways_and_generates_identically(tmp_path):
             out = reference.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
             expected.append(out[0, len(ids):].tolist())
-    engine = VLLMEngine(EngineSettings(model_path=str(tmp_path / "hf"), dtype="float32", max_model_len=512))
+    engine = VLLMEngine(engine_settings(Config(model=ModelConfig(path=str(tmp_path / "hf")),
+                                               rollout=RolloutConfig(dtype="float32", max_model_len=512))))
     try:
         got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=24), use_tqdm=False)
     finally:

@@ -45,11 +45,12 @@ def _grads(ddp):
 def _worker(model_dir: str, exp: Experience):
     import torch.distributed as dist
 
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor, Critic
     from megareason.models.schedule import forward_backward
-    from megareason.models.train import OptimizerSettings
+    from megareason.settings import optimizer_settings
     from megareason.trainer.experience import pack_experience
     from megareason.trainer.losses import policy_loss_fn, value_loss_fn
     from megareason.trainer.workers import share
@@ -58,7 +59,8 @@ def _worker(model_dir: str, exp: Experience):
     out = {}
     init_parallel(1, 1)
     ckpt = HFCheckpoint(model_dir)
-    actor, critic = Actor(ckpt, OptimizerSettings()), Critic(ckpt, OptimizerSettings())
+    optim = optimizer_settings(Config(), OptimConfig.lr)
+    actor, critic = Actor(ckpt, optim), Critic(ckpt, optim)
     names = ["mask_BT", "old_logp_BT", "ref_logp_BT", "adv_BT"]
     mine = exp.select(share(len(exp), 2, rank))
     for mode in MODES:
@@ -131,16 +133,17 @@ def test_policy_gradient_matches_autograd_on_transformers(tiny_qwen2):
 
 
 def _single_worker(model_dir: str, exp: Experience, alg: AlgorithmConfig):
+    from megareason.config.schema import Config, OptimConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
     from megareason.models.schedule import forward_backward
-    from megareason.models.train import OptimizerSettings
+    from megareason.settings import optimizer_settings
     from megareason.trainer.experience import pack_experience
     from megareason.trainer.losses import policy_loss_fn
 
     init_parallel(1, 1)
-    actor = Actor(HFCheckpoint(model_dir), OptimizerSettings())
+    actor = Actor(HFCheckpoint(model_dir), optimizer_settings(Config(), OptimConfig.lr))
     names = ["mask_BT", "old_logp_BT", "ref_logp_BT", "adv_BT"]
     forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, policy_loss_fn(alg))
     return _grads(actor.ddp)

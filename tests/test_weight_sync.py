@@ -29,17 +29,18 @@ def test_logprob_mismatch_by_hand():
 def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     import torch.distributed as dist
 
+    from megareason.config.schema import Config, ModelConfig, OptimConfig, RolloutConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.convert import write_hf
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
-    from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+    from megareason.rollout.engine import Sampling, VLLMEngine
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
+    from megareason.settings import engine_settings, optimizer_settings
 
     layout = init_parallel(2, 2)
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
     # Perturb every weight (a stand-in for a training step): TP-split weights differently on every
     # shard, replicated ones (norms) identically on the TP ranks that share them, as training would.
     split = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -48,7 +49,8 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
         for p in actor.model.parameters():
             g = split if getattr(p, "tensor_model_parallel", False) else shared
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    engine = VLLMEngine(EngineSettings(model_path=model_dir, max_model_len=256)) if is_consumer() else None
+    settings = engine_settings(Config(model=ModelConfig(path=model_dir), rollout=RolloutConfig(max_model_len=256)))
+    engine = VLLMEngine(settings) if is_consumer() else None
     streamed = []
 
     def recorded():
@@ -126,23 +128,25 @@ def _header_bytes(path) -> int:
 
 def _replica_worker(model_dir: str, prompts: list[list[int]]):
     """TP=2 x DP=2: each data-parallel replica feeds its own engine from its own shards."""
+    from megareason.config.schema import Config, ModelConfig, OptimConfig, RolloutConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
-    from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+    from megareason.rollout.engine import Sampling, VLLMEngine
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
+    from megareason.settings import engine_settings, optimizer_settings
 
     layout = init_parallel(2, 1)
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
     # The same on both replicas, as training keeps them; replicated tensors the same on both TP ranks.
     split, shared = torch.Generator().manual_seed(300 + layout.tp_rank), torch.Generator().manual_seed(400)
     with torch.no_grad():
         for p in actor.model.parameters():
             g = split if getattr(p, "tensor_model_parallel", False) else shared
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    engine = VLLMEngine(EngineSettings(model_path=model_dir, max_model_len=256)) if is_consumer() else None
+    settings = engine_settings(Config(model=ModelConfig(path=model_dir), rollout=RolloutConfig(max_model_len=256)))
+    engine = VLLMEngine(settings) if is_consumer() else None
     if engine is not None:
         engine.update_weights(stream_hf_tensors(actor.model, ckpt.arch), bucket_bytes=1 << 20)
     else:

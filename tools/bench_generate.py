@@ -58,12 +58,14 @@ def load_prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 
 def bench_vllm(model_dir: Path, prompts: list[list[int]], args) -> dict:
-    from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+    from megareason.config.schema import Config, ModelConfig, RolloutConfig
+    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.settings import engine_settings
 
     max_len = max(map(len, prompts)) + args.max_tokens
     t0 = time.perf_counter()
-    engine = VLLMEngine(EngineSettings(model_path=str(model_dir), dtype=args.dtype,
-                                       max_model_len=max_len, seed=args.seed))
+    engine = VLLMEngine(engine_settings(Config(model=ModelConfig(path=str(model_dir)), rollout=RolloutConfig(
+        dtype=args.dtype, max_model_len=max_len, seed=args.seed))))
     start_s = time.perf_counter() - t0
     try:
         if args.warmup:

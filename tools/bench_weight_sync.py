@@ -116,18 +116,21 @@ def main(argv=None) -> int:
     from megareason.utils import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
+    from megareason.config.schema import Config, ModelConfig, RolloutConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.hub import resolve_model_path
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Reference
-    from megareason.rollout.engine import EngineSettings, Sampling, VLLMEngine
+    from megareason.rollout.engine import Sampling, VLLMEngine
     from megareason.rollout.weight_sync import stream_hf_tensors
+    from megareason.settings import engine_settings
 
     model_dir = resolve_model_path(args.model)
     init_parallel(1, 1)
     ckpt = HFCheckpoint(model_dir)
     policy = Reference(ckpt)  # any role: the sync reads the Megatron module's tensors
-    engine = VLLMEngine(EngineSettings(model_path=str(model_dir), max_model_len=256))
+    engine = VLLMEngine(engine_settings(Config(model=ModelConfig(path=str(model_dir)),
+                                               rollout=RolloutConfig(max_model_len=256))))
     engine.generate([[1, 2, 3]], Sampling(max_tokens=2), use_tqdm=False)  # first-call warm-up
     bucket_bytes = int(args.bucket_mb * 1024**2)
     engine.update_weights(stream_hf_tensors(policy.model, ckpt.arch), bucket_bytes)  # untimed warm-up

@@ -29,6 +29,15 @@ import torch.multiprocessing as mp
 RESULTS: dict[str, dict] = {}
 
 
+def _optim(lr: float | None = None, **optim):
+    """The config's optimizer settings (``optim.*`` with ``optim`` overridden) at ``lr``, else ``optim.lr``."""
+    from megareason.config.schema import Config, OptimConfig
+    from megareason.settings import optimizer_settings
+
+    cfg = Config(optim=OptimConfig(**optim))
+    return optimizer_settings(cfg, cfg.optim.lr if lr is None else lr)
+
+
 def check(name, needs: str = ""):
     """``needs``: a module the check imports (e.g. vllm); without it the check is reported as not run."""
     def wrap(fn):
@@ -73,10 +82,9 @@ def logprobs_fp32(model_dir):
 
     from megareason.models.build import HFCheckpoint
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, _optim())
     assert next(actor.model.parameters()).is_cuda, "actor weights are not on the GPU"
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     tokens = _tokens(ckpt.arch.vocab_size)
@@ -93,10 +101,9 @@ def logprobs_packed(model_dir):
     from megareason.models.build import HFCheckpoint
     from megareason.models.roles import Actor
     from megareason.models.schedule import TokenBatch
-    from megareason.models.train import OptimizerSettings
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, _optim())
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     lengths = (9, 5, 13)
     seqs = [_tokens(ckpt.arch.vocab_size, (1, n), seed=10 + i)[0] for i, n in enumerate(lengths)]
@@ -118,10 +125,9 @@ def logprobs_bf16(model_dir):
 
     from megareason.models.build import ComputeSettings, HFCheckpoint
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings(), ComputeSettings("bf16", "none", 0, False))
+    actor = Actor(ckpt, _optim(), ComputeSettings("bf16", "none", 0, False))
     assert next(actor.model.parameters()).dtype == torch.bfloat16
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
@@ -149,7 +155,7 @@ def train_step(model_dir):
     from megareason.models.logprobs import logprob_head
     from megareason.models.packing import pack, plan_micro_batches
     from megareason.models.schedule import forward_backward
-    from megareason.models.train import OptimizerSettings, TrainBatch, wrap_for_training
+    from megareason.models.train import TrainBatch, wrap_for_training
 
     lr, eps, clip = 1e-2, 1e-3, 0.5
     ckpt = HFCheckpoint(model_dir)
@@ -167,7 +173,7 @@ def train_step(model_dir):
 
     model = build_gpt(ckpt.arch)
     load_hf_weights(model, ckpt)
-    ddp, opt = wrap_for_training(model, OptimizerSettings(lr=lr, eps=eps, clip_grad=clip))
+    ddp, opt = wrap_for_training(model, _optim(lr, eps=eps, clip_grad=clip))
     micro = [TrainBatch(t, m) for t, m in zip(tokens.split(2), mask.split(2), strict=True)]
     opt.zero_grad()
     # The same rows packed two to a micro-batch (block-diagonal attention) give the same gradients.
@@ -199,7 +205,7 @@ def sharing(model_dir):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.schedule import forward_backward, forward_outputs
-    from megareason.models.train import OptimizerSettings, wrap_for_training
+    from megareason.models.train import wrap_for_training
     from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
 
     ckpt = HFCheckpoint(model_dir)
@@ -216,7 +222,7 @@ def sharing(model_dir):
                      rollout_logp_BT=torch.zeros_like(mask))
     model = build_gpt(ckpt.arch)
     load_hf_weights(model, ckpt)
-    ddp, _ = wrap_for_training(model, OptimizerSettings())
+    ddp, _ = wrap_for_training(model, _optim())
     head = logprob_head(vocab)
     results = {}
     for variant in ((False, False), (True, True)):
@@ -241,10 +247,10 @@ def _nll_fields(logp_1W, entropy_1W, batch):
 def critic(model_dir):
     from megareason.models.build import HFCheckpoint
     from megareason.models.roles import Critic
-    from megareason.models.train import OptimizerSettings, TrainBatch
+    from megareason.models.train import TrainBatch
 
     ckpt = HFCheckpoint(model_dir)
-    c = Critic(ckpt, OptimizerSettings(lr=1e-2))
+    c = Critic(ckpt, _optim(1e-2))
     tokens = _tokens(ckpt.arch.vocab_size, (4, 16))
     target = torch.linspace(-1, 1, 4)[:, None].expand(4, 16)
 
@@ -291,11 +297,10 @@ def stream(model_dir):
 
     from megareason.models.build import HFCheckpoint
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
     from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, _optim())
     streamed = {n: t.clone() for n, t in stream_hf_tensors(actor.model, ckpt.arch)}
     naive = gather_hf_naive(actor.model, ckpt.arch)
     original = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -320,12 +325,11 @@ def _read_in_child(transport, specs, queue):
 def ipc(model_dir):
     from megareason.models.build import HFCheckpoint
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
     from megareason.rollout.buckets import CudaIpcBucket, new_bucket
     from megareason.rollout.weight_sync import stream_hf_tensors
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, _optim())
     tensors = list(stream_hf_tensors(actor.model, ckpt.arch))
     ctx = mp.get_context("spawn")
     checked, buckets = 0, 0
@@ -366,7 +370,7 @@ def scale_memory(model_dir):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights, uses_transformer_engine
     from megareason.models.logprobs import logprob_head
     from megareason.models.train import TrainBatch, train_step, wrap_for_training
-    from megareason.trainer.workers import compute_settings, optimizer_settings
+    from megareason.settings import compute_settings, optimizer_settings
 
     cfg = load_config("grpo_quickstart", ["trainer.precision=bf16", "optim.use_distributed_optimizer=true",
                                           "trainer.recompute=full"])
@@ -444,10 +448,9 @@ def checkpoint(model_dir):
     from megareason.models.checkpoint import load_checkpoint, save_checkpoint
     from megareason.models.convert import megatron_to_hf
     from megareason.models.roles import Actor
-    from megareason.models.train import OptimizerSettings
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, OptimizerSettings())
+    actor = Actor(ckpt, _optim())
     with torch.no_grad():
         for p in actor.model.parameters():
             p.add_(0.01 * torch.randn_like(p))

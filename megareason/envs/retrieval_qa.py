@@ -38,20 +38,22 @@ _CITATION = re.compile(r"\[([^\[\]\s]{1,40})\]")
 
 @dataclass(frozen=True)
 class RetrievalQASettings:
-    retriever: str = "bm25"  # envs.retrieval.RETRIEVERS
-    top_k: int = 3
-    max_calls_per_turn: int = 2  # further calls in one message get an error observation
-    max_doc_chars: int = 600  # each shown document is cut to this many characters
-    system_prompt: str = SYSTEM_PROMPT
+    """The environment's settings (the config's ``env.*``, built by ``megareason.settings``)."""
+
+    retriever: str  # envs.retrieval.RETRIEVERS
+    top_k: int
+    max_calls_per_turn: int  # further calls in one message get an error observation
+    max_doc_chars: int  # each shown document is cut to this many characters
+    system_prompt: str  # the config's env.system_prompt, else SYSTEM_PROMPT
     # Open the episode with the results of a search for the question itself (a tool call and its result
     # in the prompt, not trained on): retrieve-then-read, for models that rarely call tools unprompted.
-    initial_search: bool = False
+    initial_search: bool
 
 
 class RetrievalQAEnv:
     """One question's episode. ``retriever`` may be given (e.g. shared by the n samples of a prompt)."""
 
-    def __init__(self, record: PromptRecord, settings: RetrievalQASettings = RetrievalQASettings(),
+    def __init__(self, record: PromptRecord, settings: RetrievalQASettings,
                  retriever: Retriever | None = None, scorer: Scorer = compute_score):
         self.record, self.settings, self.scorer = record, settings, scorer
         self.docs = {d.id: d for d in documents_of(record, f"row {record.extra_info.get('index', '?')}")}

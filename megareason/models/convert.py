@@ -120,7 +120,9 @@ def _load_for_export(ckpt_dir, arch, settings, meta: dict, main_weights: bool):
     model = build_gpt(arch, replace(FP32, precision=meta["precision"]), local_spec=settings is not None)
     if settings is not None:
         lora.apply_lora(model, settings)
+    # Only the optimizer's layout matters: its state and hyperparameters come from the checkpoint.
     ddp, optimizer = wrap_for_training(model, OptimizerSettings(
+        lr=1e-6, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8, clip_grad=1.0,
         use_distributed_optimizer=meta.get(SHARDING_KEY) is not None))
     load_checkpoint(ckpt_dir, model, optimizer)
     main = main_parameters(optimizer)

@@ -44,11 +44,11 @@ class LoRASettings:
     ``dropout`` on the adapter's input, ``seed`` of A's initialisation, ``targets`` among ``TARGETS``
     (megatron-core names). Raises ``ValueError`` on construction for a value out of range."""
 
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    seed: int = 0
-    targets: tuple[str, ...] = tuple(TARGETS)
+    rank: int
+    alpha: float
+    dropout: float
+    seed: int
+    targets: tuple[str, ...]
 
     def __post_init__(self):
         unknown = sorted(set(self.targets) - set(TARGETS))

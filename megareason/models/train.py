@@ -36,13 +36,13 @@ class OptimizerSettings:
     the maximum global gradient norm; ``use_distributed_optimizer`` shards the optimizer state over the
     data-parallel ranks (its checkpoints then resume only into a distributed optimizer)."""
 
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = False
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    clip_grad: float
+    use_distributed_optimizer: bool
 
 
 @dataclass

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -77,15 +77,15 @@ class EngineSettings:
     size) and ``gpu_memory_utilization`` on GPU only; ``extra`` goes to ``vllm.LLM`` as is."""
 
     model_path: str
-    dtype: str = "float32"
-    max_model_len: int = 1024
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    enforce_eager: bool | None = None  # None: rollout.enforce_eager's per-device default (config.schema)
-    seed: int = 0
-    tokenizer: str = ""
-    extra: dict = field(default_factory=dict)  # passed to vllm.LLM as is (e.g. worker_extension_cls)
+    dtype: str
+    max_model_len: int
+    kv_cache_gib: float
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    enforce_eager: bool | None  # None: rollout.enforce_eager's per-device default (config.schema)
+    seed: int
+    tokenizer: str
+    extra: dict  # passed to vllm.LLM as is (e.g. worker_extension_cls)
 
 
 class RolloutEngine(Protocol):
