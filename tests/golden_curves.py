@@ -26,6 +26,7 @@ def check_golden(name: str, metrics: dict[int, dict]) -> None:
     """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` exactly (or record it)."""
     rows, path = curve(metrics), GOLDEN / f"{name}.jsonl"
     if os.environ.get("MEGAREASON_WRITE_GOLDEN") == "1":
+        GOLDEN.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return
     expected = [json.loads(line) for line in path.read_text().splitlines()]

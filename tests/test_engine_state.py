@@ -26,6 +26,7 @@ from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine import Completion, WeightUpdate
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
 from megareason.trainer.run_dir import RunDir
+from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
 
 
@@ -91,8 +92,8 @@ def _rows(worker, exp) -> torch.Tensor:
     return torch.zeros(len(worker._share(exp)), exp.tokens_BT.shape[1])
 
 
-def _stats(**extra) -> dict:
-    return {"loss": 0.1, "grad_norm": 1.0, "tokens": 10, **extra}
+def _stats(record, **extra):
+    return record(loss=0.1, grad_norm=1.0, tokens=10, **extra)
 
 
 class StubPolicy(PolicyWorker):
@@ -114,11 +115,13 @@ class StubPolicy(PolicyWorker):
     def ref_logprobs(self, exp):
         return _rows(self, exp)
 
-    def train(self, exp, lr):
-        return _stats(pg_loss_num=0.0, pg_loss_den=1, mismatch_sum=10.0, logp_diff_max=0.0)
+    def train(self, exp, lr, on_policy):
+        mismatch = {"mismatch_sum": 10.0, "logp_diff_max": 0.0} if on_policy else {}
+        return _stats(PolicyStats, pg_loss_num=0.0, pg_loss_den=1, clipfrac_sum=0.0, ppo_kl_sum=0.0, entropy_sum=1.0,
+                      **mismatch)
 
     def sft_train(self, exp, lr):
-        return _stats(nll_num=1.0, nll_den=1)
+        return _stats(SftStats, nll_num=1.0, nll_den=1)
 
     def save(self, path, metadata):
         pass
@@ -139,7 +142,7 @@ class StubCritic(CriticWorker):
         return _rows(self, exp)
 
     def train(self, exp, lr):
-        return _stats(vf_loss_num=0.0, vf_loss_den=1)
+        return _stats(CriticStats, vf_loss_num=0.0, vf_loss_den=1, vf_clipfrac_sum=0.0, vpred_sum=0.0)
 
     def save(self, path, metadata):
         pass

@@ -83,9 +83,9 @@ def _hf_nll(model_dir, prompts, responses) -> float:
     return total / count
 
 
-def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path, Path, dict[int, dict]]:
-    """`megareason sft` on four arithmetic demonstrations (trained and validated on); returns (data file,
-    run folder, metrics by step)."""
+def _sft_args(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path, Path, list[str]]:
+    """`megareason sft` on four arithmetic demonstrations (trained and validated on): (data file, run
+    folder, command line)."""
     rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b), "solution": f"{a} + {b} = {a + b}"}
             for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
     data = tmp_path / "demos.jsonl"
@@ -97,6 +97,12 @@ def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path,
             "trainer.val_every=4", "trainer.save_every=4", "optim.lr=1e-3", "rollout.max_tokens=16",
             "rollout.max_model_len=256", "trainer.micro_batch_tokens=256", "data.max_prompt_length=128",
             "data.system_prompt=''", *extra]
+    return data, out, args
+
+
+def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path, Path, dict[int, dict]]:
+    """``_sft_args``' run; returns (data file, run folder, metrics by step)."""
+    data, out, args = _sft_args(model, tmp_path, name, *extra)
     proc = subprocess.run(args, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -128,3 +134,34 @@ def test_sft_with_lora_lowers_the_validation_loss(tiny_qwen2, tmp_path):
     assert m[4]["val/loss"] < 0.8 * m[0]["val/loss"]
     meta = json.loads((out / "checkpoints" / "step_00000004" / "actor" / "megareason.json").read_text())
     assert meta["lora"]["rank"] == 8
+
+
+@pytest.mark.slow
+def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes_to_the_same_curve(tiny_qwen2, tmp_path):
+    """Slurm's pre-emption: SIGTERM during a step -> that step finishes, a checkpoint, exit code 75; the
+    rerun resumes from it and the whole curve equals the golden one of a run never stopped."""
+    import os
+    import signal
+    import time
+
+    _, out, args = _sft_args(tiny_qwen2, tmp_path, "stopped")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    metrics = out / "metrics.jsonl"
+    # step 0's validation row is written before the loop; signal once step 1 has been logged
+    while not (metrics.exists() and any(json.loads(x)["step"] >= 1 for x in metrics.read_text().splitlines())):
+        assert proc.poll() is None, proc.stderr.read()[-5000:]
+        assert time.time() < deadline, "step 1 not logged within 10 minutes"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 75, stderr[-5000:]
+    assert "SIGTERM: stopped after step" in stderr
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert len(saved) == 1 and saved[0] in ("step_00000001", "step_00000002", "step_00000003"), saved  # not 4
+
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert f"resuming from {out / 'checkpoints' / saved[0]}" in resumed.stderr
+    check_golden("sft", {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())})

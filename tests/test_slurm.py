@@ -25,7 +25,7 @@ from megareason.config import load_config
 from megareason.launch import nemo_run, ray_node
 from megareason.launch.plan import PlanOptions, plan_config
 from megareason.launch.preemption import LeadOptions, checkpoint_bytes, plan_lead, preemption_lead
-from megareason.trainer.loop import EXIT_STOPPED, checkpoint_due, stop_signals
+from megareason.trainer.driver import EXIT_STOPPED, checkpoint_due, stop_signals
 
 # ----------------------------------------------------------------------------------------- no cluster
 

@@ -66,11 +66,12 @@ def _worker(model_dir: str, exp: Experience):
     for mode in MODES:
         alg = _alg(mode)
         # The whole batch as one packed micro-batch on each rank (rank 1 computes it too, unused).
-        forward_backward(actor.ddp, pack_experience(exp, 10_000, names)[:1], actor.head, policy_loss_fn(alg))
+        loss_fn = policy_loss_fn(alg, on_policy=False)
+        forward_backward(actor.ddp, pack_experience(exp, 10_000, names)[:1], actor.head, loss_fn)
         full = _grads(actor.ddp)
         # This rank's half, in micro-batches of at most 24 tokens, gradients all-reduced over 2 ranks.
         dist.barrier()
-        forward_backward(actor.ddp, pack_experience(mine, 24, names), actor.head, policy_loss_fn(alg))
+        forward_backward(actor.ddp, pack_experience(mine, 24, names), actor.head, loss_fn)
         out[("actor", mode)] = (full, _grads(actor.ddp), len(pack_experience(mine, 24, names)))
         vnames = ["mask_BT", "values_BT", "returns_BT"]
         forward_backward(critic.ddp, pack_experience(exp, 10_000, vnames), critic.head, value_loss_fn(alg))
@@ -145,5 +146,5 @@ def _single_worker(model_dir: str, exp: Experience, alg: AlgorithmConfig):
     init_parallel(1, 1)
     actor = Actor(HFCheckpoint(model_dir), optimizer_settings(Config(), OptimConfig.lr))
     names = ["mask_BT", "old_logp_BT", "ref_logp_BT", "adv_BT"]
-    forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, policy_loss_fn(alg))
+    forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, policy_loss_fn(alg, on_policy=False))
     return _grads(actor.ddp)

@@ -1,7 +1,7 @@
 """The Slurm pre-emption lead: how long before its time limit a job must be told to stop.
 
 ``sbatch --signal=B:USR1@LEAD`` sends SIGUSR1 to the job script LEAD seconds before the time limit; the
-driver then finishes the step in progress, saves a checkpoint and exits (``trainer/loop.py``), and the job
+driver then finishes the step in progress, saves a checkpoint and exits (``trainer/driver.py``), and the job
 requeues itself (``slurm/ray_cluster.sh``). That takes up to one whole step plus one checkpoint write, plus
 the teardown (Ray stopped, ``scontrol requeue``), so::
 

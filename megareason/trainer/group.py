@@ -99,6 +99,10 @@ def _node_of(_actor) -> tuple[str, str]:
 
 
 class WorkerGroup:
+    """``tp x pp x dp`` Ray actors of one worker class (a role), one per placement bundle, set up with
+    torch.distributed and megatron-core's parallel groups (rendezvous at rank 0's address). The driver
+    reaches it through the typed handles of ``trainer/handles.py``."""
+
     def __init__(self, worker_cls, cfg: Config, name: str, gpus_per_worker: float, threads: int):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -128,6 +132,8 @@ class WorkerGroup:
         self._engine_leaders: list[int] | None = None
 
     def call(self, method: str, *args) -> list:
+        """Run ``method(*args)`` on every rank (every rank must take part: the methods run collectives);
+        the ranks' results in rank order."""
         import ray
 
         # One object-store copy of each large argument, shared by all ranks.
@@ -135,6 +141,7 @@ class WorkerGroup:
         return ray.get([getattr(w, method).remote(*refs) for w in self.workers])
 
     def replicas(self, results: list) -> list:
+        """The results of each data-parallel replica's first rank (TP 0, PP 0), in replica order."""
         return [results[i] for i in self.first_of_replica]
 
     def engine_leaders(self) -> list[int]:

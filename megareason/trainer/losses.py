@@ -16,6 +16,7 @@ from megareason.algorithms.kl import kl_penalty
 from megareason.algorithms.losses import aggregate, entropy_bonus, ppo_policy_loss, value_loss
 from megareason.config.schema import AlgorithmConfig
 from megareason.models.packing import unpack_rows
+from megareason.rollout.metrics import mismatch_sums
 
 
 def _rows(x_1W: torch.Tensor, batch) -> torch.Tensor:
@@ -24,16 +25,17 @@ def _rows(x_1W: torch.Tensor, batch) -> torch.Tensor:
     return unpack_rows(x_1W, batch.cu_seqlens)[0]
 
 
-def policy_loss_fn(alg: AlgorithmConfig):
-    """Clipped PPO surrogate (GRPO and PPO alike) + entropy bonus + KL loss term, one aggregation mode."""
+def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool):
+    """Clipped PPO surrogate (GRPO and PPO alike) + entropy bonus + KL loss term, one aggregation mode.
+    ``on_policy`` (one update per rollout): the old policy is the current one, so the micro-batches carry
+    no ``old_logp_BT`` and this forward pass measures the train/generation mismatch (``rollout_logp_BT``)."""
     use_kl_loss = alg.kl_coef > 0 and not alg.kl_in_reward
 
     def loss(logp_1W, entropy_1W, batch):
         f = batch.fields
         logp_BT, entropy_BT = _rows(logp_1W, batch), _rows(entropy_1W, batch)
         mask_BT = _rows(f["mask_BT"], batch)
-        # On-policy (one update per rollout) the old policy is the current one: no extra forward pass.
-        old_logp_BT = _rows(f["old_logp_BT"], batch) if "old_logp_BT" in f else logp_BT.detach()
+        old_logp_BT = logp_BT.detach() if on_policy else _rows(f["old_logp_BT"], batch)
         num, den, m = ppo_policy_loss(
             logp_BT, old_logp_BT, _rows(f["adv_BT"], batch), mask_BT,
             clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high, dual_clip=alg.dual_clip or None,
@@ -43,10 +45,8 @@ def policy_loss_fn(alg: AlgorithmConfig):
         metrics = {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
                    "clipfrac_sum": m["clipfrac"] * tokens, "ppo_kl_sum": m["approx_kl"] * tokens,
                    "entropy_sum": (entropy_BT.detach() * mask_BT).sum()}
-        if "rollout_logp_BT" in f:  # the train/generation mismatch, measured by this very forward pass
-            diff_BT = torch.where(mask_BT.bool(), (logp_BT.detach() - _rows(f["rollout_logp_BT"], batch)).abs(), 0.0)
-            metrics["mismatch_sum"] = (diff_BT.exp() * mask_BT).sum()
-            metrics["logp_diff_max"] = diff_BT.max()
+        if on_policy:
+            metrics.update(mismatch_sums(logp_BT, _rows(f["rollout_logp_BT"], batch), mask_BT))
         if alg.entropy_coef:
             num = num + entropy_bonus(entropy_BT, mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
         if use_kl_loss:

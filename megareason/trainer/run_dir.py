@@ -53,6 +53,8 @@ class TrainerState:
 
 
 class RunDir:
+    """``trainer.output_dir`` (module docstring): its complete checkpoints and their atomic commit."""
+
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.checkpoints = self.root / "checkpoints"
@@ -72,6 +74,7 @@ class RunDir:
         return self.checkpoints / f"step_{step:08d}"
 
     def latest(self) -> Path | None:
+        """The newest complete checkpoint (None: none yet); half-written ``.tmp`` folders never count."""
         steps = self.steps()
         return self.checkpoint(steps[-1]) if steps else None
 
@@ -83,6 +86,9 @@ class RunDir:
         return tmp
 
     def commit_checkpoint(self, tmp: Path, state: TrainerState, keep_last: int) -> Path:
+        """Write ``trainer_state.json`` into ``tmp`` (last: its presence marks a complete checkpoint), rename
+        ``tmp`` to ``step_N`` (replacing a ``step_N`` saved before a resume) and delete all but the last
+        ``keep_last`` checkpoints. Returns the ``step_N`` folder."""
         atomic_write(tmp / "trainer_state.json", json.dumps(asdict(state), indent=2) + "\n")
         final = self.checkpoint(state.step)
         if final.exists():  # the same step saved again after a resume

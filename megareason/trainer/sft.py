@@ -15,28 +15,21 @@ and ``val/accuracy`` (greedy answers scored by the reward registry) every ``trai
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
 from megareason.config import Config, ConfigError
-from megareason.data.loaders import DataError, load_records
-from megareason.data.records import PromptRecord, TokenizedPrompt
-from megareason.data.sampler import PromptSampler
-from megareason.evaluation.runner import score, scorer_from, scoring_pool
-from megareason.rollout.engine import Completion, Sampling
+from megareason.data.loaders import load_records
+from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
+from megareason.rewards.scoring import score, scorer_from, scoring_pool
+from megareason.rollout.engine import Completion
+from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals
 from megareason.trainer.experience import Experience, build_experience
 from megareason.trainer.group import WorkerGroup, ray_session
-from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
-from megareason.trainer.tracking import Tracker
-from megareason.trainer.workers import PolicyWorker
-from megareason.utils import atomic_write
+from megareason.trainer.handles import PolicyHandle, start_workers
+from megareason.trainer.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -112,70 +105,43 @@ def sft(cfg: Config) -> Path:
                           f"{len(train_set[0])} demonstrations")
     scorer = scorer_from(cfg, [p.record for p in train_set[0] + (val_set[0] if val_set else [])])
     run = RunDir(t.output_dir)
-    with scoring_pool(cfg, scorer) as pool, ray_session(t.ray_address):
-        from megareason.trainer.loop import _check_cluster
-
-        _check_cluster(cfg)
-        p = cfg.parallel
-        world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
-        actors = WorkerGroup(PolicyWorker, cfg, "actor", 1.0 if torch.cuda.is_available() else 0,
-                             max(1, (os.cpu_count() or 1) // world))
+    with scoring_pool(cfg, scorer) as pool, ray_session(t.ray_address), stop_signals() as stop:
+        (actors,) = start_workers(cfg, with_critic=False)
         try:
-            _loop(cfg, run, actors, train_set, val_set, partial(score, scorer=scorer, pool=pool))
+            _loop(cfg, run, actors, train_set, val_set, partial(score, scorer=scorer, pool=pool), stop)
         finally:
             actors.shutdown()
     return run.root
 
 
-def _loop(cfg: Config, run: RunDir, actors: WorkerGroup, train_set, val_set, score_fn) -> None:
-    from megareason.trainer.loop import _generate, _lr, dump_validation
-
-    t = cfg.trainer
-    state = TrainerState()
-    latest = run.latest() if t.resume_mode == "auto" else None
-    if latest is not None:
-        state = run.read_state(latest)
-        log.info("resuming from %s (step %d)", latest, state.step)
-        actors.call("load", str(latest / "actor"))
-    run.root.mkdir(parents=True, exist_ok=True)
-    atomic_write(run.root / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
-    sampler = PromptSampler(len(train_set[0]), t.seed, state.sampler.epoch, state.sampler.position)
-    tracker = Tracker(run.root, t.loggers, state.step, config=asdict(cfg))
-
-    def validate(step: int) -> dict[str, float]:
-        if val_set is None:
-            return {}
-        prompts, responses = val_set
-        exp = _experience(prompts, responses, list(range(len(prompts))))
-        actors.call("sleep_engine")  # Megatron computes; the sync below wakes the engines
-        logp, _ = (torch.cat(x) for x in zip(*actors.replicas(actors.call("logprobs", exp)), strict=True))
-        out = {"val/loss": float(-(logp * exp.mask_BT).sum() / exp.mask_BT.sum())}
-        actors.call("sync_weights")  # vLLM answers with the current weights
-        greedy = Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
-        completions = _generate(actors, prompts, greedy)
-        results = score_fn(prompts, completions)
-        dump_validation(run.root, step, prompts, results, completions)
-        out["val/accuracy"] = sum(r.correct for r in results) / len(results)
-        out["val/reward"] = sum(r.reward for r in results) / len(results)
-        return out
-
-    if t.val_before_train and state.step == 0:
-        tracker.log(0, validate(0))
-    for step in tqdm(range(state.step + 1, t.steps + 1), desc="sft", unit="step", initial=state.step,
-                     total=t.steps):
-        rows = sampler.next(t.prompts_per_step)
+def _loop(cfg: Config, run: RunDir, group: WorkerGroup, train_set, val_set, score_fn,
+          stop: StopRequest | None = None) -> None:
+    actors = PolicyHandle(group)
+    val = partial(_validate, cfg, run.root, actors, val_set, score_fn) if val_set is not None else None
+    driver = Driver(cfg, run, [actors], len(train_set[0]), "sft", val, stop)
+    driver.start()
+    for step, rows in driver.steps():
         exp = _experience(*train_set, rows)
-        lr = _lr(cfg.optim.lr, cfg, step)
-        actors.call("sleep_engine")  # after a validation's generate; else already asleep (no-op)
-        stats = actors.call("sft_train", exp, lr)[0]
-        metrics = {"sft/loss": stats["nll_num"] / max(stats["nll_den"], 1), "sft/grad_norm": stats["grad_norm"],
-                   "sft/lr": lr, "sft/tokens": stats["tokens"]}
-        if step == t.steps or (t.val_every and step % t.val_every == 0):
-            metrics.update(validate(step))
-        tracker.log(step, metrics)
-        if step == t.steps or (t.save_every and step % t.save_every == 0):
-            tmp = run.begin_checkpoint(step)
-            actors.call("save", str(tmp / "actor"), {"step": step})
-            run.commit_checkpoint(tmp, TrainerState(step=step, sampler=SamplerState(sampler.epoch, sampler.position)),
-                                  t.keep_last)
-    tracker.close()
+        lr = learning_rate(cfg.optim.lr, cfg, step)
+        actors.sleep_engine()  # after a validation's generate; else already asleep (no-op)
+        stats = actors.sft_train(exp, lr)
+        driver.end_step(step, {"sft/loss": stats.means()["nll"], "sft/grad_norm": stats.grad_norm, "sft/lr": lr,
+                               "sft/tokens": stats.tokens})
+    driver.close()
+
+
+def _validate(cfg: Config, root: Path, actors: PolicyHandle, val_set, score_fn, step: int) -> dict[str, float]:
+    """``val/loss`` (Megatron's NLL of the validation demonstrations), then greedy answers through vLLM after
+    a weight sync: ``val/accuracy`` and ``val/reward``."""
+    prompts, responses = val_set
+    exp = _experience(prompts, responses, list(range(len(prompts))))
+    actors.sleep_engine()  # Megatron computes; the sync below wakes the engines
+    logp, _ = actors.logprobs(exp)
+    out = {"val/loss": float(-(logp * exp.mask_BT).sum() / exp.mask_BT.sum())}
+    actors.sync_weights()  # vLLM answers with the current weights
+    completions = actors.generate(prompts, greedy(cfg))
+    results = score_fn(prompts, completions)
+    dump_validation(root, step, prompts, results, completions)
+    out["val/accuracy"] = sum(r.correct for r in results) / len(results)
+    out["val/reward"] = sum(r.reward for r in results) / len(results)
+    return out

@@ -150,6 +150,7 @@ class Tracker:
         self.remote = [cls(root, config) for name, cls in (("wandb", _Wandb), ("mlflow", _Mlflow)) if name in loggers]
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """One row of ``metrics.jsonl`` (non-finite values dropped) and the same values to every logger."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -172,6 +173,7 @@ class Tracker:
 
 
 def read_metrics(root: str | Path) -> list[dict[str, float]]:
+    """The rows of ``<root>/metrics.jsonl`` in file order (``FileNotFoundError`` naming a non-run folder)."""
     path = Path(root) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {root}; is it a training run folder?")

@@ -17,8 +17,10 @@ import torch
 
 from megareason.config.schema import Config
 from megareason.models.schedule import forward_outputs
+from megareason.rollout.engine import WeightUpdate
 from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
+from megareason.trainer.stats import CriticStats, PolicyStats, SftStats, TrainStats
 
 
 def share(n: int, dp: int, dp_rank: int) -> slice:
@@ -58,6 +60,7 @@ class _Worker:
         return host, free_port(host)
 
     def setup(self, master: tuple[str, int], threads: int) -> tuple[int, int, int]:
+        """Join the process group at ``master`` and build the role; returns (dp_rank, tp_rank, pp_rank)."""
         from megareason.models.parallel import init_parallel
 
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
@@ -95,15 +98,15 @@ class _Worker:
         width = exp.tokens_BT.shape[1]
         return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
 
-    def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float,
-               responses_only: bool = False) -> dict[str, float]:
+    def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float, record: type[TrainStats],
+               responses_only: bool = False) -> TrainStats:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
         micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names,
                                 share_prefix=self._share_prefix(role.model), responses_only=responses_only,
                                 width_multiple=self._width_multiple())
         result = role.train_step(micro, loss_fn)
-        return {"loss": result.loss, "grad_norm": result.grad_norm, **result.metrics}
+        return record.from_step(result.loss, result.grad_norm, result.metrics)
 
     def save(self, path: str, metadata: dict) -> None:
         self.role.save(path, metadata)
@@ -118,6 +121,9 @@ class _Worker:
 
 
 class PolicyWorker(_Worker):
+    """One rank of the policy: the actor, the reference (a frozen copy, or the LoRA actor with its adapters
+    off) and this rank's share of the rollout engines (module docstring)."""
+
     def _build(self) -> None:
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
@@ -176,6 +182,7 @@ class PolicyWorker(_Worker):
         return logp, entropy
 
     def ref_logprobs(self, exp: Experience) -> torch.Tensor:
+        """[B_share, T] log-probs under the reference (on GPU it is onloaded for the pass, then offloaded)."""
         from megareason.models.lora import adapters_off
 
         ref = self.reference
@@ -190,23 +197,25 @@ class PolicyWorker(_Worker):
             ref.offload()
         return logp
 
-    def train(self, exp: Experience, lr: float) -> dict[str, float]:
+    def train(self, exp: Experience, lr: float, on_policy: bool) -> PolicyStats:
+        """One optimizer step of the policy loss over this replica's share of ``exp`` (a mini-batch).
+        ``on_policy``: ``exp`` has no old log-probs; this forward pass gives them and measures the
+        train/generation mismatch against ``rollout_logp_BT``."""
         from megareason.trainer.losses import policy_loss_fn
 
-        # Without old log-probs the update is on-policy: the loss measures the mismatch itself.
-        names = ["mask_BT", "adv_BT"] + [n for n in ("old_logp_BT", "ref_logp_BT") if getattr(exp, n) is not None]
-        if exp.old_logp_BT is None:
-            names.append("rollout_logp_BT")
-        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm), lr, responses_only=True)
+        names = ["mask_BT", "adv_BT", "rollout_logp_BT" if on_policy else "old_logp_BT"]
+        names += ["ref_logp_BT"] if exp.ref_logp_BT is not None else []
+        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm, on_policy), lr, PolicyStats,
+                           responses_only=True)
 
-    def sft_train(self, exp: Experience, lr: float) -> dict[str, float]:
+    def sft_train(self, exp: Experience, lr: float) -> SftStats:
         """One supervised step: NLL of the response tokens (``megareason sft``)."""
         from megareason.trainer.losses import sft_loss_fn
 
         return self._train(self.actor, exp, ["mask_BT"], sft_loss_fn(self.cfg.algorithm.loss_agg_mode), lr,
-                           responses_only=True)
+                           SftStats, responses_only=True)
 
-    def sync_weights(self) -> dict[str, float] | None:
+    def sync_weights(self) -> WeightUpdate | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
         stream = self._hf_weights()
         if self.engine is None:
@@ -215,9 +224,7 @@ class PolicyWorker(_Worker):
             return None
         # A sleeping engine's weights wake first, then its KV cache once they are loaded.
         update = self.engine.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
-        if not self.engine_leader:
-            return None
-        return {"bytes": update.bytes, "seconds": update.seconds, "buckets": update.buckets}
+        return update if self.engine_leader else None
 
     def _hf_weights(self):
         from megareason.rollout.weight_sync import stream_hf_tensors
@@ -233,6 +240,8 @@ class PolicyWorker(_Worker):
 
 
 class CriticWorker(_Worker):
+    """One rank of PPO's critic: the policy's trunk with a scalar value head."""
+
     def _build(self) -> None:
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
@@ -250,8 +259,9 @@ class CriticWorker(_Worker):
         (values,) = self._outputs(self.critic.model, self.critic.head, 1, exp)
         return shift_values(values)
 
-    def train(self, exp: Experience, lr: float) -> dict[str, float]:
+    def train(self, exp: Experience, lr: float) -> CriticStats:
+        """One optimizer step of the value loss over this replica's share of ``exp`` (a mini-batch)."""
         from megareason.trainer.losses import value_loss_fn
 
         return self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
-                           value_loss_fn(self.cfg.algorithm), lr)
+                           value_loss_fn(self.cfg.algorithm), lr, CriticStats)

@@ -1,0 +1,188 @@
+"""The frame every run shares, ``megareason train`` and ``megareason sft`` alike.
+
+``Driver`` owns what is not an algorithm: resuming from the run folder's latest checkpoint (trainer
+state, every role's model checkpoint, then the rollout engines take the restored weights), the run
+folder's ``config.json``, the metrics tracker, the seeded resumable prompt order, the validation
+schedule, checkpoints (every ``trainer.save_every`` steps, every ``trainer.save_every_minutes``, the last
+step) with the algorithm's own state inside ``trainer_state.json``, and the stop signals: SIGUSR1/SIGTERM
+finish the step in progress, save a checkpoint and exit with ``EXIT_STOPPED`` (Slurm pre-emption and
+``slurm/ray_cluster.sh``'s requeue). The loops (``loop.py``, ``sft.py``) read::
+
+    driver.start()
+    for step, rows in driver.steps():
+        ...                                   # the algorithm's step
+        driver.end_step(step, metrics, state)  # validation, metrics, checkpoint, stop
+    driver.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from megareason.config import Config
+from megareason.data.sampler import PromptSampler
+from megareason.rollout.engine import Sampling
+from megareason.trainer.handles import PolicyHandle, _Handle
+from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
+from megareason.trainer.tracking import Tracker
+from megareason.utils import atomic_write
+
+log = logging.getLogger(__name__)
+
+# The exit code of a run that SIGUSR1 or SIGTERM stopped after a step and a checkpoint: run it again to
+# resume (EX_TEMPFAIL). slurm/ray_cluster.sh requeues the job on it.
+EXIT_STOPPED = 75
+
+
+class StopRequest:
+    """Signal handler: records the first SIGUSR1/SIGTERM (``signal``); the loop then finishes the step in
+    progress, saves a checkpoint and exits with ``EXIT_STOPPED``. A second SIGTERM kills as usual (a
+    SIGUSR1 first, e.g. the Slurm job script's, then a pre-emption's SIGTERM: still the checkpoint)."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, frame) -> None:
+        # Nothing else here: a handler runs between two bytecodes of the main thread (no logging locks).
+        self.signal = self.signal or signum
+        if signum == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextmanager
+def stop_signals() -> Iterator[StopRequest]:
+    """SIGUSR1 and SIGTERM set a ``StopRequest`` instead of ending the process, for the block."""
+    stop = StopRequest()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def checkpoint_due(cfg: Config, step: int, since_save_s: float) -> bool:
+    """Save after ``step``: the last step, every ``trainer.save_every`` steps, or when
+    ``trainer.save_every_minutes`` have passed since the last checkpoint (``since_save_s`` seconds)."""
+    t = cfg.trainer
+    return (step == t.steps or (t.save_every > 0 and step % t.save_every == 0)
+            or (t.save_every_minutes > 0 and since_save_s >= 60 * t.save_every_minutes))
+
+
+class Driver:
+    """One run's frame (module docstring). ``roles``: the policy handle first (its engines take the
+    weights on resume), then any other trained role; each saves to ``<checkpoint>/<role name>/``.
+    ``validate(step)`` returns validation metrics (None: no validation set)."""
+
+    def __init__(self, cfg: Config, run: RunDir, roles: list[_Handle], num_prompts: int, desc: str,
+                 validate: Callable[[int], dict[str, float]] | None, stop: StopRequest | None = None):
+        self.cfg, self.run, self.roles, self.num_prompts, self.desc = cfg, run, roles, num_prompts, desc
+        self.validate, self.stop = validate, stop
+
+    def start(self) -> TrainerState:
+        """Resume or start; returns the state of the checkpoint resumed from (step 0: a fresh run)."""
+        t = self.cfg.trainer
+        self.state = TrainerState()
+        latest = self.run.latest() if t.resume_mode == "auto" else None
+        if latest is not None:
+            self.state = self.run.read_state(latest)
+            log.info("resuming from %s (step %d)", latest, self.state.step)
+            for role in self.roles:
+                role.load(str(latest / role.name))
+            policy = self.roles[0]
+            assert isinstance(policy, PolicyHandle)
+            policy.sync_weights()  # the engines start from the HF weights
+        self.run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.run.root / "config.json", json.dumps(asdict(self.cfg), indent=2) + "\n")
+        self.sampler = PromptSampler(self.num_prompts, t.seed, self.state.sampler.epoch, self.state.sampler.position)
+        self.tracker = Tracker(self.run.root, t.loggers, self.state.step, config=asdict(self.cfg))
+        if t.val_before_train and self.state.step == 0 and self.validate is not None:
+            self.tracker.log(0, self.validate(0))
+        self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here
+        return self.state
+
+    def steps(self) -> Iterator[tuple[int, list[int]]]:
+        """(step, the indices of its trainer.prompts_per_step prompts) for each step left, with a progress
+        bar; a stop requested before the first of them (nothing done since the checkpoint) exits here."""
+        t = self.cfg.trainer
+        for step in tqdm(range(self.state.step + 1, t.steps + 1), desc=self.desc, unit="step",
+                         initial=self.state.step, total=t.steps):
+            if self._stopping() and step == self.state.step + 1:
+                self._exit(f" before step {step}: stopped")
+            yield step, self.sampler.next(t.prompts_per_step)
+
+    def end_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None) -> None:
+        """Validation when due, the step's metrics, a checkpoint when due or stopping (with
+        ``algorithm_state`` in ``trainer_state.json``: ``extra``), then the exit of a stopped run."""
+        t = self.cfg.trainer
+        if self.validate is not None and (step == t.steps or (t.val_every and step % t.val_every == 0)):
+            metrics.update(self.validate(step))
+        self.tracker.log(step, metrics)
+        stopping = self._stopping()  # read once: save and exit agree
+        if checkpoint_due(self.cfg, step, time.monotonic() - self.last_save) or stopping:
+            self._save(step, algorithm_state or {})
+        if stopping and step < t.steps:
+            self._exit(f": stopped after step {step} with a checkpoint")
+
+    def close(self) -> None:
+        self.tracker.close()
+
+    def _save(self, step: int, algorithm_state: dict) -> None:
+        saving = time.monotonic()
+        state = TrainerState(step=step, sampler=SamplerState(self.sampler.epoch, self.sampler.position),
+                             extra=algorithm_state)
+        tmp = self.run.begin_checkpoint(step)
+        for role in self.roles:
+            role.save(str(tmp / role.name), {"step": step})
+        self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
+        log.info("checkpoint of step %d saved in %.1f s", step, time.monotonic() - saving)
+        self.last_save = time.monotonic()
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.signal is not None
+
+    def _exit(self, what: str) -> None:
+        log.warning("%s%s; run again to resume (exit code %d)", signal.Signals(self.stop.signal).name, what,
+                    EXIT_STOPPED)
+        self.tracker.close()
+        raise SystemExit(EXIT_STOPPED)
+
+
+def learning_rate(base: float, cfg: Config, step: int) -> float:
+    """``base`` after the linear warm-up of ``optim.warmup_steps`` steps."""
+    warmup = cfg.optim.warmup_steps
+    return base * min(1.0, step / warmup) if warmup else base
+
+
+def greedy(cfg: Config) -> Sampling:
+    """Validation's sampling: one greedy answer per prompt."""
+    return Sampling(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, stop=tuple(cfg.rollout.stop))
+
+
+@contextmanager
+def timed(timer: dict[str, float], name: str):
+    """``timer[name]``: the block's wall time in seconds."""
+    start = time.perf_counter()
+    yield
+    timer[name] = time.perf_counter() - start
+
+
+def dump_validation(root: Path, step: int, prompts, results, completions=None) -> None:
+    """One row per greedy sample: the scored result plus the prompt exactly as the model read it (and the
+    response's token ids, single-turn), in ``rollouts/val_step_N.jsonl``."""
+    folder = root / "rollouts"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": p.text, "prompt_token_ids": p.token_ids, **asdict(r)}
+            for p, r in zip(prompts, results, strict=True)]
+    for row, group in zip(rows, completions or [], strict=False):
+        row["response_token_ids"] = list(group[0].token_ids)
+    atomic_write(folder / f"val_step_{step:08d}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))

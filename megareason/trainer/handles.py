@@ -1,0 +1,131 @@
+"""The driver's typed handles on the worker groups: one method per worker call, typed results.
+
+A ``WorkerGroup`` (``group.py``) runs a method on every rank of a role and returns the ranks' results;
+these handles name the methods of ``PolicyWorker``/``CriticWorker`` (so a renamed worker method fails
+at once) and turn the ranks' results into what the driver needs: the data-parallel replicas' rows
+concatenated in row order, one ``TrainStats`` per optimizer step, the engines' completions in prompt
+order. ``start_workers`` checks the cluster and starts the run's groups (``train`` and ``sft`` alike).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from megareason.config import Config, ConfigError
+from megareason.data.records import TokenizedPrompt
+from megareason.rollout.engine import Completion, Sampling, WeightUpdate
+from megareason.trainer.experience import Experience
+from megareason.trainer.group import WorkerGroup, cluster_size
+from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
+from megareason.trainer.workers import CriticWorker, PolicyWorker
+
+
+class _Handle:
+    def __init__(self, group: WorkerGroup):
+        self.group, self.name = group, group.name
+
+    def _call(self, method: Callable, *args) -> list:
+        return self.group.call(method.__name__, *args)
+
+    def _rows(self, method: Callable, exp: Experience) -> list:
+        """Each replica's share of per-row outputs, in replica (= row) order."""
+        return self.group.replicas(self._call(method, exp))
+
+    def save(self, path: str, metadata: dict) -> None:
+        """Every rank writes its shard of the role's checkpoint into ``path`` (megatron dist_checkpointing)."""
+        self._call(PolicyWorker.save, path, metadata)
+
+    def load(self, path: str) -> None:
+        """Every rank loads the role's checkpoint at ``path`` (any saved TP/PP layout)."""
+        self._call(PolicyWorker.load, path)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+class PolicyHandle(_Handle):
+    """The actor (+ reference) ranks and their rollout engines."""
+
+    def generate(self, prompts: list[TokenizedPrompt], sampling: Sampling) -> list[list[Completion]]:
+        """Split the prompts over the rollout engines (one per data-parallel replica, or the colocated SPMD
+        engines of rollout.tensor_parallel_size ranks each); completions in prompt order. Prompt i of the
+        batch is sampled with seed + i, whichever engine serves it."""
+        leaders = self.group.engine_leaders()
+        bounds = [round(i * len(prompts) / len(leaders)) for i in range(len(leaders) + 1)]
+        parts = [[p.token_ids for p in prompts[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        samplings = [sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a)
+                     for a in bounds[:-1]]
+        results = self._call(PolicyWorker.generate, parts, samplings)
+        return [c for i in leaders for c in results[i]]
+
+    def generate_ids(self, contexts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """``generate`` for token-id contexts (the turns of multi-turn episodes)."""
+        return self.generate([TokenizedPrompt(record=None, text="", token_ids=c) for c in contexts], sampling)
+
+    def sleep_engine(self) -> None:
+        self._call(PolicyWorker.sleep_engine)
+
+    def sync_weights(self) -> list[WeightUpdate]:
+        """The actor's weights into every engine (waking it); one record per engine."""
+        return [u for u in self._call(PolicyWorker.sync_weights) if u is not None]
+
+    def logprobs(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) [B, T] of ``exp``'s tokens under the actor's current weights."""
+        logp, entropy = zip(*self._rows(PolicyWorker.logprobs, exp), strict=True)
+        return torch.cat(logp), torch.cat(entropy)
+
+    def ref_logprobs(self, exp: Experience) -> torch.Tensor:
+        """[B, T] log-probs under the reference (the initial policy)."""
+        return torch.cat(self._rows(PolicyWorker.ref_logprobs, exp))
+
+    def train(self, exp: Experience, lr: float, on_policy: bool) -> PolicyStats:
+        """One optimizer step on ``exp`` (a mini-batch; each replica trains its share); see
+        ``PolicyWorker.train``."""
+        return self._call(PolicyWorker.train, exp, lr, on_policy)[0]
+
+    def sft_train(self, exp: Experience, lr: float) -> SftStats:
+        """One supervised optimizer step on ``exp``'s response tokens."""
+        return self._call(PolicyWorker.sft_train, exp, lr)[0]
+
+
+class CriticHandle(_Handle):
+    """PPO's critic ranks."""
+
+    def values(self, exp: Experience) -> torch.Tensor:
+        """[B, T]: column t is the value of the state before token t."""
+        return torch.cat(self._rows(CriticWorker.values, exp))
+
+    def train(self, exp: Experience, lr: float) -> CriticStats:
+        """One optimizer step of the value loss on ``exp`` (needs ``values_BT`` and ``returns_BT``)."""
+        return self._call(CriticWorker.train, exp, lr)[0]
+
+
+def check_cluster(cfg: Config) -> None:
+    """Refuse a layout the Ray cluster cannot hold, before any worker starts."""
+    world = _world(cfg)
+    cpus, gpus = cluster_size()
+    if torch.cuda.is_available() or gpus:
+        if world > gpus:
+            raise ConfigError(f"parallel: TP x PP x DP = {world} ranks but the Ray cluster has {gpus} GPUs")
+    elif world > cpus:
+        raise ConfigError(f"parallel: TP x PP x DP = {world} ranks but the Ray cluster has {cpus} CPUs "
+                          "(one rank per CPU at most)")
+
+
+def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
+    """The policy group (and the critic's, colocated on the same ranks) after ``check_cluster``."""
+    check_cluster(cfg)
+    roles = [(PolicyWorker, "actor")] + ([(CriticWorker, "critic")] if with_critic else [])
+    # Colocated: the roles share each GPU; on CPU the ranks share the cores (the roles take turns).
+    gpus = 1.0 / len(roles) if torch.cuda.is_available() else 0
+    threads = max(1, (os.cpu_count() or 1) // _world(cfg))
+    return [WorkerGroup(cls, cfg, name, gpus, threads) for cls, name in roles]
+
+
+def _world(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size

@@ -1,0 +1,136 @@
+"""The rollout half of an RL step, one class per algorithm variant, chosen once per run (``rollout_step``).
+
+Each turns the step's prompts into ``StepRows``: the experience the update learns from, each row's
+reward and advantage group, and what the step logs. The variants:
+
+* ``SingleTurn``: ``rollout.n`` completions per prompt from the vLLM engines, scored by the reward
+  registry (GRPO, PPO);
+* ``Episodes``: multi-turn environment episodes (``env.name``), scored by their environments;
+* ``RaroRound``: either of those for the policy, then RARO's critic round (``raro.critic``): the critic's
+  verdicts pay both roles, the registered reward only monitors accuracy. Its replay buffer is the
+  run's algorithm state (``state``, saved in ``trainer_state.json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from megareason.config import Config
+from megareason.data.records import TokenizedPrompt
+from megareason.envs.runner import env_enabled, run_env
+from megareason.raro.critic import critic_round
+from megareason.raro.replay import ReplayBuffer
+from megareason.rewards.scoring import SampleResult
+from megareason.rollout.engine import Completion, Sampling
+from megareason.trainer.driver import timed
+from megareason.trainer.experience import Experience, build_experience
+from megareason.trainer.handles import PolicyHandle
+
+# (prompts, completions per prompt) -> scored samples, in (prompt, sample) order
+ScoreFn = Callable[[list[TokenizedPrompt], list[list[Completion]]], list[SampleResult]]
+_REPLAY = "raro_replay"  # RARO's replay buffer in TrainerState.extra
+
+
+@dataclass
+class StepRows:
+    """One step's rows for the update (in ``exp`` order) and its scored policy samples."""
+
+    exp: Experience
+    reward_B: torch.Tensor  # float32 [B]
+    group_B: torch.Tensor  # int64 [B]: the advantage groups (a prompt's samples; a triplet's judgements)
+    is_critic_B: torch.Tensor | None  # bool [B]: RARO's critic rows; None without a critic role
+    scored: list[SampleResult]  # the policy's samples, scored (RARO: rewarded by the critic), for metrics
+    metrics: dict[str, float] = field(default_factory=dict)  # the variant's own (RARO's raro/*)
+    judgements: list[dict] = field(default_factory=list)  # RARO: rows of rollouts/step_N_critic.jsonl
+
+
+def sampling(cfg: Config, step: int) -> Sampling:
+    """The rollouts' sampling at ``step``: seeded by (trainer.seed, step), so a resumed run samples alike."""
+    r = cfg.rollout
+    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop),
+                    seed=(cfg.trainer.seed * 100_000 + step) * 10_000)
+
+
+class SingleTurn:
+    """``rollout.n`` completions per prompt, scored by ``score_fn``; rows in (prompt, sample) order."""
+
+    def __init__(self, cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer):
+        self.cfg, self.actors, self.score_fn, self.tokenizer = cfg, actors, score_fn, tokenizer
+
+    def state(self) -> dict:
+        """The variant's state for the checkpoint (``TrainerState.extra``): none."""
+        return {}
+
+    def samples(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]
+                ) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
+        """(prompts, completions per prompt, scored samples in (prompt, sample) order)."""
+        with timed(timer, "generate"):
+            completions = self.actors.generate(batch, sampling(self.cfg, step))
+        with timed(timer, "reward"):
+            scored = self.score_fn(batch, completions)
+        return batch, completions, scored
+
+    def __call__(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]) -> StepRows:
+        batch, completions, scored = self.samples(step, batch, timer)
+        exp = build_experience(batch, completions)
+        return StepRows(exp=exp, reward_B=torch.tensor([s.reward for s in scored]),
+                        group_B=torch.arange(len(exp)) // self.cfg.rollout.n, is_critic_B=None, scored=scored)
+
+
+class Episodes(SingleTurn):
+    """Multi-turn environment episodes, scored by their environments (timed as ``generate``)."""
+
+    def samples(self, step, batch, timer):
+        with timed(timer, "generate"):
+            return run_env(self.cfg, batch, self.actors.generate_ids, self.tokenizer, sampling(self.cfg, step))
+
+
+class RaroRound:
+    """The policy's samples (``policy``), then the critic's round: the joint update's rows are the policy
+    rows, then the critic's; masked rows (filtered, unjudged, unparseable) leave the batch."""
+
+    def __init__(self, cfg: Config, policy: SingleTurn, state: dict):
+        self.cfg, self.policy = cfg, policy
+        r = cfg.raro
+        self.buffer = (ReplayBuffer.from_state(state[_REPLAY]) if _REPLAY in state
+                       else ReplayBuffer(r.replay_buffer_size, r.replay_buffer_kind, cfg.trainer.seed))
+
+    def state(self) -> dict:
+        """The replay buffer (its triplets, counters and generator state), restored by ``__init__``."""
+        return {_REPLAY: self.buffer.state_dict()}
+
+    def __call__(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]) -> StepRows:
+        cfg, actors = self.cfg, self.policy.actors
+        batch, completions, scored = self.policy.samples(step, batch, timer)
+        with timed(timer, "critic"):
+            rb = critic_round(cfg.raro, step, cfg.trainer.seed, batch, completions, self.buffer,
+                              self.policy.tokenizer, actors.generate, sampling(cfg, step),
+                              cfg.rollout.max_model_len - cfg.raro.critic_max_tokens)
+        policy_reward_B = rb.reward_B[~rb.is_critic_B]  # the policy rows come first, in scored's order
+        scored = [replace(s, reward=float(r)) for s, r in zip(scored, policy_reward_B, strict=True)]
+        keep = rb.keep_B.nonzero().flatten().tolist()
+        return StepRows(exp=build_experience(rb.prompts, rb.groups).select(keep), reward_B=rb.reward_B[keep],
+                        group_B=rb.group_B[keep], is_critic_B=rb.is_critic_B[keep], scored=scored,
+                        metrics=rb.metrics, judgements=_judgements(rb, len(batch)))
+
+
+def rollout_step(cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer, state: dict):
+    """The run's variant: ``Episodes`` under an environment, else ``SingleTurn``; RARO wraps either.
+    ``state``: the algorithm state of the checkpoint resumed from (``TrainerState.extra``)."""
+    policy = (Episodes if env_enabled(cfg) else SingleTurn)(cfg, actors, score_fn, tokenizer)
+    return RaroRound(cfg, policy, state) if cfg.algorithm.name == "raro" else policy
+
+
+def _judgements(rb, n_policy_prompts: int) -> list[dict]:
+    """RARO: the critic's prompts and judgements of the step, one row per judgement."""
+    rows, b = [], sum(len(g) for g in rb.groups[:n_policy_prompts])
+    for prompt, group in zip(rb.prompts[n_policy_prompts:], rb.groups[n_policy_prompts:], strict=True):
+        for c in group:
+            rows.append({"index": prompt.record.extra_info["index"], "expert_shown_as": prompt.record.ground_truth,
+                         "historical": prompt.record.extra_info["historical"], "critic_prompt": prompt.text,
+                         "judgement": c.text, "critic_reward": float(rb.reward_B[b]), "kept": bool(rb.keep_B[b])})
+            b += 1
+    return rows
