@@ -25,6 +25,7 @@ from megareason.raro.critic import critic_round
 from megareason.raro.replay import ReplayBuffer
 from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine import Completion, Sampling
+from megareason.settings import sampling_from
 from megareason.trainer.driver import timed
 from megareason.trainer.experience import Experience, build_experience
 from megareason.trainer.handles import PolicyHandle
@@ -49,9 +50,7 @@ class StepRows:
 
 def sampling(cfg: Config, step: int) -> Sampling:
     """The rollouts' sampling at ``step``: seeded by (trainer.seed, step), so a resumed run samples alike."""
-    r = cfg.rollout
-    return Sampling(n=r.n, temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_tokens, stop=tuple(r.stop),
-                    seed=(cfg.trainer.seed * 100_000 + step) * 10_000)
+    return replace(sampling_from(cfg), seed=(cfg.trainer.seed * 100_000 + step) * 10_000)
 
 
 class SingleTurn:
