@@ -102,7 +102,7 @@ def captured(path: Path) -> Iterator[Path | None]:
     path = Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     fresh = not path.exists()
-    saved = sys.stdout, sys.stderr, os.environ.copy()
+    saved = sys.stdout, sys.stderr
     out_fd, err_fd, header = _redirect(path)
     sys.stdout = _console_stream(saved[0], out_fd)
     sys.stderr = _console_stream(saved[1], err_fd)
@@ -115,8 +115,8 @@ def captured(path: Path) -> Iterator[Path | None]:
         _console.setStream(sys.stderr)
         _console.addFilter(own)
     logging.captureWarnings(True)  # Python warnings become records of "py.warnings": the file only
-    os.environ[LOG_DIR_ENV] = str(path.parent)
     # Ray prints forwarded worker lines as "(PolicyWorker pid=N) ..."; the workers prefix their own.
+    prefix_env = "RAY_DISABLE_WORKER_LOG_PREFIX" in os.environ
     os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
     try:
         yield path
@@ -135,16 +135,13 @@ def captured(path: Path) -> Iterator[Path | None]:
         if _console is not None:
             _console.setStream(sys.stderr)
             _console.removeFilter(own)
-        for stream, old in zip(console, saved[:2], strict=True):
+        for stream, old in zip(console, saved, strict=True):
             if stream is not old:
                 stream.close()  # its descriptor: a duplicate made by _console_stream
         os.close(out_fd)
         os.close(err_fd)
-        for key in (LOG_DIR_ENV, "RAY_DISABLE_WORKER_LOG_PREFIX"):
-            if key in saved[2]:
-                os.environ[key] = saved[2][key]
-            else:
-                os.environ.pop(key, None)
+        if not prefix_env:
+            os.environ.pop("RAY_DISABLE_WORKER_LOG_PREFIX", None)
         _log_dir = None
         if fresh and path.stat().st_size == header:
             path.unlink()

@@ -93,3 +93,15 @@ def test_a_worker_logs_to_its_rank_file_and_shows_its_own_lines_prefixed(tmp_pat
     for line in ("Transformer Engine and Apex are not installed", "own line", "Failed to load weights",
                  "C-level noise", "child stdout", "child stderr", "printed line"):
         assert line in text, line
+
+
+def test_workers_get_the_log_folder_and_their_setup_hook_only_during_a_run(tmp_path):
+    from megareason import logs
+
+    assert logs.worker_runtime_env({"A": "1"}) == {"env_vars": {"A": "1"}}
+    with logs.captured(tmp_path / "logs" / "driver.log") as path:
+        env = logs.worker_runtime_env({"A": "1"})
+    assert env == {"env_vars": {"A": "1", "MEGAREASON_LOG_DIR": str(tmp_path / "logs")},
+                   "worker_process_setup_hook": "megareason.logs.setup_worker"}
+    assert path == tmp_path / "logs" / "driver.log" and logs.last_log() == path
+    assert logs.worker_runtime_env({}) == {"env_vars": {}}
