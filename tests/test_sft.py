@@ -149,12 +149,28 @@ def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes_to_the_same_curve(ti
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     metrics = out / "metrics.jsonl"
-    # step 0's validation row is written before the loop; signal once step 1 has been logged
-    while not (metrics.exists() and any(json.loads(x)["step"] >= 1 for x in metrics.read_text().splitlines())):
+
+    def logged() -> list[int]:
+        text = metrics.read_text() if metrics.exists() else ""
+        return [json.loads(x)["step"] for x in text[:text.rfind("\n") + 1].splitlines()]
+
+    # Step 0's validation row comes before the loop (a signal then would stop before step 1, with nothing to
+    # save). Once step 1 is logged, freeze the run at once (steps 2 and 3 take a fraction of a second
+    # here), then signal it: its handler runs as it continues, at the latest in step 2 or 3, which then
+    # ends with a checkpoint and exit code 75.
+    size, steps = -1, []
+    while max(steps, default=-1) < 1:
+        now = metrics.stat().st_size if metrics.exists() else -1
+        if now != size:
+            size, steps = now, logged()
+            continue
         assert proc.poll() is None, proc.stderr.read()[-5000:]
         assert time.time() < deadline, "step 1 not logged within 10 minutes"
-        time.sleep(0.1)
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert max(logged()) < 4, "the run got to its last step before it could be stopped"
     proc.send_signal(signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
     stderr = proc.communicate(timeout=600)[1]
     assert proc.returncode == 75, stderr[-5000:]
     assert "SIGTERM: stopped after step" in stderr
