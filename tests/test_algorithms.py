@@ -209,12 +209,13 @@ def test_aggregate_gradient_accumulation_matches_full_batch(mode):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 6, generator=g, requires_grad=True)
     mask = T([[1, 1, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0], [1, 1, 0, 1, 0, 0], [0, 1, 1, 1, 1, 0]])
-    num, den = aggregate(_loss_of(x), mask, mode)
+    kw = {"norm_length": 8} if mode == "seq-mean-token-sum-norm" else {}
+    num, den = aggregate(_loss_of(x), mask, mode, **kw)
     full = num / den
     (full_grad,) = torch.autograd.grad(full, x)
 
     # As megatron-core does: backward each micro-batch's numerator, then divide by the summed denominators.
-    parts = [aggregate(_loss_of(x[s]), mask[s], mode) for s in (slice(0, 1), slice(1, 5))]
+    parts = [aggregate(_loss_of(x[s]), mask[s], mode, **kw) for s in (slice(0, 1), slice(1, 5))]
     for n, _ in parts:
         n.backward()
     total_den = sum(d for _, d in parts)

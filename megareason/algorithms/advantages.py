@@ -1,4 +1,5 @@
-"""Advantage estimators: group-normalised outcome advantages (GRPO family), GAE, whitening.
+"""Advantage estimators: group-normalised outcome advantages (GRPO family), REINFORCE++-baseline, GAE,
+whitening.
 
 Pure tensor functions. ``B`` is the number of samples (one response each), ``T`` the padded token
 length; ``mask_BT`` is 1 (or True) on response tokens that are scored and 0 on prompt and padding.
@@ -8,6 +9,8 @@ Advantages are training targets: pass detached tensors (nothing here is meant to
 from __future__ import annotations
 
 import torch
+
+from megareason.algorithms.kl import kl_in_reward
 
 GRPO_MODES = ("std", "no_std", "loo")
 
@@ -146,3 +149,37 @@ def explained_variance(value_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT
     if var_r == 0:
         return float("nan")
     return float(1 - (r - v).var(unbiased=False) / var_r)
+
+
+def reinforce_pp_baseline_advantages(reward_B: torch.Tensor, group_B: torch.Tensor, mask_BT: torch.Tensor, *,
+                                     kl_BT: torch.Tensor | None = None, kl_coef: float = 0.0,
+                                     eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262; OpenRLHF's ``reinforce_baseline``): adv [B, T].
+
+    ``reward_B``, ``group_B`` as ``grpo_advantages`` takes them; ``kl_BT``: the per-token KL estimate of
+    the sampled tokens (``kl.kl_penalty``, detached; any values on mask-0 entries), None for no penalty.
+    In OpenRLHF's order:
+
+    1. group-mean baseline on the outcome reward: ``c_i = r_i - mean_g`` (``grpo_advantages`` "no_std";
+       a group of one sample gets 0, as in OpenRLHF);
+    2. token rewards: ``c_i`` on the row's last response token and ``-kl_coef * kl_t`` on every response
+       token (``kl.kl_in_reward``): the KL enters *after* the baseline, so it is not centred by it;
+    3. returns with gamma = 1 (OpenRLHF forces it): each response token's reward-to-go,
+       ``A_t = c_i - kl_coef * sum(kl_s for the row's response tokens s >= t)``, the advantage;
+    4. ``whiten`` over all response tokens of the batch together.
+
+    Mask-0 entries are 0. ``whiten`` uses the unbiased variance and ``rsqrt(var + eps)`` (as verl's
+    masked_whiten); OpenRLHF divides by n and clamps the variance at 1e-8 instead, a factor
+    sqrt(n / (n - 1)) in scale over n tokens. (verl's own REINFORCE++-baseline differs in step 2: it sums
+    the KL-in-reward into the sequence score before the baseline and broadcasts the result uniformly.)
+    """
+    if mask_BT.dim() != 2 or mask_BT.shape[0] != reward_B.shape[0]:
+        raise ValueError(f"expected reward_B [B] and mask_BT [B, T], got {tuple(reward_B.shape)} and "
+                         f"{tuple(mask_BT.shape)}")
+    centred_B = grpo_advantages(reward_B, group_B, mode="no_std")
+    adv_BT = broadcast_to_tokens(centred_B, mask_BT)
+    if kl_BT is not None and kl_coef != 0:
+        kl_reward_BT = kl_in_reward(torch.zeros_like(kl_BT), kl_BT, mask_BT, kl_coef)  # 0 off the mask
+        to_go_BT = kl_reward_BT.flip(1).cumsum(1).flip(1)
+        adv_BT = torch.where(mask_BT.bool(), adv_BT + to_go_BT, adv_BT)
+    return whiten(adv_BT, mask_BT, eps)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # exp(20) ~ 5e8: far past any clip range; keeps exp finite, as verl does (tokens beyond it get no gradient).
 _LOG_RATIO_LIMIT = 20.0
 
@@ -36,21 +36,30 @@ def _masked_mean(x_BT: torch.Tensor, m_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(m_BT, x_BT, x_BT.new_zeros(())).sum() / m_BT.sum().clamp(min=1)
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, *,
+              norm_length: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token losses [B, T] -> (numerator, denominator) for one micro-batch; the loss is their ratio.
 
     - ``"token-mean"``: sum over masked tokens / number of masked tokens.
     - ``"seq-mean-token-sum"``: sum over rows of each row's masked sum / number of rows with >= 1 masked
-      token (Dr. GRPO's constant-normaliser variant divides by a fixed length instead; not this).
+      token.
     - ``"seq-mean-token-mean"``: sum over rows of each row's masked mean / rows with >= 1 masked token.
+    - ``"seq-mean-token-sum-norm"`` (Dr. GRPO's constant normaliser, Liu et al. 2025, arXiv 2503.20783;
+      verl's mode of that name with ``loss_scale_factor``): sum over rows of each row's masked sum /
+      ``norm_length`` / rows with >= 1 masked token. ``norm_length`` is a constant (the maximum response
+      length), never the batch's padded width, so every token of every row and step weighs the same.
+      Required by this mode, ignored by the others.
 
     Rows without masked tokens add 0 to both. The numerator keeps ``loss_BT``'s dtype and gradient; the
     denominator is an int64 count. Summing numerators over micro-batches and dividing by the summed
     denominators gives the full-batch value in every mode, because each row's contribution depends on
-    that row alone and each denominator is a count.
+    that row alone (and the constant ``norm_length``) and each denominator is a count.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+    if mode == "seq-mean-token-sum-norm" and not (norm_length is not None and norm_length > 0):
+        raise ValueError(f"loss aggregation mode {mode!r} needs norm_length > 0 (a fixed length such as the "
+                         f"maximum response length), got {norm_length}")
     _same_shape(loss_BT=loss_BT, mask_BT=mask_BT)
     m_BT = mask_BT.bool()
     masked_BT = torch.where(m_BT, loss_BT, loss_BT.new_zeros(()))
@@ -60,6 +69,8 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str) -> tuple[
     rows = (tokens_B > 0).sum()
     if mode == "seq-mean-token-sum":
         return masked_BT.sum(), rows
+    if mode == "seq-mean-token-sum-norm":
+        return masked_BT.sum() / norm_length, rows
     return (masked_BT.sum(dim=1) / tokens_B.clamp(min=1)).sum(), rows
 
 
