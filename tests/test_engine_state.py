@@ -213,7 +213,7 @@ def _score(batch, completions):
             for i, (p, group) in enumerate(zip(batch, completions, strict=True)) for j, c in enumerate(group)]
 
 
-def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply):
+def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply, score=_score):
     from megareason.trainer.loop import _train_loop
 
     cfg = replace(cfg, parallel=replace(cfg.parallel, data_parallel_size=dp))
@@ -221,7 +221,7 @@ def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply):
     groups = [actors]
     if cfg.algorithm.name == "ppo":
         groups.append(InProcessGroup("critic", [StubCritic(cfg, r, dp) for r in range(dp)]))
-    _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, _score, tok)
+    _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, score, tok)
     return actors
 
 
@@ -300,6 +300,41 @@ def test_multi_turn_environment_episodes_generate_once_per_turn_on_an_awake_engi
     episode = ["gen", "gen"]  # a search, then the answer
     assert _phases(w) == episode + (episode + UPDATE + episode) * 2
     _check_machine(w)
+
+
+def test_dynamic_sampling_draws_again_on_an_awake_engine_until_groups_are_informative(tok, tmp_path):
+    # DAPO: the first batch's groups are all-equal (no gradient), so the step draws the next prompts (on the
+    # engine, still awake) and trains on those two informative groups only.
+    calls = []
+
+    def score(batch, completions):
+        calls.append(len(batch))
+        rows = _score(batch, completions)
+        return [replace(r, reward=1.0) for r in rows] if len(calls) == 1 else rows
+
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=1", "trainer.val_every=0", "trainer.val_before_train=false",
+                                    "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_tries=3"])
+    actors = _run(cfg, tmp_path, _prompts(tok, 6), _prompts(tok, 2), tok, score=score)
+    (w,) = actors.workers
+    assert _phases(w) == ["gen", "gen"] + UPDATE + VAL  # two draws, then one update; validation at the end
+    _check_machine(w)
+    (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (m["dapo/tries"], m["dapo/informative_groups"], m["dapo/drawn_groups"]) == (2, 2, 4)
+    assert calls == [2, 2, 2]  # two draws of prompts_per_step prompts, then the validation's
+
+
+def test_dynamic_sampling_out_of_tries_warns_and_skips_an_update_without_rows(tok, tmp_path, caplog):
+    def score(batch, completions):
+        return [replace(r, reward=0.0) for r in _score(batch, completions)]
+
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=1", "trainer.val_every=0", "trainer.val_before_train=false",
+                                    "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_tries=2"])
+    actors = _run(cfg, tmp_path, _prompts(tok, 6), _prompts(tok, 2), tok, score=score)
+    (w,) = actors.workers
+    assert _phases(w) == ["gen", "gen"] + VAL  # nothing to train on: no sleep, no sync
+    (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert (m["dapo/tries"], m["dapo/informative_groups"]) == (2, 0) and "actor/loss" not in m
+    assert "dynamic sampling found 0 of 2 informative groups in 2 batches" in caplog.text
 
 
 def test_sft_sleeps_before_megatron_and_its_validation_syncs_then_generates(tok, tmp_path):

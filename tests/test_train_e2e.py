@@ -152,6 +152,29 @@ def test_bad_setups_fail_before_any_worker_starts(tiny_qwen2, tmp_path, override
     assert "PolicyWorker" not in proc.stderr  # no worker was started
 
 
+@pytest.mark.parametrize("extra, logged", [
+    # REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and token-level TIS
+    (("algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true",
+      "algorithm.rollout_tis_cap=2.0"), ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated")),
+    # GSPO (its paper's clip range) with sequence-level MIS, DAPO's dynamic sampling and overlong shaping
+    (("algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
+      "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0", "algorithm.dynamic_sampling=true",
+      "algorithm.overlong_buffer=8"), ("actor/is_masked", "dapo/tries", "dapo/informative_groups",
+                                       "dapo/overlong_penalty")),
+], ids=["reinforce_pp_tis", "gspo_mis_dapo"])
+def test_newer_algorithms_train_two_steps_and_log_their_metrics(tiny_qwen2, tmp_path, extra, logged):
+    out = tmp_path / "alg"
+    _run(_args(tiny_qwen2, tmp_path, out, "trainer.steps=2", "trainer.save_every=0", "trainer.val_every=0",
+               "data.val_sources=[]", *extra))
+    m = _metrics(out)
+    assert sorted(m) == [1, 2] and all(m[s]["actor/grad_norm"] > 0 for s in (1, 2))
+    for key in logged:
+        assert key in m[1] and key in m[2], key
+    # fp32 training against fp32 generation: the correction's ratios are ~1 and nothing is cut or dropped
+    assert all(abs(m[s].get("actor/is_ratio", 1.0) - 1) < 1e-3 for s in (1, 2))
+    assert all(m[s].get("actor/is_truncated", 0) == 0 and m[s].get("actor/is_masked", 0) == 0 for s in (1, 2))
+
+
 def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
     # The tiny model's critic is constrained to end with a verdict line (raro.constrain_verdict_chars:
     # 12 characters, up to 4 byte-level tokens each, fit in 64 tokens with the verdict),

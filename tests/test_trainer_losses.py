@@ -148,3 +148,50 @@ def _single_worker(model_dir: str, exp: Experience, alg: AlgorithmConfig):
     names = ["mask_BT", "old_logp_BT", "ref_logp_BT", "adv_BT"]
     forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, policy_loss_fn(alg, on_policy=False))
     return _grads(actor.ddp)
+
+
+def _packed(rollout_logp, adv, mask):
+    """Two packed sequences [p, r, r] and [p, r] (one row, cu_seqlens) with the fields the policy loss reads."""
+    return type("B", (), {"cu_seqlens": torch.tensor([0, 3, 5]),
+                          "fields": {"mask_BT": torch.tensor([mask]), "adv_BT": torch.tensor([adv]),
+                                     "rollout_logp_BT": torch.tensor([rollout_logp])}})()
+
+
+def test_policy_loss_with_rollout_correction_weights_tokens_and_drops_sequences():
+    from dataclasses import replace
+
+    from megareason.trainer.losses import policy_loss_fn
+
+    # Trainer log-probs (on-policy: also the old ones) vs vLLM's: token ratios exp(logp - rollout_logp) =
+    # e^1, e^-0.5 (sequence 1) and e^0.1 (sequence 2); advantages +1, +1 | -2.
+    logp = torch.tensor([[-9.0, -1.0, -2.0, -9.0, -0.5]], requires_grad=True)
+    batch = _packed([0.0, -2.0, -1.5, 0.0, -0.6], [0.0, 1, 1, 0, -2], [0.0, 1, 1, 0, 1])
+    alg = AlgorithmConfig(dual_clip=0.0, rollout_tis_cap=2.0)
+    num, den, m = policy_loss_fn(alg, on_policy=True)(logp, torch.zeros_like(logp), batch)
+    # On-policy the ratio is 1, so the loss is -sum(w * A) / 3 tokens: w = min(e^1, 2) = 2, e^-0.5, e^0.1.
+    w = [2.0, torch.exp(torch.tensor(-0.5)).item(), torch.exp(torch.tensor(0.1)).item()]
+    assert float((num / den).detach()) == pytest.approx(-(w[0] + w[1] - 2 * w[2]) / 3, rel=1e-6)
+    (num / den).backward()
+    assert logp.grad[0, [1, 2, 4]].tolist() == pytest.approx([-w[0] / 3, -w[1] / 3, 2 * w[2] / 3], rel=1e-6)
+    ratios = [torch.e, w[1], w[2]]
+    assert float(m["is_ratio_sum"]) == pytest.approx(sum(ratios), rel=1e-6)
+    assert float(m["is_ratio_max"]) == pytest.approx(torch.e, rel=1e-6)
+    assert float(m["is_truncated_sum"]) == pytest.approx(1.0)  # e^1 > 2: one token of three
+    assert float(m["is_kl_sum"]) == pytest.approx(sum(r - 1 - torch.log(torch.tensor(r)).item() for r in ratios),
+                                                  rel=1e-5)
+
+    # MIS (mask, cap 1.2): sequence 1's geometric mean e^0.25 = 1.284 leaves [1/1.2, 1.2], sequence 2's
+    # e^0.1 = 1.105 stays: only sequence 2 is trained, and the token-mean denominator is its 1 token.
+    logp.grad = None
+    alg = AlgorithmConfig(dual_clip=0.0, rollout_mis_cap=1.2)
+    num, den, m = policy_loss_fn(alg, on_policy=True)(logp, torch.zeros_like(logp), batch)
+    assert int(den) == 1 and float(num.detach()) == pytest.approx(2.0)  # -(1 * -2)
+    assert (float(m["is_masked_num"]), float(m["is_masked_den"])) == (1.0, 2.0)
+    (num / den).backward()
+    assert logp.grad[0].tolist() == pytest.approx([0, 0, 0, 0, 2.0])
+
+    # GSPO: on-policy the sequence ratio is 1 (no clipping); seq-mean-token-mean over the 2 sequences:
+    # (-(1 + 1) / 2 + 2) / 2 = 0.5 — the same value as PPO's in this mode, through gspo_policy_loss.
+    gspo = replace(AlgorithmConfig(), policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
+    num, den, m = policy_loss_fn(gspo, on_policy=True)(logp, torch.zeros_like(logp), batch)
+    assert float((num / den).detach()) == pytest.approx(0.5) and float(m["clipfrac_sum"]) == 0.0

@@ -177,3 +177,43 @@ def test_an_unknown_data_source_fails_at_start_up_listing_the_registered_ones():
     with pytest.raises(DataError, match=r"no_such_source.*registered: .*countdown.*gsm8k"):
         scorer_from(_cfg(), records)
     assert scorer_from(_cfg(), records[:1])("math", "\\boxed{1}", "1", {}).correct
+
+
+def test_dapo_overlong_shaping_and_truncation_mask_on_a_steps_rows():
+    from megareason.config import load_config
+    from megareason.rewards.scoring import SampleResult
+    from megareason.rollout.engine import Completion
+    from megareason.trainer.steps import SingleTurn
+
+    cfg = load_config("grpo_smollm2_cpu", ["rollout.n=2", "rollout.max_tokens=10", "algorithm.overlong_buffer=4",
+                                           "algorithm.overlong_penalty=0.5", "algorithm.mask_truncated=true"])
+    prompt = TokenizedPrompt(record=None, text="", token_ids=[1, 2])
+    # responses of 6 tokens (stopped: no penalty, <= 10 - 4) and 10 tokens (cut at max_tokens: -0.5, masked)
+    group = [Completion(token_ids=[3] * n, text="", logprobs_T=[], finish_reason=f) for n, f in ((6, "stop"),
+                                                                                                 (10, "length"))]
+    scored = [SampleResult(index=0, sample=j, data_source="d", question="q", ground_truth="g", response="",
+                           reward=1.0, correct=True, response_tokens=len(c.token_ids), truncated=c.truncated)
+              for j, c in enumerate(group)]
+    rows = SingleTurn(cfg, None, None, None)._rows([prompt], [group], scored)
+    assert rows.reward_B.tolist() == [1.0, 0.5] and rows.metrics["dapo/overlong_penalty"] == -0.25
+    assert rows.exp.mask_BT.sum(dim=1).tolist() == [6.0, 0.0] and rows.group_B.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("override, field", [
+    ("algorithm.rollout_tis_cap=0.5", "algorithm.rollout_tis_cap"),
+    ("algorithm.rollout_mis_cap=1", "algorithm.rollout_mis_cap"),
+    ("algorithm.overlong_buffer=99999", "algorithm.overlong_buffer"),
+    ("algorithm.dynamic_sampling_max_tries=0", "algorithm.dynamic_sampling_max_tries"),
+])
+def test_bad_algorithm_options_name_their_field(override, field):
+    from megareason.config import load_config
+
+    with pytest.raises(ConfigError, match=field):
+        validate_training(load_config("grpo_smollm2_cpu", [override]))
+
+
+def test_dynamic_sampling_is_refused_where_groups_have_no_rewards_of_their_own():
+    from megareason.config import load_config
+
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling"):
+        validate_training(load_config("raro_smollm2_cpu", ["algorithm.dynamic_sampling=true"]))

@@ -230,10 +230,21 @@ def validate_training(cfg: Config) -> None:
     _check(alg.kl_coef >= 0, "algorithm.kl_coef", "must be >= 0", alg.kl_coef)
     _check(0 <= alg.gamma <= 1, "algorithm.gamma", "must be in [0, 1]", alg.gamma)
     _check(0 <= alg.lam <= 1, "algorithm.lam", "must be in [0, 1]", alg.lam)
-    _check(not alg.kl_in_reward or alg.name == "ppo", "algorithm.kl_in_reward",
-           "needs algorithm.name=ppo (GRPO takes the KL as a loss term)", alg.kl_in_reward)
-    _check(alg.name != "grpo" or cfg.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group needs a "
-           "baseline)", cfg.rollout.n)
+    _check(not alg.kl_in_reward or alg.name in ("ppo", "reinforce_pp_baseline"), "algorithm.kl_in_reward",
+           "needs algorithm.name=ppo or reinforce_pp_baseline (GRPO takes the KL as a loss term)", alg.kl_in_reward)
+    _check(not alg.dynamic_sampling or alg.name in ("grpo", "reinforce_pp_baseline"), "algorithm.dynamic_sampling",
+           "needs algorithm.name=grpo or reinforce_pp_baseline (it filters groups by their rewards)",
+           alg.dynamic_sampling)
+    _check(alg.dynamic_sampling_max_tries >= 1, "algorithm.dynamic_sampling_max_tries", "must be >= 1",
+           alg.dynamic_sampling_max_tries)
+    _check(0 <= alg.overlong_buffer <= cfg.rollout.max_tokens, "algorithm.overlong_buffer",
+           f"must be in [0, rollout.max_tokens={cfg.rollout.max_tokens}]", alg.overlong_buffer)
+    _check(alg.overlong_penalty >= 0, "algorithm.overlong_penalty", "must be >= 0", alg.overlong_penalty)
+    for name in ("rollout_tis_cap", "rollout_mis_cap"):
+        _check(getattr(alg, name) == 0 or getattr(alg, name) > 1, f"algorithm.{name}", "must be 0 (off) or > 1",
+               getattr(alg, name))
+    _check(alg.name not in ("grpo", "reinforce_pp_baseline") or cfg.rollout.n >= 2, "rollout.n",
+           "must be >= 2 for GRPO and REINFORCE++-baseline (a group needs a baseline)", cfg.rollout.n)
     _check(cfg.rollout.temperature > 0, "rollout.temperature", "must be > 0 for training (on-policy sampling)",
            cfg.rollout.temperature)
     _check(opt.lr > 0, "optim.lr", "must be > 0", opt.lr)

@@ -186,7 +186,9 @@ class ParallelConfig:
 class AlgorithmConfig:
     """The RL algorithm: advantages, policy loss, KL and entropy terms (see megareason/algorithms/)."""
 
-    name: Literal["grpo", "ppo", "raro"] = "grpo"
+    # reinforce_pp_baseline: REINFORCE++-baseline (Hu et al. 2025; OpenRLHF): group-mean baseline, the
+    # per-token KL in the reward (kl_in_reward), reward-to-go, whitened over the batch; no critic.
+    name: Literal["grpo", "ppo", "raro", "reinforce_pp_baseline"] = "grpo"
     # GRPO advantage baseline: std (GRPO), no_std (Dr. GRPO), loo (RLOO leave-one-out).
     grpo_mode: Literal["std", "no_std", "loo"] = "std"
     # PPO: GAE over response tokens, the outcome reward on the last one; whitened over the batch.
@@ -196,6 +198,27 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     dual_clip: float = 3.0  # 0 disables the dual clip
+    # ppo: the token-level clipped ratio; gspo: GSPO's sequence-level ratio (Zheng et al. 2025; its paper
+    # clips at 3e-4 / 4e-4: set clip_ratio_low/high), the dual clip does not apply.
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    # Train/generation mismatch correction against vLLM's log-probs of the sampled tokens (verl's
+    # rollout_corr, slime's --use-tis); 0 disables each. TIS: each token's loss weighted by
+    # min(pi_train / pi_vllm, rollout_tis_cap). MIS: sequences whose geometric-mean ratio leaves
+    # [1/cap, cap] are dropped (mask) or weighted min(ratio, cap) (truncate). Metrics: actor/is_*.
+    rollout_tis_cap: float = 0.0
+    rollout_mis_cap: float = 0.0
+    rollout_mis_mode: Literal["mask", "truncate"] = "mask"
+    # DAPO (Yu et al. 2025). Dynamic sampling (GRPO, REINFORCE++-baseline): groups whose rewards are all
+    # equal are dropped, and more prompts are drawn until trainer.prompts_per_step informative groups or
+    # dynamic_sampling_max_tries batches (then the step trains on what it has, with a warning).
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_tries: int = 3
+    # > 0: overlong reward shaping, a penalty rising linearly to overlong_penalty over the last
+    # overlong_buffer tokens before rollout.max_tokens. mask_truncated: responses cut at
+    # rollout.max_tokens leave the loss (they still count in their group's advantages).
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    mask_truncated: bool = False
     value_clip: float = 0.2  # 0 disables value clipping
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     # KL to the reference model; 0 means no reference model at all. As a loss term, or subtracted

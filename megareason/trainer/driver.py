@@ -170,10 +170,10 @@ def greedy(cfg: Config) -> Sampling:
 
 @contextmanager
 def timed(timer: dict[str, float], name: str):
-    """``timer[name]``: the block's wall time in seconds."""
+    """Adds the block's wall time in seconds to ``timer[name]``."""
     start = time.perf_counter()
     yield
-    timer[name] = time.perf_counter() - start
+    timer[name] = timer.get(name, 0.0) + time.perf_counter() - start
 
 
 def dump_validation(root: Path, step: int, prompts, results, completions=None) -> None:

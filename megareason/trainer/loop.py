@@ -19,7 +19,13 @@ from pathlib import Path
 
 import torch
 
-from megareason.algorithms.advantages import broadcast_to_tokens, gae, grpo_advantages, whiten
+from megareason.algorithms.advantages import (
+    broadcast_to_tokens,
+    gae,
+    grpo_advantages,
+    reinforce_pp_baseline_advantages,
+    whiten,
+)
 from megareason.algorithms.kl import kl_in_reward, kl_penalty
 from megareason.algorithms.raro import role_advantage_scale
 from megareason.config import Config, ConfigError, validate_training
@@ -72,15 +78,17 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1 and not (alg.kl_in_reward and alg.kl_coef > 0)
     val = partial(validate, actors, val_prompts, cfg, score_fn, tokenizer, run.root) if val_prompts else None
     driver = Driver(cfg, run, [actors] + ([critic] if critic else []), len(prompts), "training", val, stop)
-    rollout = rollout_step(cfg, actors, score_fn, tokenizer, driver.start().extra)
+    state = driver.start()
+    rollout = rollout_step(cfg, actors, score_fn, tokenizer, state.extra,
+                           more=lambda: [prompts[i] for i in driver.sampler.next(t.prompts_per_step)])
 
     for step, indices in driver.steps():
         timer: dict[str, float] = {}
         rows = rollout(step, [prompts[i] for i in indices], timer)
         exp, update = rows.exp, UpdateStats()
-        if len(exp) >= alg.mini_batches * cfg.parallel.data_parallel_size:
+        if len(exp) >= alg.mini_batches * cfg.parallel.data_parallel_size and exp.mask_BT.any():
             exp, update = _update(cfg, step, actors, critic, rows, on_policy, timer)
-        else:  # RARO, when (nearly) every row was masked: nothing to learn from this step
+        else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, rows, update, timer)
@@ -127,6 +135,11 @@ def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, gro
     when kl_in_reward), GAE with the critic's values, whitened advantages; also the critic's targets
     (``returns_BT``)."""
     alg, mask_BT = cfg.algorithm, exp.mask_BT
+    if alg.name == "reinforce_pp_baseline":
+        kl_BT = (kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_kind)
+                 if alg.kl_in_reward and alg.kl_coef > 0 else None)
+        return {"adv_BT": reinforce_pp_baseline_advantages(reward_B, group_B, mask_BT, kl_BT=kl_BT,
+                                                           kl_coef=alg.kl_coef)}
     if alg.name in ("grpo", "raro"):
         adv_B = grpo_advantages(reward_B, group_B, mode=alg.grpo_mode)
         if alg.name == "raro":

@@ -10,10 +10,14 @@ data-parallel ranks, which makes every aggregation mode exact under any split. M
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from megareason.algorithms.gspo import gspo_policy_loss
 from megareason.algorithms.kl import kl_penalty
 from megareason.algorithms.losses import aggregate, entropy_bonus, ppo_policy_loss, value_loss
+from megareason.algorithms.rollout_correction import rollout_correction
 from megareason.config.schema import AlgorithmConfig
 from megareason.models.packing import unpack_rows
 from megareason.rollout.metrics import mismatch_sums
@@ -26,32 +30,45 @@ def _rows(x_1W: torch.Tensor, batch) -> torch.Tensor:
 
 
 def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool):
-    """Clipped PPO surrogate (GRPO and PPO alike) + entropy bonus + KL loss term, one aggregation mode.
+    """The policy loss (``algorithm.policy_loss``: PPO's clipped token ratio or GSPO's sequence ratio, for
+    GRPO, PPO, RARO and REINFORCE++ alike) + entropy bonus + KL loss term, one aggregation mode.
     ``on_policy`` (one update per rollout): the old policy is the current one, so the micro-batches carry
-    no ``old_logp_BT`` and this forward pass measures the train/generation mismatch (``rollout_logp_BT``)."""
+    no ``old_logp_BT`` and this forward pass measures the train/generation mismatch (``rollout_logp_BT``).
+    With ``algorithm.rollout_tis_cap``/``rollout_mis_cap`` the advantages are weighted (and MIS-dropped
+    sequences masked) by ``algorithms.rollout_correction`` on the old vs vLLM's log-probs."""
     use_kl_loss = alg.kl_coef > 0 and not alg.kl_in_reward
+    corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
 
     def loss(logp_1W, entropy_1W, batch):
         f = batch.fields
         logp_BT, entropy_BT = _rows(logp_1W, batch), _rows(entropy_1W, batch)
-        mask_BT = _rows(f["mask_BT"], batch)
+        mask_BT, adv_BT = _rows(f["mask_BT"], batch), _rows(f["adv_BT"], batch)
         old_logp_BT = logp_BT.detach() if on_policy else _rows(f["old_logp_BT"], batch)
-        num, den, m = ppo_policy_loss(
-            logp_BT, old_logp_BT, _rows(f["adv_BT"], batch), mask_BT,
-            clip_low=alg.clip_ratio_low, clip_high=alg.clip_ratio_high, dual_clip=alg.dual_clip or None,
-            mode=alg.loss_agg_mode,
-        )
-        tokens = mask_BT.sum()
-        metrics = {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
-                   "clipfrac_sum": m["clipfrac"] * tokens, "ppo_kl_sum": m["approx_kl"] * tokens,
-                   "entropy_sum": (entropy_BT.detach() * mask_BT).sum()}
+        tokens, loss_mask_BT, metrics = mask_BT.sum(), mask_BT, {}
+        if corrected:
+            c = rollout_correction(old_logp_BT, _rows(f["rollout_logp_BT"], batch), mask_BT,
+                                   tis_cap=alg.rollout_tis_cap or None, mis_cap=alg.rollout_mis_cap or None,
+                                   mis_mode=alg.rollout_mis_mode)
+            adv_BT, loss_mask_BT = adv_BT * c.weight_BT, c.mask_BT.float()
+            cm = c.metrics
+            metrics = {"is_ratio_sum": cm["token_ratio_mean"] * tokens, "is_ratio_max": cm["token_ratio_max"],
+                       "is_kl_sum": cm["kl_k3"] * tokens, "is_truncated_sum": cm["token_truncated_frac"] * tokens,
+                       "is_masked_num": cm["seq_masked_frac"] * cm["seqs"], "is_masked_den": cm["seqs"]}
+        surrogate = gspo_policy_loss if alg.policy_loss == "gspo" else partial(ppo_policy_loss,
+                                                                               dual_clip=alg.dual_clip or None)
+        num, den, m = surrogate(logp_BT, old_logp_BT, adv_BT, loss_mask_BT, clip_low=alg.clip_ratio_low,
+                                clip_high=alg.clip_ratio_high, mode=alg.loss_agg_mode)
+        kept = loss_mask_BT.sum()
+        metrics |= {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
+                    "clipfrac_sum": m["clipfrac"] * kept, "ppo_kl_sum": m["approx_kl"] * kept,
+                    "entropy_sum": (entropy_BT.detach() * mask_BT).sum()}
         if on_policy:
             metrics.update(mismatch_sums(logp_BT, _rows(f["rollout_logp_BT"], batch), mask_BT))
         if alg.entropy_coef:
-            num = num + entropy_bonus(entropy_BT, mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
+            num = num + entropy_bonus(entropy_BT, loss_mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
         if use_kl_loss:
             kl_BT = kl_penalty(logp_BT, _rows(f["ref_logp_BT"], batch), alg.kl_kind)
-            num = num + aggregate(alg.kl_coef * kl_BT, mask_BT, alg.loss_agg_mode)[0]
+            num = num + aggregate(alg.kl_coef * kl_BT, loss_mask_BT, alg.loss_agg_mode)[0]
             metrics["kl_sum"] = (kl_BT.detach() * mask_BT).sum()
         return num, den, metrics
 

@@ -38,7 +38,10 @@ def step_metrics(cfg: Config, step: int, exp: Experience, rows: StepRows, update
     * ``rollout/token_mult_prob_error`` (mean exp|Δlogp| between trainer and vLLM, 1 = equal) and
       ``rollout/max_abs_logp_diff``: from the old log-probs, or measured by the on-policy update itself;
     * ``actor/{loss,pg_loss,grad_norm,clipfrac,ppo_kl,entropy,kl}`` (``kl``: the KL loss term's) averaged
-      over the step's optimizer steps, and ``actor/lr``;
+      over the step's optimizer steps, and ``actor/lr``; with rollout correction (algorithm.rollout_tis_cap
+      / rollout_mis_cap) ``actor/is_ratio`` (mean pi_train / pi_vllm per token), ``actor/is_ratio_max``,
+      ``actor/is_kl`` (k3 estimate of KL(pi_vllm || pi_train)), ``actor/is_truncated`` (tokens over the
+      TIS cap) and ``actor/is_masked`` (sequences MIS dropped);
     * PPO: ``critic/{loss,vf_loss,grad_norm,vf_clipfrac,vpred}``, ``critic/explained_variance`` and
       ``critic/returns_var`` of the values the advantages used (before this step's critic update);
     * environments: ``env/{turns,searches,tool_errors,em,f1,retrieval_recall,citation_precision}``;
@@ -56,6 +59,8 @@ def step_metrics(cfg: Config, step: int, exp: Experience, rows: StepRows, update
         m["rollout/max_abs_logp_diff"] = first.logp_diff_max
     if update.actor:
         m.update(mean_metrics("actor", update.actor))
+        if update.actor[0].is_ratio_max is not None:
+            m["actor/is_ratio_max"] = max(s.is_ratio_max for s in update.actor)
     m["actor/lr"] = learning_rate(cfg.optim.lr, cfg, step)
     if update.critic:
         m.update(mean_metrics("critic", update.critic))

@@ -36,7 +36,7 @@ class TrainStats:
         out = {"loss": self.loss, "grad_norm": self.grad_norm}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith("_num"):
+            if f.name.endswith("_num") and value is not None:
                 out[f.name[:-4]] = value / max(getattr(self, f.name[:-4] + "_den"), 1)
             elif f.name.endswith("_sum") and value is not None and f.name not in self.NOT_MEANS:
                 out[f.name[:-4]] = value / max(self.tokens, 1)
@@ -56,6 +56,14 @@ class PolicyStats(TrainStats):
     # On-policy only: the train/generation mismatch this very forward pass measured (``rollout.metrics``).
     mismatch_sum: float | None = None
     logp_diff_max: float | None = None
+    # algorithm.rollout_tis_cap / rollout_mis_cap: the correction's ratios pi_train / pi_vllm (per token),
+    # KL(pi_vllm || pi_train) (k3), tokens truncated by TIS, sequences MIS dropped (of all sequences).
+    is_ratio_sum: float | None = None
+    is_ratio_max: float | None = None
+    is_kl_sum: float | None = None
+    is_truncated_sum: float | None = None
+    is_masked_num: float | None = None
+    is_masked_den: float | None = None
     NOT_MEANS: ClassVar[tuple[str, ...]] = ("mismatch_sum",)  # rollout/* metrics (``trainer.metrics``)
 
 

@@ -13,11 +13,13 @@ reward and advantage group, and what the step logs. The variants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
+from megareason.algorithms.dapo import dynamic_sampling, mask_truncated, overlong_penalty
 from megareason.config import Config
 from megareason.data.records import TokenizedPrompt
 from megareason.envs.runner import env_enabled, run_env
@@ -33,6 +35,7 @@ from megareason.trainer.handles import PolicyHandle
 # (prompts, completions per prompt) -> scored samples, in (prompt, sample) order
 ScoreFn = Callable[[list[TokenizedPrompt], list[list[Completion]]], list[SampleResult]]
 _REPLAY = "raro_replay"  # RARO's replay buffer in TrainerState.extra
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,43 +51,81 @@ class StepRows:
     judgements: list[dict] = field(default_factory=list)  # RARO: rows of rollouts/step_N_critic.jsonl
 
 
-def sampling(cfg: Config, step: int) -> Sampling:
-    """The rollouts' sampling at ``step``: seeded by (trainer.seed, step), so a resumed run samples alike."""
-    return replace(sampling_from(cfg), seed=(cfg.trainer.seed * 100_000 + step) * 10_000)
+def sampling(cfg: Config, step: int, first_prompt: int = 0) -> Sampling:
+    """The rollouts' sampling at ``step``: seeded by (trainer.seed, step), so a resumed run samples alike;
+    prompt i of a batch gets seed + first_prompt + i (``first_prompt``: prompts drawn before in the step)."""
+    return replace(sampling_from(cfg), seed=(cfg.trainer.seed * 100_000 + step) * 10_000 + first_prompt)
 
 
 class SingleTurn:
-    """``rollout.n`` completions per prompt, scored by ``score_fn``; rows in (prompt, sample) order."""
+    """``rollout.n`` completions per prompt, scored by ``score_fn``; rows in (prompt, sample) order. DAPO's
+    options apply here (``algorithm.dynamic_sampling``: ``more()`` gives the next prompts to draw;
+    ``overlong_buffer``; ``mask_truncated``)."""
 
-    def __init__(self, cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer):
-        self.cfg, self.actors, self.score_fn, self.tokenizer = cfg, actors, score_fn, tokenizer
+    def __init__(self, cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer,
+                 more: Callable[[], list[TokenizedPrompt]] | None = None):
+        self.cfg, self.actors, self.score_fn, self.tokenizer, self.more = cfg, actors, score_fn, tokenizer, more
 
     def state(self) -> dict:
         """The variant's state for the checkpoint (``TrainerState.extra``): none."""
         return {}
 
-    def samples(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]
+    def samples(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float], first_prompt: int = 0
                 ) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
         """(prompts, completions per prompt, scored samples in (prompt, sample) order)."""
         with timed(timer, "generate"):
-            completions = self.actors.generate(batch, sampling(self.cfg, step))
+            completions = self.actors.generate(batch, sampling(self.cfg, step, first_prompt))
         with timed(timer, "reward"):
             scored = self.score_fn(batch, completions)
         return batch, completions, scored
 
     def __call__(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]) -> StepRows:
-        batch, completions, scored = self.samples(step, batch, timer)
-        exp = build_experience(batch, completions)
-        return StepRows(exp=exp, reward_B=torch.tensor([s.reward for s in scored]),
-                        group_B=torch.arange(len(exp)) // self.cfg.rollout.n, is_critic_B=None, scored=scored)
+        alg = self.cfg.algorithm
+        if not alg.dynamic_sampling:
+            return self._rows(*self.samples(step, batch, timer))
+        prompts, completions, scored = [], [], []
+
+        def draw():
+            b, c, s = self.samples(step, self.more() if prompts else batch, timer, first_prompt=len(prompts))
+            prompts.extend(b)
+            completions.extend(c)
+            scored.extend(s)
+            rows = self._rows(b, c, s)
+            return None, rows.reward_B, rows.group_B
+
+        drawn = dynamic_sampling(draw, want=len(batch), max_tries=alg.dynamic_sampling_max_tries)
+        if not drawn.enough:
+            log.warning("step %d: dynamic sampling found %d of %d informative groups in %d batches; training on "
+                        "those", step, drawn.groups, len(batch), drawn.tries)
+        rows = self._rows(prompts, completions, scored)
+        keep = torch.cat([keep_B for _, keep_B in drawn.batches]).nonzero().flatten().tolist()
+        return replace(rows, exp=rows.exp.select(keep), reward_B=rows.reward_B[keep], group_B=rows.group_B[keep],
+                       metrics={**rows.metrics, "dapo/tries": drawn.tries, "dapo/informative_groups": drawn.groups,
+                                "dapo/drawn_groups": drawn.drawn_groups})
+
+    def _rows(self, prompts, completions, scored) -> StepRows:
+        """The rows of (prompt, sample)-ordered samples, with DAPO's overlong shaping and truncation mask."""
+        alg = self.cfg.algorithm
+        exp = build_experience(prompts, completions)
+        reward_B, metrics = torch.tensor([s.reward for s in scored]), {}
+        if alg.overlong_buffer:
+            penalty_B = overlong_penalty(torch.tensor([s.response_tokens for s in scored]),
+                                         max_tokens=self.cfg.rollout.max_tokens, buffer=alg.overlong_buffer,
+                                         penalty_factor=alg.overlong_penalty)
+            reward_B, metrics = reward_B + penalty_B, {"dapo/overlong_penalty": penalty_B.mean().item()}
+        if alg.mask_truncated:
+            exp = exp.with_fields(mask_BT=mask_truncated(exp.mask_BT, torch.tensor([s.truncated for s in scored])))
+        return StepRows(exp=exp, reward_B=reward_B, group_B=torch.arange(len(exp)) // self.cfg.rollout.n,
+                        is_critic_B=None, scored=scored, metrics=metrics)
 
 
 class Episodes(SingleTurn):
     """Multi-turn environment episodes, scored by their environments (timed as ``generate``)."""
 
-    def samples(self, step, batch, timer):
+    def samples(self, step, batch, timer, first_prompt=0):
         with timed(timer, "generate"):
-            return run_env(self.cfg, batch, self.actors.generate_ids, self.tokenizer, sampling(self.cfg, step))
+            return run_env(self.cfg, batch, self.actors.generate_ids, self.tokenizer,
+                           sampling(self.cfg, step, first_prompt))
 
 
 class RaroRound:
@@ -116,10 +157,12 @@ class RaroRound:
                         metrics=rb.metrics, judgements=_judgements(rb, len(batch)))
 
 
-def rollout_step(cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer, state: dict):
+def rollout_step(cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer, state: dict,
+                 more: Callable[[], list[TokenizedPrompt]] | None = None):
     """The run's variant: ``Episodes`` under an environment, else ``SingleTurn``; RARO wraps either.
-    ``state``: the algorithm state of the checkpoint resumed from (``TrainerState.extra``)."""
-    policy = (Episodes if env_enabled(cfg) else SingleTurn)(cfg, actors, score_fn, tokenizer)
+    ``state``: the algorithm state of the checkpoint resumed from (``TrainerState.extra``); ``more()``: the
+    next trainer.prompts_per_step prompts (DAPO's dynamic sampling draws them)."""
+    policy = (Episodes if env_enabled(cfg) else SingleTurn)(cfg, actors, score_fn, tokenizer, more)
     return RaroRound(cfg, policy, state) if cfg.algorithm.name == "raro" else policy
 
 

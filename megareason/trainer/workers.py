@@ -203,7 +203,10 @@ class PolicyWorker(_Worker):
         train/generation mismatch against ``rollout_logp_BT``."""
         from megareason.trainer.losses import policy_loss_fn
 
-        names = ["mask_BT", "adv_BT", "rollout_logp_BT" if on_policy else "old_logp_BT"]
+        alg = self.cfg.algorithm
+        corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
+        names = ["mask_BT", "adv_BT"] + (["rollout_logp_BT"] if on_policy or corrected else [])
+        names += [] if on_policy else ["old_logp_BT"]
         names += ["ref_logp_BT"] if exp.ref_logp_BT is not None else []
         return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm, on_policy), lr, PolicyStats,
                            responses_only=True)
