@@ -412,3 +412,39 @@ def test_summarize_reports_the_reranked_accuracy():
     assert summary.rerank_accuracy == pytest.approx(1 / 3)  # picks: correct, wrong, wrong
     (summary,) = summarize(samples, 2, [1])
     assert summary.rerank_accuracy is None
+
+
+@pytest.mark.parametrize("n_pol", [8, 3])  # 3: the mini-batches hold 1 and 2 policy rows, weighed apart
+def test_every_mini_batch_weighs_the_roles_lambda_pol_to_lambda_crit(n_pol):
+    """Seed 000's joint objective in every optimizer step: 8 policy rows of 10 tokens and 32 critic rows of
+    3, token-mean, 2 mini-batches. Cut contiguously, the first mini-batch held 8 policy + 12 critic rows
+    (effective weights 0.169 / 0.506) and the second only critic rows (0.0 / 1.63); each mini-batch now
+    holds 4 + 16 rows, and its rows' weights give 1/9 and 8/9."""
+    from megareason.algorithms.raro import role_mini_batches
+    from megareason.trainer.experience import Experience
+    from megareason.trainer.loop import mini_batch_rows
+    from megareason.trainer.steps import StepRows
+
+    B = n_pol + 32
+    lengths = [10] * n_pol + [3] * 32
+    mask_BT = torch.tensor([[1.0] * n + [0.0] * (10 - n) for n in lengths])
+    exp = Experience(tokens_BT=torch.zeros(B, 10, dtype=torch.long), lengths_B=torch.tensor(lengths),
+                     mask_BT=mask_BT, rollout_logp_BT=torch.zeros(B, 10))
+    is_critic_B = torch.tensor([False] * n_pol + [True] * 32)
+    reward_B = (torch.arange(B, dtype=torch.float32) % 5) ** 2  # groups of 5: 0, 1, 4, 9, 16 (mean 6: no zero)
+    group_B = torch.arange(B) // 5
+    cfg = Config(algorithm=AlgorithmConfig(name="raro", mini_batches=2))
+    parts = mini_batch_rows(cfg, StepRows(exp, reward_B, group_B, is_critic_B, scored=[]))
+    half = n_pol // 2
+    assert [p.tolist() for p in parts] == [list(range(half)) + list(range(n_pol, n_pol + 16)),
+                                           list(range(half, n_pol)) + list(range(n_pol + 16, B))]
+    assert [p.tolist() for p in role_mini_batches(is_critic_B, 1)] == [list(range(B))]
+    adv_BT = compute_advantages(cfg, exp, reward_B, group_B, is_critic_B, parts)["adv_BT"]
+    from megareason.algorithms.advantages import grpo_advantages
+
+    w_B = adv_BT[:, 0] / grpo_advantages(reward_B, group_B)  # each row's weight (every mask starts at column 0)
+    for rows in parts:
+        tokens_B = mask_BT[rows].sum(1)
+        share = (w_B[rows] * tokens_B) / tokens_B.sum()  # each row's share of the mini-batch's token-mean
+        pol, crit = float(share[~is_critic_B[rows]].sum()), float(share[is_critic_B[rows]].sum())
+        assert (pol, crit) == (pytest.approx(1 / 9, rel=1e-5), pytest.approx(8 / 9, rel=1e-5))

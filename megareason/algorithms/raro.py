@@ -81,3 +81,20 @@ def role_advantage_scale(is_critic_B: torch.Tensor, mask_BT: torch.Tensor, mode:
     w_pol = lambda_pol * total / n_pol if n_pol > 0 else total.new_zeros(())
     w_crit = lambda_crit * total / n_crit if n_crit > 0 else total.new_zeros(())
     return torch.where(is_critic_B, w_crit, w_pol)
+
+
+def role_mini_batches(is_critic_B: torch.Tensor, mini_batches: int) -> list[torch.Tensor]:
+    """Row indices of each of ``mini_batches`` optimizer steps, every one holding its share of both roles:
+    the policy rows cut into ``mini_batches`` contiguous parts, the critic rows likewise, part m of each
+    (policy rows first) in mini-batch m. With weights from ``role_advantage_scale`` on each part, every
+    optimizer step's objective is ``lambda_pol * J_pol + lambda_crit * J_crit`` (seed 000), not only the
+    step's sum. One mini-batch of policy-first rows: ``arange(B)``."""
+    if is_critic_B.dtype != torch.bool or is_critic_B.dim() != 1 or mini_batches < 1:
+        raise ValueError(f"need a bool [B] is_critic_B and mini_batches >= 1, got {is_critic_B.dtype} "
+                         f"{tuple(is_critic_B.shape)}, {mini_batches}")
+    pol, crit = (~is_critic_B).nonzero().flatten(), is_critic_B.nonzero().flatten()
+
+    def part(rows: torch.Tensor, m: int) -> torch.Tensor:
+        return rows[len(rows) * m // mini_batches:len(rows) * (m + 1) // mini_batches]
+
+    return [torch.cat([part(pol, m), part(crit, m)]) for m in range(mini_batches)]

@@ -27,7 +27,7 @@ from megareason.algorithms.advantages import (
     whiten,
 )
 from megareason.algorithms.kl import kl_in_reward, kl_penalty
-from megareason.algorithms.raro import role_advantage_scale
+from megareason.algorithms.raro import role_advantage_scale, role_mini_batches
 from megareason.config import Config, ConfigError, validate_training
 from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
@@ -85,9 +85,9 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     for step, indices in driver.steps():
         timer: dict[str, float] = {}
         rows = rollout(step, [prompts[i] for i in indices], timer)
-        exp, update = rows.exp, UpdateStats()
-        if len(exp) >= alg.mini_batches * cfg.parallel.data_parallel_size and exp.mask_BT.any():
-            exp, update = _update(cfg, step, actors, critic, rows, on_policy, timer)
+        exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
+        if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
+            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer)
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
         timer["step"] = sum(timer.values())
@@ -98,10 +98,19 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     driver.close()
 
 
+def mini_batch_rows(cfg: Config, rows: StepRows) -> list[torch.Tensor]:
+    """The rows of each of the step's algorithm.mini_batches optimizer steps: contiguous parts, or under
+    RARO a share of each role in every part (``algorithms.raro.role_mini_batches``)."""
+    n, m = len(rows.exp), cfg.algorithm.mini_batches
+    if rows.is_critic_B is not None:
+        return role_mini_batches(rows.is_critic_B, m)
+    return [torch.arange(n * i // m, n * (i + 1) // m) for i in range(m)]
+
+
 def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle | None, rows: StepRows,
-            on_policy: bool, timer: dict[str, float]) -> tuple[Experience, UpdateStats]:
-    """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x mini_batches updates ->
-    weight sync. Returns the completed experience and what the workers reported."""
+            parts: list[torch.Tensor], on_policy: bool, timer: dict[str, float]) -> tuple[Experience, UpdateStats]:
+    """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x len(parts) updates (``parts``:
+    ``mini_batch_rows``) -> weight sync. Returns the completed experience and what the workers reported."""
     alg, exp, update = cfg.algorithm, rows.exp, UpdateStats()
     # The rollout engines free the devices while Megatron computes; the sync at the end wakes them.
     actors.sleep_engine()
@@ -113,12 +122,12 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
         if critic is not None:
             exp = exp.with_fields(values_BT=critic.values(exp))
 
-    exp = exp.with_fields(**compute_advantages(cfg, exp, rows.reward_B, rows.group_B, rows.is_critic_B))
+    exp = exp.with_fields(**compute_advantages(cfg, exp, rows.reward_B, rows.group_B, rows.is_critic_B, parts))
 
     with timed(timer, "train"):
         for _ in range(alg.ppo_epochs):
-            for m in range(alg.mini_batches):
-                mini = exp.select(slice(len(exp) * m // alg.mini_batches, len(exp) * (m + 1) // alg.mini_batches))
+            for rows_b in parts:
+                mini = exp.select(rows_b)
                 update.actor.append(actors.train(mini, learning_rate(cfg.optim.lr, cfg, step), on_policy))
                 if critic is not None:
                     update.critic.append(critic.train(mini, learning_rate(cfg.optim.critic_lr, cfg, step)))
@@ -128,12 +137,14 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
 
 
 def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, group_B: torch.Tensor,
-                       is_critic_B: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                       is_critic_B: torch.Tensor | None = None,
+                       parts: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """GRPO: the group-relative outcome advantage on every response token. RARO: the same within the
-    policy groups and within the critic groups, scaled so the loss is lambda_pol * J_pol +
-    lambda_crit * J_crit. PPO: the outcome reward on the last response token (minus the per-token KL
-    when kl_in_reward), GAE with the critic's values, whitened advantages; also the critic's targets
-    (``returns_BT``)."""
+    policy groups and within the critic groups, scaled so that the loss of each mini-batch (``parts``, row
+    indices; None: one) is lambda_pol * J_pol + lambda_crit * J_crit. REINFORCE++-baseline:
+    ``algorithms.advantages.reinforce_pp_baseline_advantages``. PPO: the outcome reward on the last
+    response token (minus the per-token KL when kl_in_reward), GAE with the critic's values, whitened
+    advantages; also the critic's targets (``returns_BT``)."""
     alg, mask_BT = cfg.algorithm, exp.mask_BT
     if alg.name == "reinforce_pp_baseline":
         kl_BT = (kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_kind)
@@ -143,8 +154,11 @@ def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, gro
     if alg.name in ("grpo", "raro"):
         adv_B = grpo_advantages(reward_B, group_B, mode=alg.grpo_mode)
         if alg.name == "raro":
-            adv_B = adv_B * role_advantage_scale(is_critic_B, mask_BT, alg.loss_agg_mode,
-                                                 lambda_pol=cfg.raro.lambda_pol, lambda_crit=cfg.raro.lambda_crit)
+            scale_B = torch.empty_like(adv_B)
+            for rows in parts or [torch.arange(len(adv_B))]:
+                scale_B[rows] = role_advantage_scale(is_critic_B[rows], mask_BT[rows], alg.loss_agg_mode,
+                                                     lambda_pol=cfg.raro.lambda_pol, lambda_crit=cfg.raro.lambda_crit)
+            adv_B = adv_B * scale_B
         return {"adv_BT": broadcast_to_tokens(adv_B, mask_BT)}
     last_B = exp.lengths_B - 1
     token_reward_BT = torch.zeros_like(mask_BT)
