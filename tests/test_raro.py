@@ -34,6 +34,10 @@ from megareason.trainer.loop import compute_advantages
     ("VERDICT: TIE", "tie"),
     ("so the answer is \\boxed{A}", "A"),
     ("Verdict: A\n(repeating) Verdict: A", "A"),
+    # the final verdict line decides (seed 000): the format quoted first, then the critic's own verdict
+    ("I must end with 'Verdict: A', 'Verdict: B' or 'Verdict: Tie'.\nB is sloppier.\nVerdict: A", "A"),
+    ("Verdict: A ... on reflection, no.\nVerdict: B", "B"),
+    ("Verdict: B\nBecause the first answer repeats the question.", "B"),
 ])
 def test_parse_label_valid(text, label):
     assert parse_label(text) == label

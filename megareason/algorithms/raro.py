@@ -41,10 +41,15 @@ _BOXED = re.compile(r"\\boxed\{\s*(A|B|[Tt]ie|TIE)\s*\}")
 
 
 def parse_label(text: str) -> str | None:
-    """The critic's label, ``"A"``, ``"B"`` or ``"tie"``, or None when there is none or the output
-    names different labels (ambiguous). Repeating one label is fine."""
-    found = {"tie" if m.lower() == "tie" else m for m in _LABEL.findall(text) + _BOXED.findall(text)}
-    return found.pop() if len(found) == 1 else None
+    """The critic's label, ``"A"``, ``"B"`` or ``"tie"``, read from the reply's last line that names one
+    (seed 000: the final verdict line, so a reply that first quotes the format, "answer with Verdict: A,
+    B or Tie", still counts); None when no line does or that line names different labels (ambiguous).
+    Repeating one label is fine."""
+    for line in reversed(text.splitlines()):
+        found = {"tie" if m.lower() == "tie" else m for m in _LABEL.findall(line) + _BOXED.findall(line)}
+        if found:
+            return found.pop() if len(found) == 1 else None
+    return None
 
 
 def to_role(label: str | None, expert_first: bool) -> Verdict | None:
