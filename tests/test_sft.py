@@ -110,25 +110,6 @@ def _sft_run(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path,
 
 
 @pytest.mark.slow
-def test_sft_run_matches_transformers_and_lowers_the_loss(tiny_qwen2, tmp_path):
-    data, out, m = _sft_run(tiny_qwen2, tmp_path, "sft")
-    check_golden("sft", m)
-    from transformers import AutoTokenizer
-
-    from megareason.data.loaders import load_file
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_qwen2))
-    prompts, responses = tokenize_demonstrations(load_file(data, "arithmetic"), tok, TEMPLATE, 256, "data")
-    reference = _hf_nll(str(tiny_qwen2), [p.token_ids for p in prompts], [r.token_ids for r in responses])
-    assert m[0]["val/loss"] == pytest.approx(reference, rel=1e-4)  # before training: the same model, same tokens
-    assert m[1]["sft/loss"] == pytest.approx(reference, rel=1e-4)  # step 1 trains on those 4 rows, pre-update
-    assert m[4]["val/loss"] < 0.8 * m[0]["val/loss"]
-    assert m[4]["sft/loss"] < m[1]["sft/loss"] and "val/accuracy" in m[4]
-    assert (out / "checkpoints" / "step_00000004" / "actor").is_dir()
-    assert (out / "plots" / "sft.png").is_file()
-
-
-@pytest.mark.slow
 def test_sft_with_lora_lowers_the_validation_loss(tiny_qwen2, tmp_path):
     _, out, m = _sft_run(tiny_qwen2, tmp_path, "sft_lora", "--use-lora", "lora.rank=8", "optim.lr=2e-2")
     assert m[4]["val/loss"] < 0.8 * m[0]["val/loss"]
@@ -137,14 +118,15 @@ def test_sft_with_lora_lowers_the_validation_loss(tiny_qwen2, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes_to_the_same_curve(tiny_qwen2, tmp_path):
+def test_sft_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve(tiny_qwen2, tmp_path):
     """Slurm's pre-emption: SIGTERM during a step -> that step finishes, a checkpoint, exit code 75; the
-    rerun resumes from it and the whole curve equals the golden one of a run never stopped."""
+    rerun resumes from it and the whole curve equals the golden one of a run never stopped (recorded before
+    the refactor of issue 21), whose first loss is transformers' NLL of the same tokens."""
     import os
     import signal
     import time
 
-    _, out, args = _sft_args(tiny_qwen2, tmp_path, "stopped")
+    data, out, args = _sft_args(tiny_qwen2, tmp_path, "sft")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
@@ -180,4 +162,19 @@ def test_sft_stops_on_sigterm_with_a_checkpoint_and_resumes_to_the_same_curve(ti
     resumed = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert f"resuming from {out / 'checkpoints' / saved[0]}" in resumed.stderr
-    check_golden("sft", {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())})
+    m = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
+    check_golden("sft", m)
+
+    from transformers import AutoTokenizer
+
+    from megareason.data.loaders import load_file
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen2))
+    prompts, responses = tokenize_demonstrations(load_file(data, "arithmetic"), tok, TEMPLATE, 256, "data")
+    reference = _hf_nll(str(tiny_qwen2), [p.token_ids for p in prompts], [r.token_ids for r in responses])
+    assert m[0]["val/loss"] == pytest.approx(reference, rel=1e-4)  # before training: the same model, same tokens
+    assert m[1]["sft/loss"] == pytest.approx(reference, rel=1e-4)  # step 1 trains on those 4 rows, pre-update
+    assert m[4]["val/loss"] < 0.8 * m[0]["val/loss"]
+    assert m[4]["sft/loss"] < m[1]["sft/loss"] and "val/accuracy" in m[4]
+    assert (out / "checkpoints" / "step_00000004" / "actor").is_dir()
+    assert (out / "plots" / "sft.png").is_file()
