@@ -12,20 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from megareason.algorithms.losses import aggregate
-
-# as losses.ppo_policy_loss: exp(20) ~ 5e8 keeps exp finite; no gradient past it
-_LOG_RATIO_LIMIT = 20.0
-
-
-def _same_shape(**tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
-        raise ValueError(f"expected [B, T] tensors of one shape, got {shapes}")
-
-
-def _zero_unmasked(m_BT: torch.Tensor, *xs_BT: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.where(m_BT, x_BT, x_BT.new_zeros(())) for x_BT in xs_BT)
+from megareason.algorithms.losses import _LOG_RATIO_LIMIT, _same_shape, _zero_unmasked, aggregate
 
 
 def sequence_log_ratio(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
