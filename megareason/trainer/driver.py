@@ -31,7 +31,7 @@ from tqdm import tqdm
 from megareason.config import Config
 from megareason.data.sampler import PromptSampler
 from megareason.rollout.engine import Sampling
-from megareason.trainer.handles import PolicyHandle, _Handle
+from megareason.trainer.handles import PolicyHandle, RoleHandle
 from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
 from megareason.trainer.tracking import Tracker
 from megareason.utils import atomic_write
@@ -83,7 +83,7 @@ class Driver:
     weights on resume), then any other trained role; each saves to ``<checkpoint>/<role name>/``.
     ``validate(step)`` returns validation metrics (None: no validation set)."""
 
-    def __init__(self, cfg: Config, run: RunDir, roles: list[_Handle], num_prompts: int, desc: str,
+    def __init__(self, cfg: Config, run: RunDir, roles: list[PolicyHandle | RoleHandle], num_prompts: int, desc: str,
                  validate: Callable[[int], dict[str, float]] | None, stop: StopRequest | None = None):
         self.cfg, self.run, self.roles, self.num_prompts, self.desc = cfg, run, roles, num_prompts, desc
         self.validate, self.stop = validate, stop
@@ -98,9 +98,7 @@ class Driver:
             log.info("resuming from %s (step %d)", latest, self.state.step)
             for role in self.roles:
                 role.load(str(latest / role.name))
-            policy = self.roles[0]
-            assert isinstance(policy, PolicyHandle)
-            policy.sync_weights()  # the engines start from the HF weights
+            self.roles[0].sync_weights()  # the policy's engines start from the HF weights
         self.run.root.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run.root / "config.json", json.dumps(asdict(self.cfg), indent=2) + "\n")
         self.sampler = PromptSampler(self.num_prompts, t.seed, self.state.sampler.epoch, self.state.sampler.position)

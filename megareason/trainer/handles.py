@@ -24,7 +24,9 @@ from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
 
 
-class _Handle:
+class RoleHandle:
+    """One role's worker group as the driver sees it: checkpoint save/load and shutdown."""
+
     def __init__(self, group: WorkerGroup):
         self.group, self.name = group, group.name
 
@@ -47,7 +49,7 @@ class _Handle:
         self.group.shutdown()
 
 
-class PolicyHandle(_Handle):
+class PolicyHandle(RoleHandle):
     """The actor (+ reference) ranks and their rollout engines."""
 
     def generate(self, prompts: list[TokenizedPrompt], sampling: Sampling) -> list[list[Completion]]:
@@ -92,7 +94,7 @@ class PolicyHandle(_Handle):
         return self._call(PolicyWorker.sft_train, exp, lr)[0]
 
 
-class CriticHandle(_Handle):
+class CriticHandle(RoleHandle):
     """PPO's critic ranks."""
 
     def values(self, exp: Experience) -> torch.Tensor:
