@@ -5,6 +5,8 @@ autograd on the transformers model for the same weights and batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from distributed import run_workers
@@ -12,7 +14,8 @@ from distributed import run_workers
 from megareason.config.schema import AlgorithmConfig
 from megareason.trainer.experience import Experience
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+NORM_LENGTH = 16  # seq-mean-token-sum-norm's constant (the trainer passes rollout.max_tokens)
 
 
 def _experience(vocab: int) -> Experience:
@@ -66,7 +69,7 @@ def _worker(model_dir: str, exp: Experience):
     for mode in MODES:
         alg = _alg(mode)
         # The whole batch as one packed micro-batch on each rank (rank 1 computes it too, unused).
-        loss_fn = policy_loss_fn(alg, on_policy=False)
+        loss_fn = policy_loss_fn(alg, on_policy=False, norm_length=NORM_LENGTH)
         forward_backward(actor.ddp, pack_experience(exp, 10_000, names)[:1], actor.head, loss_fn)
         full = _grads(actor.ddp)
         # This rank's half, in micro-batches of at most 24 tokens, gradients all-reduced over 2 ranks.
@@ -74,9 +77,10 @@ def _worker(model_dir: str, exp: Experience):
         forward_backward(actor.ddp, pack_experience(mine, 24, names), actor.head, loss_fn)
         out[("actor", mode)] = (full, _grads(actor.ddp), len(pack_experience(mine, 24, names)))
         vnames = ["mask_BT", "values_BT", "returns_BT"]
-        forward_backward(critic.ddp, pack_experience(exp, 10_000, vnames), critic.head, value_loss_fn(alg))
+        value_fn = value_loss_fn(alg, NORM_LENGTH)
+        forward_backward(critic.ddp, pack_experience(exp, 10_000, vnames), critic.head, value_fn)
         vfull = _grads(critic.ddp)
-        forward_backward(critic.ddp, pack_experience(mine, 24, vnames), critic.head, value_loss_fn(alg))
+        forward_backward(critic.ddp, pack_experience(mine, 24, vnames), critic.head, value_fn)
         out[("critic", mode)] = (vfull, _grads(critic.ddp), 0)
     return out
 
@@ -102,8 +106,14 @@ def worker_results(tiny_qwen2):
     return run_workers(2, _worker, str(tiny_qwen2), exp)
 
 
-def test_policy_gradient_matches_autograd_on_transformers(tiny_qwen2):
-    """Full batch, token-mean: megatron's gradient of the trainer loss = autograd through the HF model."""
+# (aggregation mode, KL in the reward): the loss term's coefficient is kl_coef, or kl_loss_coef beside the
+# KL in the reward (seed 001 sets both; the reward's KL is already in the advantages here).
+KL_SETTINGS = [("seq-mean-token-mean", {}), ("seq-mean-token-sum-norm", {"kl_in_reward": True, "kl_loss_coef": 0.05})]
+
+
+@pytest.mark.parametrize(("mode", "kl"), KL_SETTINGS, ids=["kl-loss", "kl-reward-and-loss-drgrpo-norm"])
+def test_policy_gradient_matches_autograd_on_transformers(tiny_qwen2, mode, kl):
+    """Full batch: megatron's gradient of the trainer loss = autograd through the HF model."""
     from transformers import AutoModelForCausalLM
 
     from megareason.algorithms.kl import kl_penalty
@@ -113,17 +123,17 @@ def test_policy_gradient_matches_autograd_on_transformers(tiny_qwen2):
 
     arch = HFCheckpoint(tiny_qwen2).arch
     exp = _experience(arch.vocab_size)
-    alg = _alg("seq-mean-token-mean")
+    alg = replace(_alg(mode), **kl)
+    kl_coef, agg = (0.05 if kl else alg.kl_coef), {"mode": mode, "norm_length": NORM_LENGTH}
     hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2, torch_dtype=torch.float32)
     logits = hf(exp.tokens_BT).logits.float()
     logp_all = torch.log_softmax(logits[:, :-1], -1)
     logp = torch.nn.functional.pad(logp_all.gather(-1, exp.tokens_BT[:, 1:, None])[..., 0], (1, 0))
     entropy = torch.nn.functional.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0))
     num, den, _ = ppo_policy_loss(logp, exp.old_logp_BT, exp.adv_BT, exp.mask_BT, clip_low=0.2, clip_high=0.3,
-                                  dual_clip=3.0, mode=alg.loss_agg_mode)
-    num = num + entropy_bonus(entropy, exp.mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
-    num = num + aggregate(alg.kl_coef * kl_penalty(logp, exp.ref_logp_BT, alg.kl_kind), exp.mask_BT,
-                          alg.loss_agg_mode)[0]
+                                  dual_clip=3.0, **agg)
+    num = num + entropy_bonus(entropy, exp.mask_BT, alg.entropy_coef, **agg)[0]
+    num = num + aggregate(kl_coef * kl_penalty(logp, exp.ref_logp_BT, alg.kl_kind), exp.mask_BT, **agg)[0]
     (num / den).backward()
     expected = {n: p.grad for n, p in hf.named_parameters()}
     got = run_workers(1, _single_worker, str(tiny_qwen2), exp, alg)[0]
@@ -146,7 +156,8 @@ def _single_worker(model_dir: str, exp: Experience, alg: AlgorithmConfig):
     init_parallel(1, 1)
     actor = Actor(HFCheckpoint(model_dir), optimizer_settings(Config(), OptimConfig.lr))
     names = ["mask_BT", "old_logp_BT", "ref_logp_BT", "adv_BT"]
-    forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, policy_loss_fn(alg, on_policy=False))
+    loss_fn = policy_loss_fn(alg, on_policy=False, norm_length=NORM_LENGTH)
+    forward_backward(actor.ddp, pack_experience(exp, 24, names), actor.head, loss_fn)
     return _grads(actor.ddp)
 
 

@@ -204,6 +204,7 @@ def test_dapo_overlong_shaping_and_truncation_mask_on_a_steps_rows():
     ("algorithm.rollout_mis_cap=1", "algorithm.rollout_mis_cap"),
     ("algorithm.overlong_buffer=99999", "algorithm.overlong_buffer"),
     ("algorithm.dynamic_sampling_max_tries=0", "algorithm.dynamic_sampling_max_tries"),
+    ("algorithm.kl_loss_coef=0.01", "algorithm.kl_loss_coef"),  # without kl_in_reward: kl_coef is the loss's
 ])
 def test_bad_algorithm_options_name_their_field(override, field):
     from megareason.config import load_config

@@ -27,7 +27,7 @@ def sequence_log_ratio(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, mask_BT
 
 def gspo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torch.Tensor, mask_BT: torch.Tensor,
                      *, clip_low: float, clip_high: float, mode: str = "seq-mean-token-mean",
-                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+                     norm_length: float | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071), in its GSPO-token
     form. Returns (numerator, denominator, metrics), the contract of ``ppo_policy_loss``.
 
@@ -60,7 +60,7 @@ def gspo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: t
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1 - clip_low, 1 + clip_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
-    numerator, denominator = aggregate(loss_BT, m_BT, mode)
+    numerator, denominator = aggregate(loss_BT, m_BT, mode, norm_length=norm_length)
     with torch.no_grad():
         rows_B = m_BT.any(dim=1)
         seq_ratio_B = torch.where(rows_B, torch.exp(log_seq_ratio_B.clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)), 0.0)

@@ -76,8 +76,10 @@ def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, *,
 
 def ppo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: torch.Tensor, mask_BT: torch.Tensor,
                     *, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                    mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (with optional dual clip). Returns (numerator, denominator, metrics).
+                    mode: str = "token-mean", norm_length: float | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (with optional dual clip). Returns (numerator, denominator, metrics),
+    aggregated by ``mode`` (``norm_length``: see ``aggregate``).
 
     ``ratio = exp(logp - old_logp)`` (log-ratio clamped to +-20 for finiteness);
     per token ``max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with ``dual_clip = c``
@@ -108,7 +110,7 @@ def ppo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: to
         bound_BT = -adv_BT * dual_clip
         dual_taken_BT = (adv_BT < 0) & (loss_BT > bound_BT)
         loss_BT = torch.where(dual_taken_BT, bound_BT, loss_BT)
-    numerator, denominator = aggregate(loss_BT, m_BT, mode)
+    numerator, denominator = aggregate(loss_BT, m_BT, mode, norm_length=norm_length)
     with torch.no_grad():
         metrics = {
             "clipfrac": _masked_mean((clipped_BT > unclipped_BT).to(logp_BT.dtype), m_BT),
@@ -121,8 +123,9 @@ def ppo_policy_loss(logp_BT: torch.Tensor, old_logp_BT: torch.Tensor, adv_BT: to
 
 def value_loss(value_BT: torch.Tensor, old_value_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,
                *, clip: float | None = 0.2,
-               mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped value loss. Returns (numerator, denominator, metrics).
+               mode: str = "token-mean", norm_length: float | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped value loss. Returns (numerator, denominator, metrics), aggregated as ``aggregate``.
 
     Per token ``0.5 * max((v - R)^2, (old + clip(v - old, -clip, clip) - R)^2)``; ``clip=None`` gives
     plain ``0.5 * (v - R)^2``. Only ``value_BT`` should carry gradient. Metrics (detached, masked means):
@@ -140,12 +143,12 @@ def value_loss(value_BT: torch.Tensor, old_value_BT: torch.Tensor, returns_BT: t
         clipped_value_BT = old_value_BT + (value_BT - old_value_BT).clamp(-clip, clip)
         clipped_BT = (clipped_value_BT - returns_BT).square()
         loss_BT, taken_BT = 0.5 * torch.maximum(unclipped_BT, clipped_BT), clipped_BT > unclipped_BT
-    numerator, denominator = aggregate(loss_BT, m_BT, mode)
+    numerator, denominator = aggregate(loss_BT, m_BT, mode, norm_length=norm_length)
     return numerator, denominator, {"vf_clipfrac": _masked_mean(taken_BT.to(value_BT.dtype), m_BT).detach()}
 
 
 def entropy_bonus(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, coef: float,
-                  mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  mode: str, norm_length: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy bonus as a loss to minimise: ``-coef * entropy`` aggregated by ``mode``.
     Returns (numerator, denominator); with the policy loss's ``mode`` the numerators simply add."""
-    return aggregate(-coef * entropy_BT, mask_BT, mode)
+    return aggregate(-coef * entropy_BT, mask_BT, mode, norm_length=norm_length)

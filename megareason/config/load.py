@@ -232,6 +232,10 @@ def validate_training(cfg: Config) -> None:
     _check(0 <= alg.lam <= 1, "algorithm.lam", "must be in [0, 1]", alg.lam)
     _check(not alg.kl_in_reward or alg.name in ("ppo", "reinforce_pp_baseline"), "algorithm.kl_in_reward",
            "needs algorithm.name=ppo or reinforce_pp_baseline (GRPO takes the KL as a loss term)", alg.kl_in_reward)
+    _check(alg.kl_loss_coef == 0 or (alg.kl_loss_coef > 0 and alg.kl_in_reward and alg.kl_coef > 0),
+           "algorithm.kl_loss_coef", "is the KL loss term's coefficient beside the KL in the reward: it needs "
+           "algorithm.kl_in_reward=true and kl_coef > 0 (without kl_in_reward, kl_coef is the loss term's)",
+           alg.kl_loss_coef)
     _check(not alg.dynamic_sampling or alg.name in ("grpo", "reinforce_pp_baseline"), "algorithm.dynamic_sampling",
            "needs algorithm.name=grpo or reinforce_pp_baseline (it filters groups by their rewards)",
            alg.dynamic_sampling)

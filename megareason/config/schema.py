@@ -220,12 +220,18 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     mask_truncated: bool = False
     value_clip: float = 0.2  # 0 disables value clipping
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # seq-mean-token-sum-norm: each row's token sum / rollout.max_tokens, averaged over rows (Dr. GRPO's
+    # constant normaliser, Liu et al. 2025: with grpo_mode=no_std this is the full Dr. GRPO).
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
     # KL to the reference model; 0 means no reference model at all. As a loss term, or subtracted
-    # from the reward per token (kl_in_reward, PPO).
+    # from the reward per token (kl_in_reward, PPO and REINFORCE++-baseline). kl_loss_coef > 0 with
+    # kl_in_reward: a KL loss term as well, with its own coefficient (seed 001's run_rubric.sh sets both:
+    # verl's use_kl_in_reward + kl_ctrl.kl_coef and use_kl_loss + kl_loss_coef, each 0.001).
     kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     kl_in_reward: bool = False
+    kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0
     # Each step's rollouts are split into mini_batches optimizer steps, repeated ppo_epochs times.
     ppo_epochs: int = 1

@@ -29,14 +29,16 @@ def _rows(x_1W: torch.Tensor, batch) -> torch.Tensor:
     return unpack_rows(x_1W, batch.cu_seqlens)[0]
 
 
-def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool):
+def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool, norm_length: int | None = None):
     """The policy loss (``algorithm.policy_loss``: PPO's clipped token ratio or GSPO's sequence ratio, for
     GRPO, PPO, RARO and REINFORCE++ alike) + entropy bonus + KL loss term, one aggregation mode.
     ``on_policy`` (one update per rollout): the old policy is the current one, so the micro-batches carry
     no ``old_logp_BT`` and this forward pass measures the train/generation mismatch (``rollout_logp_BT``).
     With ``algorithm.rollout_tis_cap``/``rollout_mis_cap`` the advantages are weighted (and MIS-dropped
-    sequences masked) by ``algorithms.rollout_correction`` on the old vs vLLM's log-probs."""
-    use_kl_loss = alg.kl_coef > 0 and not alg.kl_in_reward
+    sequences masked) by ``algorithms.rollout_correction`` on the old vs vLLM's log-probs.
+    ``norm_length``: the constant of ``seq-mean-token-sum-norm`` (the trainer's rollout.max_tokens)."""
+    # The KL loss term: kl_coef's, or kl_loss_coef's beside the KL in the reward (kl_in_reward).
+    kl_loss_coef = alg.kl_loss_coef if alg.kl_in_reward else alg.kl_coef
     corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
 
     def loss(logp_1W, entropy_1W, batch):
@@ -57,7 +59,7 @@ def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool):
         surrogate = gspo_policy_loss if alg.policy_loss == "gspo" else partial(ppo_policy_loss,
                                                                                dual_clip=alg.dual_clip or None)
         num, den, m = surrogate(logp_BT, old_logp_BT, adv_BT, loss_mask_BT, clip_low=alg.clip_ratio_low,
-                                clip_high=alg.clip_ratio_high, mode=alg.loss_agg_mode)
+                                clip_high=alg.clip_ratio_high, mode=alg.loss_agg_mode, norm_length=norm_length)
         kept = loss_mask_BT.sum()
         metrics |= {"tokens": tokens, "pg_loss_num": num.detach(), "pg_loss_den": den.float(),
                     "clipfrac_sum": m["clipfrac"] * kept, "ppo_kl_sum": m["approx_kl"] * kept,
@@ -65,29 +67,29 @@ def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool):
         if on_policy:
             metrics.update(mismatch_sums(logp_BT, _rows(f["rollout_logp_BT"], batch), mask_BT))
         if alg.entropy_coef:
-            num = num + entropy_bonus(entropy_BT, loss_mask_BT, alg.entropy_coef, alg.loss_agg_mode)[0]
-        if use_kl_loss:
+            num = num + entropy_bonus(entropy_BT, loss_mask_BT, alg.entropy_coef, alg.loss_agg_mode, norm_length)[0]
+        if kl_loss_coef > 0:
             kl_BT = kl_penalty(logp_BT, _rows(f["ref_logp_BT"], batch), alg.kl_kind)
-            num = num + aggregate(alg.kl_coef * kl_BT, loss_mask_BT, alg.loss_agg_mode)[0]
+            num = num + aggregate(kl_loss_coef * kl_BT, loss_mask_BT, alg.loss_agg_mode, norm_length=norm_length)[0]
             metrics["kl_sum"] = (kl_BT.detach() * mask_BT).sum()
         return num, den, metrics
 
     return loss
 
 
-def sft_loss_fn(mode: str):
+def sft_loss_fn(mode: str, norm_length: int | None = None):
     """Negative log-likelihood of the response tokens (``mask_BT``), aggregated by ``mode``."""
 
     def loss(logp_1W, entropy_1W, batch):
         logp_BT, mask_BT = _rows(logp_1W, batch), _rows(batch.fields["mask_BT"], batch)
-        num, den = aggregate(-logp_BT, mask_BT, mode)
+        num, den = aggregate(-logp_BT, mask_BT, mode, norm_length=norm_length)
         tokens = mask_BT.sum()
         return num, den, {"tokens": tokens, "nll_num": (-logp_BT.detach() * mask_BT).sum(), "nll_den": tokens}
 
     return loss
 
 
-def value_loss_fn(alg: AlgorithmConfig):
+def value_loss_fn(alg: AlgorithmConfig, norm_length: int | None = None):
     """Clipped value loss on the critic's values (aligned: column t is the value before token t)."""
 
     def loss(values_1W, batch):
@@ -95,7 +97,7 @@ def value_loss_fn(alg: AlgorithmConfig):
         values_BT = _rows(shift_values(values_1W), batch)
         mask_BT = _rows(f["mask_BT"], batch)
         num, den, m = value_loss(values_BT, _rows(f["values_BT"], batch), _rows(f["returns_BT"], batch), mask_BT,
-                                 clip=alg.value_clip or None, mode=alg.loss_agg_mode)
+                                 clip=alg.value_clip or None, mode=alg.loss_agg_mode, norm_length=norm_length)
         tokens = mask_BT.sum()
         return num, den, {"tokens": tokens, "vf_loss_num": num.detach(), "vf_loss_den": den.float(),
                           "vf_clipfrac_sum": m["vf_clipfrac"] * tokens,

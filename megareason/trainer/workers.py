@@ -208,15 +208,15 @@ class PolicyWorker(_Worker):
         names = ["mask_BT", "adv_BT"] + (["rollout_logp_BT"] if on_policy or corrected else [])
         names += [] if on_policy else ["old_logp_BT"]
         names += ["ref_logp_BT"] if exp.ref_logp_BT is not None else []
-        return self._train(self.actor, exp, names, policy_loss_fn(self.cfg.algorithm, on_policy), lr, PolicyStats,
-                           responses_only=True)
+        loss_fn = policy_loss_fn(alg, on_policy, self.cfg.rollout.max_tokens)
+        return self._train(self.actor, exp, names, loss_fn, lr, PolicyStats, responses_only=True)
 
     def sft_train(self, exp: Experience, lr: float) -> SftStats:
         """One supervised step: NLL of the response tokens (``megareason sft``)."""
         from megareason.trainer.losses import sft_loss_fn
 
-        return self._train(self.actor, exp, ["mask_BT"], sft_loss_fn(self.cfg.algorithm.loss_agg_mode), lr,
-                           SftStats, responses_only=True)
+        loss_fn = sft_loss_fn(self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.max_tokens)
+        return self._train(self.actor, exp, ["mask_BT"], loss_fn, lr, SftStats, responses_only=True)
 
     def sync_weights(self) -> WeightUpdate | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
@@ -267,4 +267,4 @@ class CriticWorker(_Worker):
         from megareason.trainer.losses import value_loss_fn
 
         return self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
-                           value_loss_fn(self.cfg.algorithm), lr, CriticStats)
+                           value_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_tokens), lr, CriticStats)
