@@ -99,18 +99,20 @@ class TinyVConfig:
     # Served model name; empty: the first model the server lists at /v1/models.
     model: str = ""
     # tinyv_only: the verifier's verdict alone; addon: asked only when the rule reward says wrong, and
-    # "True" upgrades the sample to 1; mixed: (1 - weight) * rule score + weight * verdict.
-    mode: Literal["tinyv_only", "addon", "mixed"] = "addon"
-    weight: float = 0.5
+    # "True" is worth `weight`; mixed: (1 - weight) * rule score + weight * verdict. The defaults are
+    # seed 001's run script (VERIFIER_SETUP=tinyv_only, VERIFIER_WEIGHT=1.0).
+    mode: Literal["tinyv_only", "addon", "mixed"] = "tinyv_only"
+    weight: float = 1.0
     # Per request: seconds before giving up on one attempt, then retries with backoff_s * 2^k pauses.
     timeout_s: float = 30.0
     max_retries: int = 3
     backoff_s: float = 1.0
     # Requests in flight at once.
     concurrency: int = 8
-    # When the verifier gives no verdict (server down, unparseable reply): keep the rule score or
-    # score 0. Either way the sample is counted (score_error "TinyVFallback: ...").
-    fallback: Literal["rule", "zero"] = "rule"
+    # When the verifier gives no verdict (server down, unparseable reply): zero: the verdict counts as
+    # False, as in seed 001's TinyV (its verifier call returns 0); rule: the rule outcome is kept.
+    # Either way the sample is counted (score_error "TinyVFallback: ...").
+    fallback: Literal["rule", "zero"] = "zero"
     # Constrain the reply to "True"/"False" (vLLM's structured_outputs choice; vLLM servers only).
     constrain_choices: bool = False
 
