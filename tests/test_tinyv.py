@@ -147,7 +147,7 @@ VERDICTS = [False, True, False, None]
 
 @pytest.mark.parametrize("mode, scores, correct", [
     ("tinyv_only", [0.0, 1.0, 0.0, 0.0], [False, True, False, False]),
-    ("addon", [1.0, 1.0, 0.2, 0.0], [True, True, False, False]),
+    ("addon", [1.0, 0.25, 0.2, 0.0], [True, True, False, False]),  # True on a rule-wrong sample: the weight
     ("mixed", [0.75, 0.25, 0.15, 0.0], [True, True, False, False]),  # 0.75 * rule + 0.25 * verdict
 ])
 def test_tinyv_scores_by_hand(mode, scores, correct):
@@ -155,6 +155,16 @@ def test_tinyv_scores_by_hand(mode, scores, correct):
     assert [o.score for o in out] == pytest.approx(scores)
     assert [o.correct for o in out] == correct
     assert out[3] == RULE[3]  # no verdict: the rule outcome, its error and timeout kept
+
+
+def test_addon_true_is_worth_the_weight_as_in_seed_001():
+    # seed 001's tinyv.py, addon: rule right -> 1; rule wrong -> verdict * tinyv_weight
+    right, wrong = Out(1.0, True), Out(0.0, False)
+    out = tinyv_scores([right, wrong, wrong], [None, True, False], "addon", weight=0.5)
+    assert [(o.score, o.correct) for o in out] == [(1.0, True), (0.5, True), (0.0, False)]
+    assert tinyv_scores([wrong], [True], "addon", weight=1.0)[0].score == 1.0
+    # a rule's partial credit (format) is never lowered by a True: max(0.3, 0.25)
+    assert tinyv_scores([Out(0.3, False)], [True], "addon", weight=0.25)[0].score == 0.3
 
 
 def test_tinyv_scores_rejects_an_unknown_mode():
@@ -216,14 +226,18 @@ RULE4 = [Out(1.0, True), Out(0.0, False), Out(0.3, False), Out(0.2, False)]
 SCRIPT = {"r0": ["False"], "r1": ["True"], "r2": ["no idea"], "r3": ["False"]}
 
 
-@pytest.mark.parametrize("mode, scores, stats", [
-    ("addon", [1.0, 1.0, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),
-    ("tinyv_only", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("mixed", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+# r0 right by the rule, verdict False; r1 wrong, True; r2 rule 0.3, no verdict; r3 rule 0.2, False. Weight 0.5.
+@pytest.mark.parametrize("mode, fallback, scores, stats", [
+    ("addon", "rule", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),
+    ("addon", "zero", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),  # False keeps the rule's
+    ("tinyv_only", "rule", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+    ("tinyv_only", "zero", [0.0, 1.0, 0.0, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+    ("mixed", "rule", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
+    ("mixed", "zero", [0.5, 0.5, 0.15, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),  # 0.5 * 0.3 + 0.5 * 0
 ])
-def test_apply_tinyv_modes_by_hand(fake, mode, scores, stats):
+def test_apply_tinyv_modes_by_hand(fake, mode, fallback, scores, stats):
     fake.script = SCRIPT
-    outcomes, got = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url, mode=mode, weight=0.5))
+    outcomes, got = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url, mode=mode, weight=0.5, fallback=fallback))
     assert [o.score for o in outcomes] == pytest.approx(scores)
     assert got == stats
     assert fake.hits["r0"] == (0 if mode == "addon" else 1)  # addon asks only what the rule marked wrong
@@ -231,11 +245,12 @@ def test_apply_tinyv_modes_by_hand(fake, mode, scores, stats):
     assert any("<question>\nQ1\n</question>" in b["messages"][0]["content"] for b in fake.bodies)
 
 
-def test_fallback_zero_scores_samples_without_a_verdict_0(fake):
+def test_the_defaults_are_seed_001s_tinyv_only_and_no_verdict_scores_0(fake):
     fake.script = SCRIPT
-    outcomes, stats = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url, mode="addon", fallback="zero"))
-    assert [o.score for o in outcomes] == [1.0, 1.0, 0.0, 0.2]
-    assert stats["fallbacks"] == 1
+    outcomes, stats = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url))  # tinyv_only, weight 1.0, fallback zero
+    assert [(o.score, o.correct) for o in outcomes] == [(0.0, False), (1.0, True), (0.0, False), (0.0, False)]
+    assert stats == {"asked": 4, "upgraded": 1, "fallbacks": 1}
+    assert outcomes[2].error.startswith(FALLBACK_ERROR)  # counted, not silently 0
 
 
 @pytest.mark.parametrize("fallback, scores", [("rule", [1.0, 0.0, 0.3, 0.2]), ("zero", [0.0, 0.0, 0.0, 0.0])])
@@ -304,7 +319,8 @@ def test_runner_without_tinyv_samples_needs_no_server():
 def test_tinyv_config_defaults_overrides_and_errors():
     source = {"kind": "reasoning_gym", "name": "basic_arithmetic", "size": 4}
     cfg = from_dict({"data": {"sources": [source]}})
-    assert cfg.reward.tinyv == TinyVConfig() and cfg.reward.tinyv.mode == "addon"
+    assert cfg.reward.tinyv == TinyVConfig()
+    assert (cfg.reward.tinyv.mode, cfg.reward.tinyv.weight, cfg.reward.tinyv.fallback) == ("tinyv_only", 1.0, "zero")
     cfg = load_config("eval", ["reward.tinyv.mode=mixed", "reward.tinyv.weight=0.3", "reward.tinyv.fallback=zero"])
     assert (cfg.reward.tinyv.mode, cfg.reward.tinyv.weight, cfg.reward.tinyv.fallback) == ("mixed", 0.3, "zero")
     for bad, field in [({"mode": "both"}, "reward.tinyv.mode"), ({"weight": 1.5}, "reward.tinyv.weight"),

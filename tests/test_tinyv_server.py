@@ -79,11 +79,15 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
     only, addon, mixed = (results[m][0] for m in ("tinyv_only", "addon", "mixed"))
     for v, r, o_only, o_addon, o_mixed in zip(verdicts, rule, only, addon, mixed, strict=True):
         assert o_only.score == float(v) and o_only.correct == v
-        assert o_addon.score == (1.0 if r.correct or v else r.score)
+        assert o_addon.score == (r.score if r.correct or not v else max(r.score, WEIGHT))  # True: worth the weight
         assert o_mixed.score == pytest.approx((1 - WEIGHT) * r.score + WEIGHT * float(v))
 
-    # The server is gone: every sample asked falls back to its rule outcome, counted.
-    outcomes, stats = apply_tinyv(requests, rule, replace(cfg, mode="tinyv_only", timeout_s=5.0, backoff_s=0.1))
+    # The server is gone: every sample asked scores as if the verifier said False (the default fallback,
+    # seed 001's), or keeps its rule outcome with fallback=rule; counted either way.
+    gone = replace(cfg, mode="tinyv_only", timeout_s=5.0, backoff_s=0.1)
+    outcomes, stats = apply_tinyv(requests, rule, gone)
     assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
-    assert [(o.score, o.correct) for o in outcomes] == [(o.score, o.correct) for o in rule]
+    assert [(o.score, o.correct) for o in outcomes] == [(0.0, False)] * 4
     assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
+    outcomes, _ = apply_tinyv(requests, rule, replace(gone, fallback="rule"))
+    assert [(o.score, o.correct) for o in outcomes] == [(o.score, o.correct) for o in rule]

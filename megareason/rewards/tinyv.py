@@ -7,13 +7,18 @@ OpenAI-compatible API (``megareason serve-verifier``), whether the response's fi
 equivalent to the reference answer, and combines the two by ``TinyVConfig.mode``:
 
 - ``tinyv_only``: score = 1 if the verifier says True else 0; every sample is asked.
-- ``addon``: only samples the rule reward marked wrong are asked; True upgrades them to 1.
+- ``addon``: only samples the rule reward marked wrong are asked; True makes them correct and worth
+  ``weight`` (seed 001: ``verdict * tinyv_weight``; here ``max(rule score, weight)``, the same for
+  rules that give a wrong answer 0, so a rule's partial credit is never lowered by a True). Samples the
+  rule marked right keep the rule outcome (1 for math).
 - ``mixed``: score = (1 - weight) * rule score + weight * verdict; every sample is asked.
 
-``correct`` is the verdict in ``tinyv_only`` and "rule correct or verdict True" otherwise. A sample
-asked but given no verdict (server unreachable after the retries, an HTTP 4xx, an unparseable reply)
-falls back to its rule outcome (``fallback="rule"``) or to 0 (``"zero"``), and is counted: in the
-stats and as a ``score_error`` starting with ``TinyVFallback``.
+The defaults (``TinyVConfig``) are seed 001's run script: ``tinyv_only`` with weight 1.0. ``correct``
+is the verdict in ``tinyv_only`` and "rule correct or verdict True" otherwise. A sample asked but given
+no verdict (server unreachable after the retries, an HTTP 4xx, an unparseable reply) is scored as if the
+verifier said False (``fallback="zero"``, the default: seed 001's verifier call returns 0 when it fails)
+or keeps its rule outcome (``"rule"``), and is counted either way: in the stats and as a
+``score_error`` starting with ``TinyVFallback``.
 
 The client uses only the standard library (urllib in a thread pool) and talks to the server
 directly, ignoring ``http_proxy``: a verifier runs beside the trainer, not behind a proxy.
@@ -208,7 +213,8 @@ def tinyv_scores(rule_outcomes: Sequence[ScoreOutcome], verdicts: Sequence[bool 
         elif mode == "tinyv_only":
             out.append(dataclasses.replace(rule, score=float(v), correct=v))
         elif mode == "addon":
-            out.append(dataclasses.replace(rule, score=1.0, correct=True) if v else rule)
+            upgrade = v and not rule.correct
+            out.append(dataclasses.replace(rule, score=max(rule.score, weight), correct=True) if upgrade else rule)
         else:
             out.append(dataclasses.replace(rule, score=(1 - weight) * rule.score + weight * float(v),
                                            correct=rule.correct or v))
@@ -228,19 +234,17 @@ def apply_tinyv(requests: Sequence[ScoreRequest], rule_outcomes: Sequence[ScoreO
                         reference=requests[i].ground_truth, answer=final_answer(requests[i].response))
              for i in asked]
     answers = VerifierClient.from_config(cfg).verify_batch(items)
+    missing = [i for i, v in zip(asked, answers, strict=True) if v is None]
+    no_verdict = None if cfg.fallback == "rule" else False  # "zero": as if the verifier said False
     verdicts: list[bool | None] = [None] * len(requests)
     for i, v in zip(asked, answers, strict=True):
-        verdicts[i] = v
+        verdicts[i] = no_verdict if v is None else v
     outcomes = tinyv_scores(rule_outcomes, verdicts, cfg.mode, cfg.weight)
-    missing = [i for i, v in zip(asked, answers, strict=True) if v is None]
-    what = "kept the rule score" if cfg.fallback == "rule" else "scored 0"
+    what = "kept the rule outcome" if cfg.fallback == "rule" else "scored as False"
     for i in missing:
         rule = outcomes[i]
         error = "; ".join(e for e in (rule.error, f"{FALLBACK_ERROR}: the verifier gave no verdict; {what}") if e)
-        if cfg.fallback == "rule":
-            outcomes[i] = dataclasses.replace(rule, error=error)
-        else:
-            outcomes[i] = dataclasses.replace(rule, score=0.0, correct=False, error=error)
+        outcomes[i] = dataclasses.replace(rule, error=error)
     stats = {"asked": len(asked), "fallbacks": len(missing),
              "upgraded": sum(bool(v) and not rule_outcomes[i].correct for i, v in zip(asked, answers, strict=True))}
     if missing:
