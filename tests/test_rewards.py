@@ -156,42 +156,81 @@ def test_countdown_invalid_numbers_raises(extra):
         compute_score("countdown", "<answer>3 + 5</answer>", "8", extra)
 
 
-# --- arithmetic -------------------------------------------------------------
+# --- arithmetic (seed 004: "= answer <eoe>", reward_type boxed | correct | combined) ---------------
 @pytest.mark.parametrize(
     ("response", "gold", "expected"),
-    [
+    [  # defaults: combined, 0.3 * format_ok + 0.7 * correct
+        ("3 + 4 = 7 <eoe>", "7", R(1.0, True)),  # the seed's format
+        ("3 + 4 = 7<eoe>", "7", R(1.0, True)),
+        ("3 + 4 = 8 <eoe>", "7", R(0.3, False)),  # well formed, wrong
+        ("3 + 4 = 7 <eoe> Hope that helps!", "7", R(1.0, True)),  # after the last <eoe>: ignored
+        ("= 7 <eoe> then 3 + 4 <eoe>", "7", R(0.0, False)),  # the LAST <eoe> has no "= answer" before it
+        ("3 + 4 <eoe>", "7", R(0.0, False)),
+        ("the answer: 7 <eoe>", "7", R(0.0, False)),  # no "="
+        ("1 - 4 = -3 <eoe>", "-3", R(1.0, True)),
+        ("= **7** <eoe>", "7", R(1.0, True)),
         (r"2 + 5 = \boxed{7}", "7", R(1.0, True)),
-        ("2 + 5 = 7", "7", R(1.0, True)),
-        ("2 + 5 = 7.\n", "7", R(1.0, True)),
-        ("The answer is 7 I think", "7", R(0.9, True)),
-        (r"\boxed{8}", "7", R(0.1, False)),
-        ("2 + 5 = 8", "7", R(0.1, False)),
-        ("I don't know", "7", R(0.0, False)),
+        (r"\boxed{8}", "7", R(0.3, False)),
         (r"\boxed{-3.0}", "-3", R(1.0, True)),
-        ("1 - 4 = -3", "-3.0", R(1.0, True)),
         (r"\boxed{3/4}", "0.75", R(1.0, True)),
         (r"\boxed{\frac{3}{4}}", "3/4", R(1.0, True)),
+        (r"\boxed{seven} and 7", "7", R(0.0, False)),  # a box without a number is no final answer
+        (r"= 7 <eoe> so \boxed{8}", "7", R(0.3, False)),  # the later marker is the final answer
+        (r"\boxed{8}, no: 3 + 4 = 7 <eoe>", "7", R(1.0, True)),
+        ("2 + 5 = 7", "7", R(1.0, True)),  # no marker: the end of the text stands for <eoe>
+        ("2 + 5 = 7.\n", "7", R(1.0, True)),
+        ("1 - 4 = -3", "-3.0", R(1.0, True)),
         ("so x = 1,250", "1250", R(1.0, True)),
-        (r"\boxed{seven} and 7", "7", R(0.1, False)),  # box is the committed answer
-        ("= 7 is the result", "7", R(0.9, True)),  # "= 7" not at the end
+        ("2 + 5 = 8", "7", R(0.3, False)),
+        ("I guess the result is 7", "7", R(0.0, False)),  # the example: not a formatted answer
+        ("The answer is 7 I think", "7", R(0.0, False)),
+        ("= 7 is the result", "7", R(0.0, False)),  # "= 7" not at the end
+        ("I don't know", "7", R(0.0, False)),
+        ("", "7", R(0.0, False)),
     ],
 )
 def test_arithmetic(response, gold, expected):
-    assert compute_score("basic_arithmetic", response, gold) == expected
+    got = compute_score("basic_arithmetic", response, gold)
+    assert got.correct == expected.correct and got.score == pytest.approx(expected.score, abs=1e-12)
 
 
-def test_arithmetic_custom_weights():
-    fn = make_arithmetic_reward(boxed_weight=0.5, correct_weight=2.0)
-    assert fn(r"\boxed{7}", "7", {}) == RewardOutput(2.5, True)
-    assert fn(r"\boxed{6}", "7", {}) == RewardOutput(0.5, False)
-    assert fn("it is 7 ok", "7", {}) == RewardOutput(2.0, True)
+@pytest.mark.parametrize(("reward_type", "scores"), [
+    # responses: right and well formed, wrong and well formed, right but unformatted, nothing
+    ("boxed", [1.0, 1.0, 0.0, 0.0]),
+    ("correct", [1.0, 0.0, 0.0, 0.0]),
+    ("combined", [1.0, 0.3, 0.0, 0.0]),
+])
+def test_arithmetic_reward_types(reward_type, scores):
+    responses = ["5 + 2 = 7 <eoe>", "5 + 2 = 6 <eoe>", "I guess the result is 7", "hmm"]
+    got = [compute_score("arithmetic", r, "7", {"reward_type": reward_type}) for r in responses]
+    assert [g.score for g in got] == pytest.approx(scores, abs=1e-12)
+    assert [g.correct for g in got] == [True, False, False, False]  # correctness does not depend on the type
 
 
-def test_arithmetic_invalid_weights_raise():
+def test_arithmetic_weights_per_row_and_by_factory():
+    info = {"boxed_weight": 0.5, "correct_weight": 2.0}
+    assert compute_score("arithmetic", r"\boxed{7}", "7", info) == RewardOutput(2.5, True)
+    assert compute_score("arithmetic", r"\boxed{6}", "7", info) == RewardOutput(0.5, False)
+    assert compute_score("arithmetic", "it is 7 ok", "7", info) == RewardOutput(0.0, False)
+    # boxed / correct are 0/1 rewards: the weights do not apply
+    assert compute_score("arithmetic", "= 6 <eoe>", "7", {**info, "reward_type": "boxed"}) == RewardOutput(1.0, False)
+    fn = make_arithmetic_reward("combined", boxed_weight=0.1, correct_weight=0.9)
+    assert fn("= 6 <eoe>", "7", {}) == RewardOutput(0.1, False)
+    assert fn("= 6 <eoe>", "7", {"boxed_weight": 0.2}).score == 0.2  # a row overrides the factory's default
+    assert make_arithmetic_reward("correct")("= 6 <eoe>", "7", {}) == RewardOutput(0.0, False)
+
+
+def test_arithmetic_invalid_settings_raise():
     with pytest.raises(ValueError, match="boxed_weight"):
         make_arithmetic_reward(boxed_weight=-0.1)
     with pytest.raises(ValueError, match="correct_weight"):
         make_arithmetic_reward(correct_weight=float("nan"))
+    with pytest.raises(ValueError, match="reward_type must be one of boxed, correct, combined, got 'format'"):
+        make_arithmetic_reward("format")
+    with pytest.raises(ValueError, match="reward_type"):
+        compute_score("arithmetic", "= 7 <eoe>", "7", {"reward_type": "both"})
+    with pytest.raises(ValueError, match="correct_weight"):
+        compute_score("arithmetic", "= 7 <eoe>", "7", {"correct_weight": "1"})
 
 
 @pytest.mark.parametrize("source", ["gsm8k", "gsm8k_flexible", "countdown", "arithmetic"])

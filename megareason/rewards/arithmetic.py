@@ -1,12 +1,29 @@
-"""Arithmetic reward (basic arithmetic, chain sums): format credit + correctness.
+"""Arithmetic reward (basic arithmetic, chain sums): seed 004's format / correct / combined reward.
 
-``score = boxed_weight * format_ok + correct_weight * correct`` where
+Seed 004 (simplexity's ``training/reward_functions.py``, RLVR on arithmetic) rewards a sequence whose
+last ``<eoe>`` (end of expression) is immediately preceded by ``=`` and an operand: ``... = answer
+<eoe>``. Here the response's **final answer** is, of its markers, the one that comes last:
 
-* ``format_ok``: the response contains ``\\boxed{...}`` or ends with
-  ``= <number>`` (trailing whitespace/punctuation ignored);
-* ``correct``: the extracted answer -- the last boxed content, else the final
-  ``= <number>``, else the last number in the text -- equals the ground truth
-  numerically (exact rationals: ``-3 == -3.0``, ``3/4 == 0.75``).
+* ``= <number> <eoe>``: the text before the LAST ``<eoe>`` ends with ``= <number>`` (spaces, bold and
+  a final ``.`` allowed); if it does not, there is no final answer, even when an earlier ``<eoe>`` was
+  well formed (as in the seed); text after that ``<eoe>`` is ignored;
+* ``\\boxed{<number>}``: the last box (a box that holds no number is no final answer);
+* with neither marker, the response ending with ``= <number>`` (``2 + 5 = 7.``): the end of the text
+  stands for ``<eoe>``.
+
+Nothing else is a final answer: ``I guess the result is 7`` is not, nor is the last number anywhere.
+
+* ``format_ok``: the response has a final answer;
+* ``correct``: it has one and it equals the ground truth numerically (exact rationals: ``-3 == -3.0``,
+  ``3/4 == 0.75``, ``1,250 == 1250``).
+
+``reward_type`` picks the score, as in the seed: ``boxed`` = ``format_ok`` (0/1), ``correct`` =
+``correct`` (0/1), ``combined`` = ``boxed_weight * format_ok + correct_weight * correct`` (the seed's
+``boxed_weight * boxed + correct_weight * boxed * correct``: here ``correct`` implies ``format_ok``).
+Defaults: ``combined`` with ``boxed_weight`` 0.3 and ``correct_weight`` 0.7, seed 004's (its
+``rlvr_small.yaml`` and ``combined_reward``'s defaults). Each is overridable per row through the
+``extra_info`` key of the same name (``reward_type`` one of the three; weights finite non-negative
+numbers, else ``ValueError``), or with ``make_arithmetic_reward``.
 
 Also hosts the exact number parsing shared with the gsm8k family.
 """
@@ -20,8 +37,12 @@ from fractions import Fraction
 from megareason.rewards.math import last_boxed
 from megareason.rewards.registry import RewardFn, RewardOutput, register
 
-BOXED_WEIGHT = 0.1
-CORRECT_WEIGHT = 0.9
+REWARD_TYPES = ("boxed", "correct", "combined")
+# Seed 004's defaults (simplexity configs/training/rlvr_small.yaml).
+REWARD_TYPE = "combined"
+BOXED_WEIGHT = 0.3
+CORRECT_WEIGHT = 0.7
+EOE = "<eoe>"
 
 # A minus sign glued to a preceding digit is subtraction ("5-3"), not a sign.
 NUMBER = r"(?:(?<![\w)])-)?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
@@ -71,24 +92,51 @@ def final_equals(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def make_arithmetic_reward(
-    boxed_weight: float = BOXED_WEIGHT, correct_weight: float = CORRECT_WEIGHT
-) -> RewardFn:
-    """Build an arithmetic reward with the given non-negative, finite weights."""
-    for name, weight in (("boxed_weight", boxed_weight), ("correct_weight", correct_weight)):
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight >= 0):
-            raise ValueError(f"{name} must be a finite non-negative number, got {weight!r}")
+def final_answer(response: str) -> str | None:
+    """The response's well-formed final answer (see the module docstring), or None."""
+    eoe = response.rfind(EOE)
+    box = max(response.rfind("\\boxed"), response.rfind("\\fbox"))
+    if eoe < 0 and box < 0:
+        return final_equals(response)
+    if eoe > box:
+        return final_equals(response[:eoe])
+    answer = last_boxed(response)
+    return answer if answer is not None and parse_number(answer) is not None else None
+
+
+def _weight(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"arithmetic {name} must be a finite non-negative number, got {value!r}")
+    return float(value)
+
+
+def _reward_type(value: object) -> str:
+    if value not in REWARD_TYPES:
+        raise ValueError(f"arithmetic reward_type must be one of {', '.join(REWARD_TYPES)}, got {value!r}")
+    return str(value)
+
+
+def make_arithmetic_reward(reward_type: str = REWARD_TYPE, boxed_weight: float = BOXED_WEIGHT,
+                           correct_weight: float = CORRECT_WEIGHT) -> RewardFn:
+    """An arithmetic reward with these defaults (each still overridable per row by ``extra_info``)."""
+    defaults = {"reward_type": _reward_type(reward_type), "boxed_weight": _weight(boxed_weight, "boxed_weight"),
+                "correct_weight": _weight(correct_weight, "correct_weight")}
 
     def arithmetic_reward(response: str, ground_truth: str, extra_info: dict) -> RewardOutput:
         gold = parse_ground_truth(ground_truth, "arithmetic")
-        boxed = last_boxed(response)
-        equals = final_equals(response)
-        format_ok = boxed is not None or equals is not None
-        # A boxed answer is a commitment: a non-numeric box is wrong, not skipped.
-        answer = boxed if boxed is not None else equals if equals is not None else last_number(response)
-        correct = answer is not None and parse_number(answer) == gold
-        score = boxed_weight * float(format_ok) + correct_weight * float(correct)
-        return RewardOutput(score=score, correct=correct)
+        kind = _reward_type(extra_info.get("reward_type", defaults["reward_type"]))
+        answer = final_answer(response)
+        format_ok = answer is not None
+        correct = format_ok and parse_number(answer) == gold
+        if kind == "boxed":
+            score = float(format_ok)
+        elif kind == "correct":
+            score = float(correct)
+        else:
+            score = (_weight(extra_info.get("boxed_weight", defaults["boxed_weight"]), "boxed_weight") * format_ok
+                     + _weight(extra_info.get("correct_weight", defaults["correct_weight"]), "correct_weight")
+                     * correct)
+        return RewardOutput(score=float(score), correct=correct)
 
     return arithmetic_reward
 
