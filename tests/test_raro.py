@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -286,13 +287,41 @@ def test_unparseable_judgements_and_long_responses_are_masked_out_of_the_update(
     assert adv.abs().sum() == 0
 
 
+def test_reward_mean_is_over_judged_policy_rows_with_the_masked_rate_beside_it():
+    """RaroRound's samples: a filtered (cut) and an unjudged (unparseable replies) policy row have no reward,
+    so ``reward/mean`` is the mean over the two judged rows (Tie: 0.6 each), not 0.6 * 2 / 4."""
+    from types import SimpleNamespace
+
+    from megareason.rewards.scoring import SampleResult
+    from megareason.trainer.metrics import _sample_metrics
+    from megareason.trainer.steps import RaroRound
+
+    prompts, groups = _policy_batch(2, 2)
+    groups[1][1] = _completion("<answer>cut off", finish="length")
+    generate, _ = _scripted_critic(lambda rec, j: "no verdict" if "P0.0" in rec.prompt[-1]["content"]
+                                   else "Verdict: Tie")
+    scored = [SampleResult(index=i, sample=j, data_source="countdown", question="q", ground_truth="g",
+                           response=c.text, reward=0.0, correct=False, response_tokens=len(c.token_ids),
+                           truncated=c.finish_reason == "length")
+              for i, g in enumerate(groups) for j, c in enumerate(g)]
+    policy = SimpleNamespace(samples=lambda step, batch, timer: (batch, groups, scored), tokenizer=_Tokenizer(),
+                             actors=SimpleNamespace(generate=generate))
+    cfg = Config(algorithm=AlgorithmConfig(name="raro"), raro=RaroConfig(critic_n=2, replay_buffer_ratio=0.0))
+    rows = RaroRound(cfg, policy, {})(1, prompts, {})
+    assert [s.reward for s in rows.scored] == [None, pytest.approx(0.6), pytest.approx(0.6), None]
+    m = _sample_metrics(rows.scored) | rows.metrics
+    assert m["reward/mean"] == pytest.approx(0.6) and m["reward/masked_rate"] == 0.5
+    assert json.loads(json.dumps(rows.scored[0].__dict__))["reward"] is None  # the rollout dump says so too
+
+
 @pytest.mark.parametrize("ratio, fresh, historical", [(0.5, 8, 8), (0.25, 8, 3), (0.0, 8, 0)])
 def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, historical):
     buffer = ReplayBuffer(100, "fifo")
     buffer.add([_t(1000 + i) for i in range(50)])
     prompts, groups = _policy_batch(4, 2)
     generate, seen = _scripted_critic(lambda rec, j: "Verdict: Tie")
-    rb = _round(RaroConfig(critic_n=2, replay_buffer_ratio=ratio), prompts, groups, buffer, generate)
+    cfg = RaroConfig(critic_n=2, replay_buffer_ratio=ratio, replay_order="sample_first")
+    rb = _round(cfg, prompts, groups, buffer, generate)
     (critic_prompts, sampling), = seen
     flags = [p.record.extra_info["historical"] for p in critic_prompts]
     assert flags.count(False) == fresh and flags.count(True) == historical
@@ -301,6 +330,23 @@ def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, 
     assert len(buffer) == 58  # this step's triplets were added after sampling
     assert sampling.n == 2 and sampling.seed == 100 + 4  # critic seeds follow the policy prompts'
     assert sampling.stop == ()  # the policy's stop strings are not the critic's
+
+
+def test_seed_order_stores_the_fresh_triplets_before_drawing_the_historical_half():
+    """Seed 000's loop (the default): store (q, a_exp, a_pol), then build the critic batch 50% fresh + 50%
+    from the buffer. On the first step the buffer holds only this step's 8 triplets, so the historical half
+    is exactly those 8 (each judged twice, answers shuffled independently)."""
+    assert RaroConfig().replay_order == "store_first" and RaroConfig().replay_buffer_kind == "fifo"
+    assert RaroConfig().max_response_length == 4096 and RaroConfig().replay_buffer_ratio == 0.5
+    buffer = ReplayBuffer(100, "fifo")
+    prompts, groups = _policy_batch(4, 2)
+    generate, seen = _scripted_critic(lambda rec, j: "Verdict: Tie")
+    rb = _round(RaroConfig(critic_n=2), prompts, groups, buffer, generate)
+    (critic_prompts, _), = seen
+    by_kind = {h: sorted(re.search(r"P\d\.\d", p.text).group() for p in critic_prompts
+                         if p.record.extra_info["historical"] == h) for h in (False, True)}
+    assert by_kind[False] == [f"P{i}.{j}" for i in range(4) for j in range(2)] and by_kind[True] == by_kind[False]
+    assert rb.metrics["raro/historical_fraction"] == 0.5 and len(buffer) == 8
 
 
 def test_historical_sample_is_uniform_and_reproducible():

@@ -261,12 +261,15 @@ class RaroConfig:
     # the critic's rows. 0: free text, unparseable replies are masked.
     constrain_verdict_chars: int = 0
     # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
-    # filtered: not judged, no gradient.
-    max_response_length: int = 0
-    # Fraction of the critic's batch drawn from earlier steps' triplets.
+    # filtered: not judged, no gradient. The defaults here are seed 000's (its raro.yaml).
+    max_response_length: int = 4096
+    # Fraction of the critic's batch drawn from the replay buffer (seed 000: 50% fresh + 50% historical).
     replay_buffer_ratio: float = 0.5
     replay_buffer_size: int = 10_000
-    replay_buffer_kind: Literal["fifo", "reservoir"] = "reservoir"
+    replay_buffer_kind: Literal["fifo", "reservoir"] = "fifo"
+    # store_first (seed 000's loop): the step's triplets enter the buffer, then the historical half is
+    # drawn from it (this step's triplets included); sample_first: drawn from earlier steps' only.
+    replay_order: Literal["store_first", "sample_first"] = "store_first"
     shuffle_answers: bool = True
     # Rewards for a Tie verdict (Expert: policy 0 / critic 1; Policy: policy 1 / critic 0).
     tau_pol: float = 0.6

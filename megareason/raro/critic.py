@@ -5,13 +5,15 @@
 1. drops policy responses over ``raro.max_response_length`` tokens (or cut by ``rollout.max_tokens``);
 2. builds a triplet (question, expert answer, policy answer) for every other response, and mixes in
    historical triplets from the replay buffer so that they make ``raro.replay_buffer_ratio`` of the
-   critic's batch;
+   critic's batch; with ``raro.replay_order=store_first`` (seed 000's order) the fresh triplets enter
+   the buffer first, so the historical ones may include them;
 3. shows the critic each triplet's two answers in random order (``raro.shuffle_answers``), samples
    ``raro.critic_n`` judgements per triplet, parses the labels and maps them back to roles;
 4. pays both roles from the reward matrix (``algorithms.raro``): a policy response gets the mean policy
    reward of the parseable judgements of its triplet; unparseable judgements, and policy responses
    without any parseable judgement, are masked out (``keep_B`` False) and counted;
-5. adds the fresh triplets to the buffer (after sampling from it: historical means earlier steps).
+5. with ``replay_order=sample_first``, adds the fresh triplets to the buffer only now (historical then
+   means earlier steps).
 
 The result lists prompts and completions in the order of the update's rows: the policy groups first
 (one group per question), then one group of ``critic_n`` judgements per triplet.
@@ -80,6 +82,9 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
                                  step=step)))
     ratio = cfg.replay_buffer_ratio
     want = round(len(fresh) * ratio / (1 - ratio))
+    store_first = cfg.replay_order == "store_first"
+    if store_first:
+        buffer.add([t for _, t in fresh])
     historical = buffer.sample(want, seed=rng.randrange(2**31))
     judged = fresh + [(None, t) for t in historical]
 
@@ -120,8 +125,9 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
         if b is not None and pays:
             policy_reward[b], policy_keep[b] = sum(pays) / len(pays), True
 
-    # 5: the buffer learns this step's triplets.
-    buffer.add([t for _, t in fresh])
+    # 5: the buffer learns this step's triplets (unless it did before the sampling).
+    if not store_first:
+        buffer.add([t for _, t in fresh])
 
     n_policy_groups = len(prompts)
     group_B = [i for i, _ in rows] + [n_policy_groups + g for g, grp in enumerate(judgements) for _ in grp]

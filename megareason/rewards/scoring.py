@@ -35,7 +35,7 @@ class SampleResult:
     question: str
     ground_truth: str
     response: str
-    reward: float
+    reward: float | None  # None: a training row with no reward (RARO: filtered or never judged; masked)
     correct: bool
     response_tokens: int
     truncated: bool

@@ -80,17 +80,22 @@ def step_metrics(cfg: Config, step: int, exp: Experience, rows: StepRows, update
 
 
 def _sample_metrics(scored) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in scored])
+    """Rewards over the rows that have one (RARO's masked rows have None: ``reward/masked_rate``, set by
+    the variant, says how many; no ``reward/mean`` when none has); accuracy and lengths over every sample."""
+    rewards = torch.tensor([s.reward for s in scored if s.reward is not None])
     lengths = torch.tensor([float(s.response_tokens) for s in scored])
-    m = {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0,
-         "accuracy": sum(s.correct for s in scored) / len(scored),
+    m = {"accuracy": sum(s.correct for s in scored) / len(scored),
          "response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
          "response_length/clip_ratio": sum(s.truncated for s in scored) / len(scored),
          "reward/errors": sum(bool(s.score_error) and not s.timed_out for s in scored),
          "reward/timeouts": sum(s.timed_out for s in scored)}
+    if len(rewards):
+        m |= {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0}
     for source in sorted({s.data_source for s in scored}):
         mine = [s for s in scored if s.data_source == source]
         # by_source/...: no metric name may be a path prefix of another (MLflow's file store: one file each)
-        m[f"by_source/{source}/reward"] = sum(s.reward for s in mine) / len(mine)
+        rewarded = [s.reward for s in mine if s.reward is not None]
+        if rewarded:
+            m[f"by_source/{source}/reward"] = sum(rewarded) / len(rewarded)
         m[f"by_source/{source}/accuracy"] = sum(s.correct for s in mine) / len(mine)
     return m
