@@ -177,8 +177,8 @@ def test_retrieval_qa_episode_end_to_end(tmp_path):
     assert ep.messages[3] == {"role": "tool", "content": "[0] Ada Vell\nAda Vell works at Quorel Labs."}
     assert ep.messages[5]["content"] == "Error: unknown tool 'lookup'; available: search"
     info = ep.result.info
-    # EM 1, F1 1 -> reward 0.5 + 0.5 = 1 (multihop_qa defaults); retrieved {0} of supporting {0, 2}
-    assert ep.result.reward == 1.0 and ep.result.correct
+    # retrieved {0} of supporting {0, 2}: reward (EM 1 + F1 1) / 2 + 0.5 * 1/2 (multihop_qa defaults, seed 003)
+    assert ep.result.reward == 1.25 and ep.result.correct
     assert (info["em"], info["f1"], info["retrieval_recall"], info["retrieval_precision"]) == (1.0, 1.0, 0.5, 1.0)
     assert info["cited_ids"] == ["2", "0"] and info["citation_recall"] == 1.0  # [7] is not a document
     assert (info["searches"], info["tool_errors"], info["queries"]) == (1, 1, ["Ada Vell works"])
@@ -192,8 +192,9 @@ def test_retrieval_qa_turn_limit_scores_the_last_message():
     env = RetrievalQAEnv(rec, retrieval_qa_settings(Config(env=EnvConfig(retriever="golden", top_k=5))))
     call = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
     [ep] = run_episodes([env], Script(tok, [call]), tok, Sampling(), max_turns=1, max_model_len=2048)
-    assert ep.end == "turn_limit" and ep.result.reward == 0.0 and not ep.result.correct
+    assert ep.end == "turn_limit" and not ep.result.correct
     assert ep.result.info["retrieval_recall"] == 1.0  # golden showed both supporting paragraphs
+    assert ep.result.reward == 0.5  # no answer: (0 + 0) / 2 + 0.5 * recall 1
     with pytest.raises(ValueError, match="extra_info\\['documents'\\]"):
         RetrievalQAEnv(type(rec)(prompt=rec.prompt, data_source="musique", ground_truth="a", extra_info={}),
                        env.settings)
@@ -206,9 +207,33 @@ def test_initial_search_opens_the_episode_in_the_prompt():
     env = RetrievalQAEnv(rec, settings)
     [ep] = run_episodes([env], Script(tok, ["<answer>x</answer>"]), tok, Sampling(), max_turns=2, max_model_len=4096)
     question = rec.prompt[-1]["content"]
-    assert env.queries == [question] and ep.result.info["retrieval_recall"] == 1.0
+    info = ep.result.info
+    supporting = sorted(rec.extra_info["supporting_ids"])
+    # the opening search showed both supporting paragraphs, but the model retrieved nothing itself
+    assert env.queries == [question] and sorted(info["opening_ids"]) == supporting
+    assert info["retrieved_ids"] == info["opening_ids"] and info["model_retrieved_ids"] == []
+    assert info["retrieval_recall"] == 0.0 and ep.result.reward == 0.0  # EM 0, F1 0, recall 0
     prompt = tok.decode(ep.prompt_ids, skip_special_tokens=False)
     call = json.dumps({"name": "search", "arguments": {"query": question}})
     assert f"<|im_start|>assistant\n<tool_call>{call}</tool_call><|im_end|>\n<|im_start|>tool\n[" in prompt
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert ep.completion.mask_T == [1] * len(ep.completion.token_ids)  # the opening search is prompt, not trained
+
+
+def test_with_initial_search_only_the_models_own_searches_count_as_retrieved():
+    tok = build_tokenizer()
+    [rec] = synthetic_multihop(1, seed=0, hops=(2,))
+    settings = retrieval_qa_settings(Config(env=EnvConfig(retriever="golden", top_k=1, initial_search=True)))
+    env = RetrievalQAEnv(rec, settings)
+    call = '<tool_call>{"name": "search", "arguments": {"query": "anything"}}</tool_call>'
+    answer = f"<answer>{rec.ground_truth}</answer>"
+    [ep] = run_episodes([env], Script(tok, [call, answer]), tok, Sampling(), max_turns=3, max_model_len=4096)
+    info = ep.result.info
+    # golden, top 1: the opening search and the model's own search both return the first supporting paragraph
+    assert info["opening_ids"] == info["model_retrieved_ids"] == info["retrieved_ids"] == info["retrieved_ids"][:1]
+    assert info["searches"] == 2 and info["retrieval_recall"] == 0.5  # 1 of the 2 supporting paragraphs
+    assert ep.result.reward == 1.25 and ep.result.correct  # (1 + 1) / 2 + 0.5 * 1/2
+    # the same episode without the model's search: the opening's paragraph is not paid for
+    env = RetrievalQAEnv(rec, settings)
+    [ep] = run_episodes([env], Script(tok, [answer]), tok, Sampling(), max_turns=3, max_model_len=4096)
+    assert ep.result.info["retrieval_recall"] == 0.0 and ep.result.reward == 1.0

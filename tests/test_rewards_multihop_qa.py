@@ -106,7 +106,13 @@ RETRIEVAL = {"retrieved_ids": ["d1", "d2", "d3"], "supporting_ids": ["d2", "d4"]
         ("Let me think.\nParis.", "Paris", {}, 1.0, True),
         ("", "Paris", {}, 0.0, False),
         ("<answer>Paris</answer>", "Paris", {"recall_weight": 1.0, **RETRIEVAL}, 1.5, True),
-        ("<answer>Paris</answer>", "Paris", RETRIEVAL, 1.0, True),  # recall weight 0 by default
+        # the default is seed 003's combined reward: (EM + F1) / 2 + 0.5 * recall
+        ("<answer>Paris</answer>", "Paris", RETRIEVAL, 1.25, True),  # (1 + 1) / 2 + 0.5 * 1/2
+        ("<answer>Obama</answer>", "Barack Obama", RETRIEVAL, 7 / 12, False),  # (0 + 2/3) / 2 + 0.5 * 1/2
+        ("<answer>Lyon</answer>", "Paris", {"retrieved_ids": ["d4", "d2"], "supporting_ids": ["d2", "d4"]}, 0.5,
+         False),  # (0 + 0) / 2 + 0.5 * 1: retrieval alone
+        ("<answer>Lyon</answer>", "Paris", {"retrieved_ids": [], "supporting_ids": ["d2", "d4"]}, 0.0, False),
+        ("<answer>Paris</answer>", "Paris", {"recall_weight": 0, **RETRIEVAL}, 1.0, True),  # the answer alone
         ("<answer>Paris</answer>", "Paris", {"recall_weight": 1.0}, 1.0, True),  # no ids: no recall term
         ("<answer>Paris</answer>", "Paris", {"recall_weight": 1.0, "retrieved_ids": ["d2"]}, 1.0, True),
         ("<answer>Lyon</answer>", "Paris", {"recall_weight": 0.4, **RETRIEVAL}, 0.2, False),

@@ -4,9 +4,12 @@ One tool, ``search(query)``, returns the top-k documents of the question's corpu
 paragraphs) from the configured retriever (``envs.retrieval``). The model may search again on later
 turns; a message without a tool call is its final answer, scored by the reward registry's
 ``multihop_qa`` family (EM, token F1, retrieval recall, hop weighting; or ``reward.custom``) with the
-episode's retrieval history as ``retrieved_ids``; a scorer that raises gives 0 and ``score_error``.
-The environment tracks the queries, the documents shown, and the documents the answer cites
-(``[id]``), for the evaluation tables.
+documents the model's own searches returned as ``retrieved_ids``; a scorer that raises gives 0 and
+``score_error``. With ``initial_search`` the episode opens with a search the environment makes for the
+question: its documents are shown to the model but not counted as retrieved by it (seed 003's recall
+rewards retrieval, and a search the model did not make would pay every episode alike) unless one of
+the model's own searches returns them again. The environment tracks the queries, the documents shown,
+and the documents the answer cites (``[id]``), for the evaluation tables.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class RetrievalQAEnv:
         self.retriever = retriever or build_retriever(settings.retriever, list(self.docs.values()))
         self.queries: list[str] = []
         self.retrieved: list[str] = []  # distinct document ids shown, in order of first showing
+        self.opening: list[str] = []  # those the automatic opening search showed (env.initial_search)
+        self.model_retrieved: list[str] = []  # those the model's own searches returned: what the reward pays
         self.tool_errors = 0
         self.last_message = ""
         self.tools: Sequence[Callable] = [self.search]
@@ -70,14 +75,19 @@ class RetrievalQAEnv:
         Args:
             query: the words to search for
         """
+        return self._search(query, self.model_retrieved)
+
+    def _search(self, query: str, into: list[str]) -> str:
+        """Run a search, record its documents as shown and in ``into``; the tool's reply."""
         if not isinstance(query, str) or not query.strip():
             raise ValueError("the query must be a non-empty string")
         self.queries.append(query)
         shown = []
         for doc_id, _ in self.retriever.search(query, self.settings.top_k):
             doc = self.docs[doc_id]
-            if doc_id not in self.retrieved:
-                self.retrieved.append(doc_id)
+            for ids in (self.retrieved, into):
+                if doc_id not in ids:
+                    ids.append(doc_id)
             shown.append(f"[{doc_id}] {doc.title}\n{doc.text[:self.settings.max_doc_chars]}")
         return "\n\n".join(shown) if shown else "No document matches."
 
@@ -88,7 +98,7 @@ class RetrievalQAEnv:
             query = self.record.prompt[-1]["content"]
             call = json.dumps({"name": "search", "arguments": {"query": query}})
             msgs += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                     {"role": "tool", "content": self.search(query)}]
+                     {"role": "tool", "content": self._search(query, self.opening)}]
         return msgs
 
     def step(self, message: str) -> StepResult:
@@ -112,7 +122,7 @@ class RetrievalQAEnv:
 
     def _score(self) -> StepResult:
         info = dict(self.record.extra_info)
-        info["retrieved_ids"] = list(self.retrieved)
+        info["retrieved_ids"] = list(self.model_retrieved)  # not the opening search's
         info.pop("documents", None)  # the reward does not read them; keeps dumps small
         out = score_one(self.scorer, ScoreRequest(self.record.data_source, self.last_message,
                                                   self.record.ground_truth, info))
@@ -120,16 +130,19 @@ class RetrievalQAEnv:
                           info={**self.metrics(), **({"score_error": out.error} if out.error else {})})
 
     def metrics(self) -> dict:
-        """The episode's answer and retrieval figures (JSON-safe)."""
+        """The episode's answer and retrieval figures (JSON-safe). ``retrieval_recall`` / ``_precision`` are
+        of the model's own retrieval (``model_retrieved_ids``, as the reward's); ``retrieved_ids`` are all
+        the documents shown, ``opening_ids`` those of the opening search; ``searches`` counts it too."""
         golds = [self.record.ground_truth, *self.record.extra_info.get("answer_aliases", [])]
         pred = extract_prediction(self.last_message)
         supporting = [d.id for d in self.docs.values() if d.supporting]
-        recall, precision = retrieval_recall_precision(self.retrieved, supporting)
+        recall, precision = retrieval_recall_precision(self.model_retrieved, supporting)
         cited = [c for c in dict.fromkeys(_CITATION.findall(self.last_message)) if c in self.docs]
         cite_recall, cite_precision = retrieval_recall_precision(cited, supporting)
         return {"prediction": pred, "em": exact_match(pred, golds), "f1": token_f1(pred, golds),
                 "retrieval_recall": recall, "retrieval_precision": precision, "searches": len(self.queries),
-                "queries": list(self.queries), "retrieved_ids": list(self.retrieved), "cited_ids": cited,
+                "queries": list(self.queries), "retrieved_ids": list(self.retrieved), "opening_ids": list(self.opening),
+                "model_retrieved_ids": list(self.model_retrieved), "cited_ids": cited,
                 "citation_recall": cite_recall, "citation_precision": cite_precision,
                 "tool_errors": self.tool_errors, "hops": int(self.record.extra_info.get("hops", 2))}
 

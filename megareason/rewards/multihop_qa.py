@@ -10,16 +10,22 @@ a/an/the, collapse whitespace.
 
 ``score = (em_weight * EM + f1_weight * F1 + recall_weight * recall) * hop_weight``
 
-* ``recall`` is the retrieval recall of ``extra_info["retrieved_ids"]``
-  against ``extra_info["supporting_ids"]`` (lists of string or integer ids)
-  when both are present, else 0;
+* ``recall`` is the retrieval recall of ``extra_info["retrieved_ids"]`` (the
+  documents the model retrieved; the retrieval_qa environment leaves out its
+  automatic opening search) against ``extra_info["supporting_ids"]`` (lists of
+  string or integer ids) when both are present, else 0;
 * ``hop_weight = max(1, 1 + hop_bonus * (hops - 2))`` with ``hops =
   extra_info["hops"]`` (a positive integer, default 2).
 
-Defaults: em_weight 0.5, f1_weight 0.5, recall_weight 0.0, hop_bonus 0.0,
-each overridable through the ``extra_info`` key of the same name (a finite
-non-negative number).  Malformed ``extra_info`` values raise ``ValueError``.
-``correct`` is ``EM == 1``, independent of retrieval and hop weighting.
+Defaults: em_weight 0.5, f1_weight 0.5, recall_weight 0.5, hop_bonus 0.0, so
+``score = (EM + F1) / 2 + 0.5 * recall``: seed 003's "combined reward
+[that] balances answer quality and retrieval", as its MuSiQue environment
+computes it (bdsaglam/rlvr, ``vf_musique``'s ``MuSiQueRubric``; its hop
+factor ``min(hops / 2, 1)`` is 1 for MuSiQue's 2-4 hops).  Each is
+overridable through the ``extra_info`` key of the same name (a finite
+non-negative number; ``recall_weight: 0`` scores the answer alone).
+Malformed ``extra_info`` values raise ``ValueError``.  ``correct`` is
+``EM == 1``, independent of retrieval and hop weighting.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from megareason.rewards.registry import RewardOutput, register
 
 EM_WEIGHT = 0.5
 F1_WEIGHT = 0.5
-RECALL_WEIGHT = 0.0
+RECALL_WEIGHT = 0.5
 HOP_BONUS = 0.0
 DEFAULT_HOPS = 2
 
