@@ -4,8 +4,13 @@ Contract: the answer is the content of the LAST ``\\boxed{...}`` or
 ``\\fbox{...}`` in the response (nested braces balanced).  No boxed answer ->
 score 0.0, incorrect.  Otherwise the answer is correct if it equals the gold
 answer after light string normalisation, or if math-verify judges the two
-mathematically equivalent (fractions, LaTeX, sets, intervals, ...).
-Score is 1.0 when correct, else 0.0.
+mathematically equivalent (fractions, LaTeX, sets, intervals, ...), or -- asked
+only when math-verify says no -- if the equivalence layer
+(``megareason.rewards.equivalence``) does: rounded decimals, percentages,
+units, inequalities vs intervals, renamed variables, labelled lists, vectors,
+``\\pm``, degrees, unicode.  Before math-verify, the layer's ``contradicts``
+vetoes what math-verify overlooks: a labelled list in the wrong order, a
+quantity in the wrong unit.  Score is 1.0 when correct, else 0.0.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 
 from math_verify import parse, verify
 
+from megareason.rewards.equivalence import contradicts, equivalent
 from megareason.rewards.registry import RewardOutput, register
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
@@ -83,11 +89,16 @@ def _as_math(answer: str) -> str:
 
 
 def math_equal(pred: str, gold: str) -> bool:
-    """True iff ``pred`` and ``gold`` are the same answer (string or math-verify)."""
+    """True iff ``pred`` and ``gold`` are the same answer (string, math-verify, equivalence layer)."""
     if normalize_answer(pred) == normalize_answer(gold):
         return True
-    if len(pred) > _MAX_VERIFY_CHARS:
+    if len(pred) > _MAX_VERIFY_CHARS or contradicts(pred, gold):
         return False
+    return math_verify_equal(pred, gold) or equivalent(pred, gold)
+
+
+def math_verify_equal(pred: str, gold: str) -> bool:
+    """True iff math-verify judges ``pred`` equal to ``gold`` (False on any grader error)."""
     timeout = _MAIN_THREAD_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     try:
         gold_parsed = parse(_as_math(gold), parsing_timeout=timeout)

@@ -1,0 +1,217 @@
+"""Answer equivalence beyond math-verify, for the math reward.
+
+Contract: ``equivalent(pred, gold)`` is True when the two answers are the same answer written in
+forms math-verify does not relate; the math reward asks it only after math-verify said "not equal".
+``contradicts(pred, gold)`` is True when the answers differ in a way math-verify overlooks (it
+compares bare lists as sets and drops unit words); the math reward asks it BEFORE math-verify, so a
+labelled list in the wrong order or a quantity in the wrong unit is never paid.  Both are pure and
+never raise.
+
+Accepted, besides what math-verify accepts (each form is one function in ``equivalence_forms``):
+- a decimal that is the exact value rounded to the decimal's own precision (12.86 vs 90/7; at
+  least 2 significant digits and 1 decimal place: 12.87, 12.85 and 13 are rejected);
+- percentages (27.5% vs 11/40), mixed numbers (3\\frac{1}{8}), ratios (15:4 vs 15/4, 2:3:4 vs 4:6:8);
+- numbers with units, ordinals or currency (42.5 grams, 7th day, \\$1,234.50); two different
+  units never match;
+- intervals vs inequalities vs set-builder notation, unions and "or" (``equivalence_sets``);
+- a renamed variable (g(t)=3t vs g(x)=3x), an equation vs its right-hand side (k_{min}=2n+1);
+- labelled answers vs bare lists in order (p=4, q=9 vs 4,9; labels matched by name when both are
+  labelled), tuples vs column vectors (pmatrix) and \\langle\\rangle, unordered sets and lists,
+  the \\pm shorthand ((\\pm 1, 2) vs {(1,2),(-1,2)});
+- degrees vs radians (45° vs \\pi/4), unicode math, \\text{} wrappers, \\left/\\right.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import sympy
+from math_verify import verify
+
+from megareason.rewards.equivalence_forms import (
+    Labelled,
+    RealSet,
+    Scalar,
+    Seq,
+    decimal_places,
+    interpret,
+    significant_digits,
+)
+from megareason.rewards.equivalence_sets import sets_equal, to_sympy
+
+_MAX_CHARS = 1000  # as the math reward: longer "answers" are not answers
+_MAX_ITEMS = 10  # unordered matching is a search; longer lists are compared in order only
+_VERIFY_TIMEOUT_S = 5
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORDY = re.compile(r"\\text|\\mathrm|\\mbox|[a-zA-Z]{2,}")
+_COMMAND = re.compile(r"\\(?!text|mathrm|mbox)[a-zA-Z]+")
+
+
+def equivalent(pred: str, gold: str) -> bool:
+    """True iff ``pred`` and ``gold`` are the same answer in any form listed in the module docstring."""
+    if len(pred) > _MAX_CHARS or len(gold) > _MAX_CHARS:
+        return False
+    try:
+        preds, golds = interpret(pred), interpret(gold)
+        return any(values_equal(p, g) for g in golds for p in preds)
+    except Exception:  # a grader crash must not kill training; "not shown equal" is the safe answer
+        return False
+
+
+def contradicts(pred: str, gold: str) -> bool:
+    """True iff the answers are labelled lists (or lists against one) that differ in order or value,
+    or quantities in different units.  Cheap when neither answer has an ``=`` or a word."""
+    if len(pred) > _MAX_CHARS or len(gold) > _MAX_CHARS:
+        return False
+    has_label = "=" in pred or "=" in gold
+    has_units = all(_WORDY.search(_COMMAND.sub("", s)) for s in (pred, gold))
+    if not (has_label or has_units):
+        return False
+    try:
+        p, g = _structure(interpret(pred)), _structure(interpret(gold))
+        if p is None or g is None:
+            return False
+        if isinstance(p, Scalar) and isinstance(g, Scalar):
+            return bool(p.unit and g.unit and p.unit != g.unit)
+        labelled = [v for v in (p, g) if isinstance(v, Labelled) and len(v.labels) > 1]
+        other = g if p in labelled else p
+        if labelled and isinstance(other, Labelled | Seq) and _length(other) == len(labelled[0].labels):
+            return not values_equal(p, g)
+        return False
+    except Exception:  # never veto on a crash: math-verify decides
+        return False
+
+
+def _structure(candidates: list[object]) -> object | None:
+    """The non-interval reading of an answer (the last candidate), if any."""
+    rest = [c for c in candidates if not isinstance(c, RealSet)]
+    return rest[-1] if rest else None
+
+
+def _length(v: Labelled | Seq) -> int:
+    return len(v.labels) if isinstance(v, Labelled) else len(v.items)
+
+
+# --- comparing structures -------------------------------------------------------------------------
+
+
+def values_equal(a: object, b: object) -> bool:
+    """Structural equality of two ``interpret`` results (``a`` the prediction, ``b`` the reference)."""
+    if a is None or b is None:
+        return False
+    if isinstance(a, Scalar) and isinstance(b, Scalar):
+        return scalars_equal(a, b)
+    if isinstance(a, RealSet) and isinstance(b, RealSet):
+        return sets_equal(a.value, b.value)
+    if isinstance(a, Labelled) or isinstance(b, Labelled):
+        return _labelled_equal(a, b)
+    if isinstance(a, Seq) and isinstance(b, Seq):
+        return _seqs_equal(a, b)
+    return False
+
+
+def _labelled_equal(a: object, b: object) -> bool:
+    """Labelled vs labelled: by label when both carry the same labels, else in order.  One value
+    with its label vs anything: the value (``x = 5`` vs ``5``).  Several vs a tuple/list: in order."""
+    if isinstance(a, Labelled) and isinstance(b, Labelled):
+        if len(a.labels) != len(b.labels):
+            return False
+        if len(a.labels) > 1 and sorted(a.labels) == sorted(b.labels):
+            by_label = dict(zip(b.labels, b.values, strict=True))
+            return all(values_equal(v, by_label[lab]) for lab, v in zip(a.labels, a.values, strict=True))
+        return all(values_equal(x, y) for x, y in zip(a.values, b.values, strict=True))
+    lab, other = (a, b) if isinstance(a, Labelled) else (b, a)
+    if len(lab.values) == 1:
+        return values_equal(lab.values[0], other) if lab is a else values_equal(other, lab.values[0])
+    if isinstance(other, Seq) and other.kind in ("tuple", "list") and len(other.items) == len(lab.values):
+        pairs = zip(lab.values, other.items, strict=True)
+        return all(values_equal(x, y) if lab is a else values_equal(y, x) for x, y in pairs)
+    return False
+
+
+def _seqs_equal(a: Seq, b: Seq) -> bool:
+    """Ratios up to a common factor; anything against a tuple in order; sets and lists as multisets."""
+    if a.kind == "ratio" or b.kind == "ratio":
+        if a.kind != b.kind or len(a.items) != len(b.items):
+            return False
+        scaled = lambda s: [Scalar(rf"\frac{{{x.tex}}}{{{s.items[0].tex}}}") for x in s.items[1:]]  # noqa: E731
+        return all(scalars_equal(x, y) for x, y in zip(scaled(a), scaled(b), strict=True))
+    if len(a.items) != len(b.items):
+        return False
+    if "tuple" in (a.kind, b.kind):
+        if "set" in (a.kind, b.kind):
+            return False
+        return all(values_equal(x, y) for x, y in zip(a.items, b.items, strict=True))
+    if len(a.items) > _MAX_ITEMS:
+        return all(values_equal(x, y) for x, y in zip(a.items, b.items, strict=True))
+    return _match_unordered(list(a.items), list(b.items))
+
+
+def _match_unordered(xs: list, ys: list) -> bool:
+    """True iff each of ``xs`` equals a distinct one of ``ys`` (same length; backtracking search)."""
+    if not xs:
+        return not ys
+    for j, y in enumerate(ys):
+        if values_equal(xs[0], y) and _match_unordered(xs[1:], ys[:j] + ys[j + 1:]):
+            return True
+    return False
+
+
+# --- comparing single expressions -------------------------------------------------------------------
+
+
+def scalars_equal(a: Scalar, b: Scalar) -> bool:
+    """Same value (math-verify on the rewritten forms), a rounded decimal, or a renamed variable;
+    never when both carry a unit and the units differ."""
+    if a.unit and b.unit and a.unit != b.unit:
+        return False
+    return expressions_equal(a.tex, b.tex)
+
+
+def expressions_equal(pred: str, gold: str) -> bool:
+    """``pred`` equals ``gold`` as sympy expressions (math-verify's ``verify``), or as a rounding of
+    it, or after renaming the one free variable."""
+    if re.sub(r"\s+", "", pred) == re.sub(r"\s+", "", gold):
+        return True
+    if rounds_to(pred, gold) or rounds_to(gold, pred):
+        return True
+    p, g = to_sympy(pred), to_sympy(gold)
+    if p is None or g is None:
+        return False
+    if _verify(g, p):
+        return True
+    return renamed_equal(p, g)
+
+
+def _verify(gold: sympy.Basic, pred: sympy.Basic) -> bool:
+    """math-verify's comparison of two parsed expressions (its timeouts only in the main thread)."""
+    in_main = threading.current_thread() is threading.main_thread()
+    try:
+        return bool(verify(gold, pred, timeout_seconds=_VERIFY_TIMEOUT_S if in_main else None))
+    except Exception:
+        return False
+
+
+def rounds_to(decimal: str, exact: str) -> bool:
+    """True iff ``decimal`` (a plain literal, >= 2 significant digits, >= 1 decimal place) is the
+    value of ``exact`` (not itself a plain number) rounded to the decimal's own precision."""
+    places = decimal_places(decimal)
+    if places is None or significant_digits(decimal) < 2 or _PLAIN_NUMBER.fullmatch(exact.strip()):
+        return False
+    value = to_sympy(exact)
+    if not isinstance(value, sympy.Expr) or value.free_symbols:
+        return False
+    try:
+        error = abs(sympy.N(value - sympy.Rational(decimal.strip()), 30))
+        return bool(error.is_real) and bool(error <= sympy.Rational(1, 2 * 10**places) * (1 + sympy.Rational(1, 10**9)))
+    except (TypeError, ValueError):
+        return False
+
+
+def renamed_equal(pred: sympy.Basic, gold: sympy.Basic) -> bool:
+    """Equal after renaming ``pred``'s only free variable to ``gold``'s (``3t`` vs ``3x``)."""
+    fp, fg = pred.free_symbols, gold.free_symbols
+    if len(fp) != 1 or len(fg) != 1 or fp == fg or isinstance(pred, sympy.Symbol) or isinstance(gold, sympy.Symbol):
+        return False  # a bare letter (a choice, a name) is never "the same up to renaming"
+    return _verify(gold, pred.subs(next(iter(fp)), next(iter(fg))))
