@@ -265,7 +265,9 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from megareason.trainer.loop import train
     from megareason.trainer.report import render
+    from megareason.trainer.run_dir import hold_run_lock
 
+    hold_run_lock(cfg.trainer.output_dir)  # before the log: a busy run folder is left as it is
     with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
         run = train(cfg)
     plots = render(run)
@@ -281,8 +283,10 @@ def _sft(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
     from megareason.trainer.report import render
+    from megareason.trainer.run_dir import hold_run_lock
     from megareason.trainer.sft import sft
 
+    hold_run_lock(cfg.trainer.output_dir)
     with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
         run = sft(cfg)
     plots = render(run)

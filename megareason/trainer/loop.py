@@ -40,7 +40,7 @@ from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
 from megareason.trainer.handles import CriticHandle, PolicyHandle, start_workers
 from megareason.trainer.metrics import UpdateStats, step_metrics
-from megareason.trainer.run_dir import RunDir
+from megareason.trainer.run_dir import RunDir, hold_run_lock
 from megareason.trainer.steps import ScoreFn, StepRows, rollout_step
 from megareason.utils import atomic_write
 
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 def train(cfg: Config) -> Path:
     """Run (or resume) training as configured; returns the run folder."""
     validate_training(cfg)
+    hold_run_lock(cfg.trainer.output_dir)
     run = RunDir(cfg.trainer.output_dir)
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts, tokenizer = _load_prompts(cfg)

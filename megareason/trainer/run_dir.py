@@ -11,6 +11,11 @@
   plots/                 `megareason report` output
 ```
 
+One process writes a run folder at a time: ``hold_run_lock`` takes an exclusive ``flock`` on its
+``.lock`` file for the rest of the process's life (the kernel drops it when the process dies, however it
+dies, so a stale lock never blocks), and a second ``train`` / ``sft`` on the folder stops at once naming
+the holder.
+
 A checkpoint is built in ``checkpoints/.step_N.tmp`` and renamed to ``step_N`` once the model
 checkpoints and ``trainer_state.json`` are all written, so a ``step_N`` folder is always complete; a
 crash mid-save leaves a ``.tmp`` folder that the next save removes. Only the last ``keep_last`` are kept.
@@ -18,16 +23,48 @@ crash mid-save leaves a ``.tmp`` folder that the next save removes. Only the las
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megareason.config import ConfigError
 from megareason.utils import atomic_write
 
 _STEP = re.compile(r"^step_(\d+)$")
+_LOCKS: dict[Path, int] = {}  # run folder -> the descriptor holding its lock, for the process's life
+
+
+class RunFolderBusy(ConfigError):
+    """Another live process holds the run folder's lock (``hold_run_lock``)."""
+
+
+def hold_run_lock(root: str | Path) -> None:
+    """Take ``root/.lock`` (exclusive, non-blocking ``flock``) and keep it until this process exits; write
+    the holder's PID, host and start time into it. Taking it again in the same process is a no-op. Raises
+    ``RunFolderBusy`` naming the holder when another live process has it. The descriptor is not inherited
+    by programs this process execs (Python opens files non-inheritable); the reward pool spawns."""
+    root = Path(root).resolve()
+    if root in _LOCKS:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunFolderBusy(f"{root} is in use by another run ({holder}); wait for it to end or set another "
+                            "trainer.output_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+             .encode())
+    _LOCKS[root] = fd
 
 
 @dataclass

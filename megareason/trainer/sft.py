@@ -29,7 +29,7 @@ from megareason.trainer.driver import Driver, StopRequest, dump_validation, gree
 from megareason.trainer.experience import Experience, build_experience
 from megareason.trainer.group import WorkerGroup, ray_session
 from megareason.trainer.handles import PolicyHandle, start_workers
-from megareason.trainer.run_dir import RunDir
+from megareason.trainer.run_dir import RunDir, hold_run_lock
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def sft(cfg: Config) -> Path:
                   algorithm=replace(cfg.algorithm, kl_coef=0.0, ppo_epochs=1, mini_batches=1))
     validate_training(cfg)
     t = cfg.trainer
+    hold_run_lock(t.output_dir)
     path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
