@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup_console(args.verbose)
     from megareason.config import ConfigError
     from megareason.data import DataError
+    from megareason.launch.preflight import PreflightError
     from megareason.models.arch import ArchError
 
     try:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "launch":
             return nemo_run.run_cli(args, list(sys.argv[1:] if argv is None else argv))
         return _models(args)
-    except (ConfigError, DataError, ArchError, FileNotFoundError) as e:
+    except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception:
@@ -230,11 +231,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from megareason.config import load_config
+    from megareason.launch.preflight import check_run
 
     cfg = load_config(args.config_name, args.overrides, args.config_dir)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
+    check_run(cfg, "eval")  # models, data files, output folder: before any engine or worker starts
     from megareason.evaluation.runner import format_table, run_eval
 
     # The run's folder is named when it is written: the log moves into it then.
@@ -257,12 +260,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from megareason.config import load_config, validate_training
+    from megareason.launch.preflight import check_run
 
     cfg = load_config(args.config_name, _overrides(args), args.config_dir)
     validate_training(cfg)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
+    check_run(cfg, "train")
     from megareason.trainer.loop import train
     from megareason.trainer.report import render
     from megareason.trainer.run_dir import hold_run_lock
@@ -277,11 +282,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _sft(args: argparse.Namespace) -> int:
     from megareason.config import load_config
+    from megareason.launch.preflight import check_run
 
     cfg = load_config(args.config_name, _overrides(args), args.config_dir)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
+    check_run(cfg, "sft")
     from megareason.trainer.report import render
     from megareason.trainer.run_dir import hold_run_lock
     from megareason.trainer.sft import sft
@@ -297,8 +304,10 @@ def _sft(args: argparse.Namespace) -> int:
 def _benchmark(args: argparse.Namespace) -> int:
     from megareason.config import load_config
     from megareason.evaluation.benchmark import analyze, run_benchmark
+    from megareason.launch.preflight import check_run
 
     cfg = load_config(args.config_name, args.overrides, args.config_dir)
+    check_run(cfg, "benchmark")
     with logs.captured(Path(cfg.benchmark.output_dir) / "logs" / "benchmark.log"):
         out = run_benchmark(cfg)
     text, plots = analyze(out)
@@ -339,10 +348,13 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from megareason.launch.preflight import check_convert
     from megareason.models import convert
     from megareason.models.hub import resolve_model_path
 
-    if args.convert_command == "hf-to-megatron":
+    hf_source = args.convert_command == "hf-to-megatron"
+    check_convert(args.hf_dir if hf_source else args.ckpt_dir, args.out_dir, hf_source)
+    if hf_source:
         out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
     else:
         try:

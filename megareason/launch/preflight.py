@@ -1,0 +1,130 @@
+"""What ``megareason eval | train | sft | benchmark | convert`` check before any engine, worker or Ray
+cluster starts: every model directory (``models.hf_check``: config.json, the architecture where Megatron
+builds the model, each safetensors file's header against its size and the index, the tokenizer's files),
+every data file named in the config, and that the output folder can be written. Each problem is one line
+naming the path and what is wrong; all of them are reported at once (``PreflightError``), and the CLI
+exits with code 2. Nothing is created: the output folder's nearest existing ancestor gets a probe file,
+removed at once.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from megareason.config.schema import Config
+from megareason.data import DataError
+from megareason.models.arch import ArchError
+from megareason.models.hf_check import CheckpointError, check_hf_dir, check_tokenizer
+from megareason.models.hub import resolve_model_path
+
+_FILE_KINDS = ("file", "musique")  # data.sources kinds that read data.sources[].path
+
+
+class PreflightError(ValueError):
+    """The problems found before launching, one line each (``str`` joins them with "error: " lines, as the
+    CLI prints its errors)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\nerror: ".join(problems))
+        self.problems = problems
+
+
+def check_run(cfg: Config, command: str) -> None:
+    """The inputs of ``megareason <command>`` (eval, train, sft or benchmark) for ``cfg``; raises
+    ``PreflightError`` listing every problem. train and sft also need what the Megatron build needs."""
+    problems: list[str] = []
+    megatron = command in ("train", "sft")
+    models = (cfg.benchmark.models or [cfg.model.path]) if command == "benchmark" else [cfg.model.path]
+    for model in models:
+        _collect(problems, lambda m=model: check_hf_dir(resolve_model_path(m), megatron=megatron,
+                                                         tokenizer=not cfg.model.tokenizer))
+    if cfg.model.tokenizer:
+        _collect(problems, lambda: check_tokenizer(resolve_model_path(cfg.model.tokenizer)))
+    groups = [("data.sources", cfg.data.sources)]
+    if command in ("train", "sft"):
+        groups.append(("data.val_sources", cfg.data.val_sources))
+    for key, sources in groups:
+        for i, source in enumerate(sources):
+            if source.kind in _FILE_KINDS:
+                _collect(problems, lambda s=source, k=f"{key}[{i}].path": check_data_file(s.path, k))
+    out_key = {"eval": "eval.output_dir", "benchmark": "benchmark.output_dir"}.get(command, "trainer.output_dir")
+    out = {"eval": cfg.eval.output_dir, "benchmark": cfg.benchmark.output_dir}.get(command, cfg.trainer.output_dir)
+    _collect(problems, lambda: check_writable(out, out_key))
+    if problems:
+        raise PreflightError(problems)
+
+
+def check_convert(source: str, out_dir: str, hf_source: bool) -> None:
+    """``megareason convert``: the source (an HF directory or known model name with ``hf_source``, else a
+    megareason checkpoint) and that ``out_dir`` can be written (it is replaced by a rename from a folder
+    beside it, so its parent is probed)."""
+    problems: list[str] = []
+    if hf_source:
+        _collect(problems, lambda: check_hf_dir(resolve_model_path(source), megatron=True))
+    else:
+        _collect(problems, lambda: _check_megareason_checkpoint(Path(source)))
+    _collect(problems, lambda: check_writable(Path(out_dir).absolute().parent, f"the parent of {out_dir}"))
+    if problems:
+        raise PreflightError(problems)
+
+
+def _check_megareason_checkpoint(path: Path) -> None:
+    from megareason.models.checkpoint import META
+    from megareason.models.hf_check import read_json
+
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a folder" if path.exists() else f"checkpoint {path} "
+                              "does not exist")
+    if not (path / META).is_file():
+        raise CheckpointError(f"checkpoint {path} is not a megareason checkpoint (no {META})")
+    meta = read_json(path / META, "checkpoint metadata")
+    if not isinstance(meta, dict) or not isinstance(meta.get("arch"), dict):
+        raise CheckpointError(f"checkpoint metadata {path / META} has no 'arch' object")
+
+
+def check_data_file(path: str, key: str) -> None:
+    """``path`` (the config's ``key``) is a readable file; ``DataError`` otherwise."""
+    if not path:
+        raise DataError(f"{key} is empty: a file source needs a path")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data file {p} does not exist ({key})")
+    if not p.is_file():
+        raise DataError(f"data file {p} is not a file ({key})")
+    try:
+        with p.open("rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise DataError(f"data file {p} cannot be read: {e.strerror} ({key})") from None
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """Files can be created in ``folder`` (the config's ``key``), or, when it does not exist yet, in its
+    nearest existing ancestor; probed with a file created and removed at once. ``PreflightError``
+    otherwise."""
+    p = Path(folder).expanduser().absolute()
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "is a file" if existing == p else f"cannot be created: {existing} is a file"
+        raise PreflightError([f"output folder {p} {what} ({key})"])
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".megareason-probe-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = "" if existing == p else f" (it would be created in {existing})"
+        raise PreflightError([f"output folder {p} is not writable{where}: {e.strerror} ({key})"]) from None
+
+
+def _collect(problems: list[str], check: Callable[[], None]) -> None:
+    try:
+        check()
+    except PreflightError as e:
+        problems.extend(e.problems)
+    except (CheckpointError, ArchError, DataError, FileNotFoundError) as e:
+        problems.append(str(e))
