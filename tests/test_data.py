@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,68 @@ def test_tokenize_filters_or_rejects_long_prompts():
     assert tok.decode(out[0].token_ids) == out[0].text
     with pytest.raises(DataError, match=r"prompt 7 \(math\) has \d+ tokens, more than data.max_prompt_length=64"):
         tokenize_prompts([short, long], tok, max_prompt_length=64, truncation="error")
+
+
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some Windows editors write first
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_utf8_bom_loads_the_same_rows(tmp_path, suffix):
+    rows = [VERL_ROW, SEED_ROW, {**SEED_ROW, "question": "Ünïcode ✓ 3 * 3?"}]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows)
+    plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"bom{suffix}"
+    plain.write_bytes(text.encode("utf-8"))
+    marked.write_bytes(BOM + text.encode("utf-8"))
+    recs = load_file(marked)
+    assert recs == load_file(plain)
+    assert [r.ground_truth for r in recs] == ["4", "9", "9"]
+    assert recs[2].prompt == [{"role": "user", "content": "Ünïcode ✓ 3 * 3?"}]
+
+
+def test_utf8_bom_file_with_a_bad_line_names_that_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(BOM + (json.dumps(SEED_ROW) + "\n\n{not json\n").encode())
+    with pytest.raises(DataError, match=rf"^{path} line 3: invalid JSON"):
+        load_file(path)
+
+
+def test_utf8_bom_musique(tmp_path):
+    from megareason.data.musique import load_musique
+
+    row = {"id": "2hop__1", "question": "Who founded Quorel Labs?", "answer": "Bo Lind", "answerable": True,
+           "paragraphs": [{"idx": 0, "title": "Quorel Labs", "paragraph_text": "Bo Lind founded Quorel Labs.",
+                           "is_supporting": True}],
+           "question_decomposition": [{"id": 1, "question": "Who founded Quorel Labs?", "answer": "Bo Lind",
+                                       "paragraph_support_idx": 0}]}
+    plain, marked = tmp_path / "plain.jsonl", tmp_path / "bom.jsonl"
+    plain.write_text(json.dumps(row) + "\n")
+    marked.write_bytes(BOM + plain.read_bytes())
+    (rec,) = load_musique(marked)
+    assert rec == load_musique(plain)[0] and rec.ground_truth == "Bo Lind"
+
+
+def test_json_file_of_json_lines_or_one_object(tmp_path):
+    lines, one = tmp_path / "lines.json", tmp_path / "one.json"
+    lines.write_text(json.dumps(SEED_ROW) + "\n" + json.dumps({**SEED_ROW, "answer": 10}) + "\n")
+    one.write_text(json.dumps(SEED_ROW, indent=2))
+    assert [r.ground_truth for r in load_file(lines)] == ["9", "10"]
+    assert [r.ground_truth for r in load_file(one)] == ["9"]
+
+
+def test_line_separator_inside_a_string_is_not_a_line_break(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({**SEED_ROW, "question": "a\u2028b"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_file(path)[0].prompt[0]["content"] == "a\u2028b"
+
+
+@pytest.mark.parametrize("name,content", [("d.jsonl", b'{"question": "q", "answer": 1}\n{bad\n'),
+                                          ("d.json", b'[{"question": "q"},'), ("d.parquet", b"PAR1 not parquet")])
+def test_malformed_file_logs_nothing_from_datasets(tmp_path, caplog, capfd, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(DataError, match=rf"^{path}"):
+        load_file(path, data_source="m")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("datasets")] == []
+    out, err = capfd.readouterr()
+    assert "Failed to" not in out + err and "datasets" not in out + err

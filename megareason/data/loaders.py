@@ -1,5 +1,6 @@
-"""Prompt sources: local JSON / JSONL / Parquet files (through ``datasets``), reasoning-gym, MuSiQue and
-the synthetic multi-hop set; ``LOADERS`` maps each ``data.sources[].kind`` to its loader.
+"""Prompt sources: local JSON / JSONL files (read directly; a UTF-8 byte-order mark is skipped), Parquet
+files (through ``datasets``), reasoning-gym, MuSiQue and the synthetic multi-hop set; ``LOADERS`` maps
+each ``data.sources[].kind`` to its loader.
 
 Two row formats are accepted from files (rows are numbered from 1 in error messages):
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,40 +83,60 @@ def load_file(path: str | Path, data_source: str = "") -> list[PromptRecord]:
 
 
 def _read_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
+    if fmt == "json":
+        return _read_json_rows(path)
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as e:  # datasets/pyarrow raise many types; find the row ourselves when we can
-        if fmt == "json":
-            _raise_json_row_error(path)
+        with _quiet("datasets"):  # its own ERROR lines would precede ours on the console
+            ds = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as e:  # datasets/pyarrow raise many types
         raise DataError(f"{path}: cannot be read as {fmt}: {e}") from e
     return ds.to_list()
 
 
-def _raise_json_row_error(path: Path) -> None:
-    text = path.read_text(encoding="utf-8")
+def _read_json_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSON list of objects or of JSON lines (either extension; a .json file of JSON lines
+    too), read as they are (no type unification across rows). A UTF-8 byte-order mark is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-        if not isinstance(data, list):
-            raise DataError(f"{path}: expected a JSON list of objects (or JSONL), got {type(data).__name__}")
-        for i, row in enumerate(data, start=1):
-            json_object(row, f"{path} row {i}")
-    else:
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path} line {lineno}: invalid JSON: {e.msg}") from e
-            json_object(row, f"{path} line {lineno}")
-    raise DataError(f"{path}: rows have inconsistent field types (a field is a string in one row "
-                    f"and a number or object in another)")
+            if e.msg != "Extra data":  # several values: JSON lines, read below
+                raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        else:
+            if isinstance(data, dict):  # one object: one row, as one line of JSONL
+                data = [data]
+            if not isinstance(data, list):
+                raise DataError(f"{path}: expected a JSON list of objects (or JSONL), got {type(data).__name__}")
+            return [json_object(row, f"{path} row {i}") for i, row in enumerate(data, start=1)]
+    rows = []
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: U+2028 may sit in a string
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {lineno}: invalid JSON: {e.msg}") from None
+        rows.append(json_object(row, f"{path} line {lineno}"))
+    return rows
+
+
+@contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """``logger``'s records (and its children's) dropped for the block."""
+    lg = logging.getLogger(logger)
+    level = lg.level
+    lg.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
 
 
 def parse_row(row: dict[str, Any], where: str, data_source: str = "") -> PromptRecord:

@@ -30,7 +30,7 @@ def load_musique(path: str | Path, answerable_only: bool = True) -> list[PromptR
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     records = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is skipped
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
