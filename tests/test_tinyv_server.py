@@ -37,7 +37,7 @@ WEIGHT = 0.25
 # (question, response, ground truth): rule-correct, a false negative, wrong, and unboxed.
 CASES = [
     ("What is 2 + 2?", "2 + 2 = 4, so \\boxed{4}", "4"),
-    ("What is half of 1?", "Half of one is \\boxed{50\\%}", "0.5"),
+    ("What is half of 1?", "Half of one is \\boxed{one half}", "0.5"),  # words: the rule's equivalence misses it
     ("What is 3 * 3?", "I think \\boxed{10}", "9"),
     ("Name the capital of France.", "It is Paris", "Paris"),
 ]
