@@ -1,0 +1,270 @@
+"""Inputs checked before any engine or worker starts (megareason/launch/preflight.py, models/hf_check.py):
+copies of the tiny model truncated, padded or corrupted by hand, hand-written index and config files, and
+the CLI run as a user runs it, which must print one line per problem and exit 2 without starting anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from megareason.config import load_config
+from megareason.data import DataError
+from megareason.launch.preflight import PreflightError, check_data_file, check_run, check_writable
+from megareason.models.arch import ArchError
+from megareason.models.hf_check import CheckpointError, check_hf_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def model(tiny_qwen2, tmp_path) -> Path:
+    """A private copy of the tiny Qwen2 checkpoint, free to break."""
+    return Path(shutil.copytree(tiny_qwen2, tmp_path / "model"))
+
+
+def _tensor_bytes(path: Path) -> int:
+    """What a safetensors file's tensors occupy, from the tensors themselves."""
+    return sum(t.numel() * t.element_size() for t in load_file(path).values())
+
+
+def test_valid_model_passes(model):
+    check_hf_dir(model, megatron=True)
+    check_hf_dir(model, megatron=False)
+
+
+def test_truncated_file_names_both_sizes(model):
+    st = model / "model.safetensors"
+    data, size = _tensor_bytes(st), st.stat().st_size
+    os.truncate(st, size - 1000)
+    held = data - 1000  # 8 + header bytes precede the tensors: size - data of them
+    with pytest.raises(CheckpointError) as e:
+        check_hf_dir(model)
+    assert str(e.value) == (f"model file {st} is truncated: header says {data:,} bytes of tensors, the file holds "
+                            f"{held:,}")
+
+
+def test_truncated_inside_the_header_and_before_the_length(model):
+    st = model / "model.safetensors"
+    os.truncate(st, 100)
+    with pytest.raises(CheckpointError, match=rf"^model file {st} is truncated: header says its JSON header is"):
+        check_hf_dir(model)
+    os.truncate(st, 5)
+    with pytest.raises(CheckpointError, match=rf"^model file {st} is truncated: 5 bytes, not even"):
+        check_hf_dir(model)
+
+
+def test_extra_bytes_after_the_tensors(model):
+    st = model / "model.safetensors"
+    data = _tensor_bytes(st)
+    with st.open("ab") as f:
+        f.write(b"\0" * 16)
+    with pytest.raises(CheckpointError, match=rf"^model file {st} has 16 bytes after its last tensor: header says "
+                       rf"{data:,} bytes of tensors, the file holds {data + 16:,}$"):
+        check_hf_dir(model)
+
+
+def test_garbled_header(model):
+    st = model / "model.safetensors"
+    raw = bytearray(st.read_bytes())
+    raw[8:12] = b"\xff\xfe!!"  # the JSON header starts at byte 8
+    st.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=rf"^model file {st} has an unreadable header"):
+        check_hf_dir(model)
+
+
+def _write_by_hand(path: Path, header: dict, data: bytes) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+def test_hand_written_headers(tmp_path):
+    from megareason.models.hf_check import safetensors_header
+
+    good = tmp_path / "good.safetensors"
+    _write_by_hand(good, {"__metadata__": {"format": "pt"},
+                          "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                          "b": {"dtype": "BF16", "shape": [4], "data_offsets": [24, 32]}}, bytes(32))
+    assert sorted(safetensors_header(good)) == ["a", "b"]
+    assert sorted(safetensors_header(good)) == sorted(load_file(good))  # safetensors agrees it is valid
+    wrong_size = tmp_path / "size.safetensors"  # 2 x 3 float32 is 24 bytes, not 20
+    _write_by_hand(wrong_size, {"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 20]}}, bytes(20))
+    with pytest.raises(CheckpointError, match=r"tensor 'a' \(F32, shape \[2, 3\]\) needs 24 bytes, its data_offsets "
+                       "give 20"):
+        safetensors_header(wrong_size)
+    gap = tmp_path / "gap.safetensors"
+    _write_by_hand(gap, {"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                         "b": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]}}, bytes(12))
+    with pytest.raises(CheckpointError, match=r"tensor 'b' occupies bytes \[8, 12\), expected to start at 4"):
+        safetensors_header(gap)
+
+
+def _shard(model: Path) -> dict[str, str]:
+    """Split the copy's model.safetensors into two shards with an index written by hand."""
+    tensors = load_file(model / "model.safetensors")
+    names = sorted(tensors)
+    half = {n: ("model-00001-of-00002.safetensors" if i < len(names) // 2 else "model-00002-of-00002.safetensors")
+            for i, n in enumerate(names)}
+    for file in set(half.values()):
+        save_file({n: tensors[n] for n in names if half[n] == file}, model / file)
+    (model / "model.safetensors").unlink()
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": half}))
+    return half
+
+
+def test_sharded_checkpoint_and_its_index(model):
+    half = _shard(model)
+    check_hf_dir(model, megatron=True)
+    index = model / "model.safetensors.index.json"
+    name = next(n for n, f in half.items() if f.startswith("model-00002"))
+    index.write_text(json.dumps({"weight_map": {**half, "lm_head.extra": half[name]}}))
+    with pytest.raises(CheckpointError, match=rf"^model index {index} puts tensor 'lm_head.extra' in "
+                       r"model-00002-of-00002.safetensors, which does not hold it$"):
+        check_hf_dir(model)
+    index.write_text(json.dumps({"weight_map": half}))
+    (model / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=rf"^model index {index} names model-00002-of-00002.safetensors, "
+                       "which is missing$"):
+        check_hf_dir(model)
+    index.write_text('{"weight_map": {')
+    with pytest.raises(CheckpointError, match=rf"^model index {index} is not valid JSON"):
+        check_hf_dir(model)
+
+
+def test_missing_tensor_for_megatron(model):
+    st = model / "model.safetensors"
+    tensors = load_file(st)
+    del tensors["model.norm.weight"]
+    save_file(tensors, st)
+    check_hf_dir(model)  # vLLM decides for itself
+    with pytest.raises(CheckpointError, match=rf"^model directory {model} is missing 1 tensors: model.norm.weight$"):
+        check_hf_dir(model, megatron=True)
+
+
+def test_no_weights(model):
+    (model / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=rf"^model directory {model} has no weights"):
+        check_hf_dir(model)
+
+
+def test_config_json(model):
+    config = model / "config.json"
+    good = json.loads(config.read_text())
+    config.write_text(json.dumps({**good, "model_type": "gpt2"}))
+    check_hf_dir(model)  # vLLM serves more architectures than the Megatron build
+    with pytest.raises(ArchError, match=rf"^{config}: unsupported architecture model_type='gpt2'"):
+        check_hf_dir(model, megatron=True)
+    config.write_text(json.dumps({k: v for k, v in good.items() if k != "num_attention_heads"}))
+    with pytest.raises(ArchError, match=rf"^model config {config} lacks 'num_attention_heads'$"):
+        check_hf_dir(model, megatron=True)
+    config.write_text(json.dumps(good)[:-20])
+    with pytest.raises(CheckpointError, match=rf"^model config {config} is not valid JSON: .* at line 1"):
+        check_hf_dir(model)
+
+
+def test_tokenizer_files(model):
+    tok = model / "tokenizer.json"
+    tok.write_text(tok.read_text()[:500])
+    with pytest.raises(CheckpointError, match=rf"^tokenizer file {tok} is not valid JSON"):
+        check_hf_dir(model)
+    check_hf_dir(model, tokenizer=False)
+    tok.unlink()
+    with pytest.raises(CheckpointError, match=rf"^tokenizer folder {model} has no tokenizer"):
+        check_hf_dir(model)
+
+
+def test_output_folder(tmp_path):
+    new = tmp_path / "a" / "b"
+    check_writable(new, "eval.output_dir")
+    assert not (tmp_path / "a").exists() and os.listdir(tmp_path) == []  # nothing created, probe removed
+    (tmp_path / "f").write_text("")
+    with pytest.raises(PreflightError, match=rf"^output folder {tmp_path / 'f' / 'out'} cannot be created: "
+                       rf"{tmp_path / 'f'} is a file \(trainer.output_dir\)$"):
+        check_writable(tmp_path / "f" / "out", "trainer.output_dir")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    with pytest.raises(PreflightError, match=rf"^output folder {ro / 'run'} is not writable \(it would be created in "
+                       rf"{ro}\): Permission denied"):
+        check_writable(ro / "run", "eval.output_dir")
+
+
+def test_data_files(tmp_path):
+    with pytest.raises(DataError, match=rf"^data file {tmp_path / 'x.jsonl'} does not exist "
+                       r"\(data.sources\[1\].path\)$"):
+        check_data_file(str(tmp_path / "x.jsonl"), "data.sources[1].path")
+    with pytest.raises(DataError, match=rf"^data file {tmp_path} is not a file"):
+        check_data_file(str(tmp_path), "data.sources[0].path")
+    with pytest.raises(DataError, match=r"^data.sources\[0\].path is empty"):
+        check_data_file("", "data.sources[0].path")
+
+
+def test_every_problem_at_once_and_known_names_resolved(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGAREASON_CACHE", str(tmp_path / "cache"))
+    cached = Path(shutil.copytree(model, tmp_path / "cache" / "models" / "smollm2-135m-instruct"))
+    check_run(load_config("eval", [f"eval.output_dir={tmp_path / 'out'}"]), "eval")  # the built-in name
+    os.truncate(cached / "model.safetensors", 10_000)
+    cfg = load_config("grpo_smollm2_cpu", [f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"data.sources=[{{kind: file, path: {tmp_path / 'no.jsonl'}}}]"])
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg, "train")
+    assert [p.split(" is truncated")[0] if "truncated" in p else p for p in e.value.problems] == [
+        f"model file {cached / 'model.safetensors'}",
+        f"data file {tmp_path / 'no.jsonl'} does not exist (data.sources[0].path)",
+    ]
+
+
+def _cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MEGAREASON_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-m", "megareason.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _errors(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "vLLM" not in proc.stderr and "Ray" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()
+
+
+def test_cli_refuses_a_truncated_model_before_starting_anything(model, tmp_path):
+    st = model / "model.safetensors"
+    os.truncate(st, st.stat().st_size // 2)
+    line = f"error: model file {st} is truncated: header says"
+    missing = tmp_path / "missing.jsonl"
+    data = f"data.sources=[{{kind: file, path: {missing}}}]"
+
+    (err,) = _errors(_cli(tmp_path, "eval", f"model.path={model}", f"eval.output_dir={tmp_path / 'eval'}"))
+    assert err.startswith(line)
+    train = _errors(_cli(tmp_path, "train", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}", data))
+    assert train[0].startswith(line)
+    assert train[1:] == [f"error: data file {missing} does not exist (data.sources[0].path)"]
+    (err,) = _errors(_cli(tmp_path, "sft", f"model.path={model}", f"trainer.output_dir={tmp_path / 'sft'}"))
+    assert err.startswith(line)
+    bench = _errors(_cli(tmp_path, "benchmark", f"benchmark.models=[{model}, no-such-model]",
+                         f"benchmark.output_dir={tmp_path / 'bench'}"))
+    assert bench[0].startswith(line) and bench[1].startswith("error: model.path 'no-such-model' is neither")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no output folder, log or lock was made
+
+
+def test_convert_refuses_a_truncated_model(model, tmp_path, capsys):
+    from megareason.cli import main
+
+    st = model / "model.safetensors"
+    os.truncate(st, st.stat().st_size - 4)
+    assert main(["convert", "hf-to-megatron", str(model), str(tmp_path / "ckpt")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: model file {st} is truncated: header says")
+    assert main(["convert", "megatron-to-hf", str(model), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: checkpoint {model} is not a megareason checkpoint (no megareason.json)\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
