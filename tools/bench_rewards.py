@@ -7,6 +7,12 @@ samples/second for each, their ratio and whether the two agree on every sample; 
 pathological answers (exponent towers, huge factorials, deep continued fractions) in the pool with
 ``--timeout`` and prints how many timed out.
 
+Then the answer-equivalence layer: on the hand-written pairs in ``--pairs`` (equivalent answers and
+near-miss wrong ones, by kind), the accepted-equivalent and rejected-wrong rates of the project's
+``math`` reward and of plain math-verify (the reward before the layer: string check + math-verify),
+and the scoring time per sample of both, measured in this run on the generated samples and on the
+pairs, printed as a ratio (goal: at most 1.5x).
+
     .venv/bin/python tools/bench_rewards.py --samples 300
     .venv/bin/python tools/bench_rewards.py                   # 10,000 samples, 5 s timeout
 """
@@ -17,8 +23,14 @@ import argparse
 import os
 import random
 import time
+from collections import Counter
+from pathlib import Path
 
+from megareason.rewards.math import last_boxed, math_verify_equal, normalize_answer
 from megareason.rewards.pool import ScoreRequest, score_all
+from megareason.rewards.registry import compute_score
+
+PAIRS = Path(__file__).resolve().parent.parent / "tests" / "data" / "equivalence_pairs.tsv"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -26,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=10_000, help="generated math samples (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=5.0, help="per-sample timeout in seconds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sample generator seed (default: %(default)s)")
+    p.add_argument("--pairs", type=Path, default=PAIRS, help="equivalence pairs file (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds, best kept (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -82,6 +96,65 @@ def pathological() -> list[ScoreRequest]:
     return [ScoreRequest("math", rf"\boxed{{{a}}}", g, {}, f"pathological-{i}") for i, (a, g) in enumerate(answers)]
 
 
+def load_pairs(path: Path) -> list[tuple[str, bool, str, str]]:
+    """(kind, expected, reference, answer) rows of a tab-separated pairs file ('#' lines skipped)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and not line.startswith("#"):
+            kind, expected, reference, answer = line.split("\t")
+            rows.append((kind, expected == "1", reference, answer))
+    return rows
+
+
+def plain_math_verify(request: ScoreRequest) -> bool:
+    """The math reward before the equivalence layer: last boxed answer, string check, math-verify."""
+    answer = last_boxed(request.response)
+    if answer is None:
+        return False
+    return normalize_answer(answer) == normalize_answer(request.ground_truth) or math_verify_equal(
+        answer, request.ground_truth
+    )
+
+
+def math_reward(request: ScoreRequest) -> bool:
+    """The project's ``math`` reward (math-verify plus the equivalence layer)."""
+    return compute_score("math", request.response, request.ground_truth, request.extra_info).correct
+
+
+def _seconds_per_sample(scorer, requests: list[ScoreRequest], rounds: int) -> float:
+    """Best-of-``rounds`` wall time of scoring ``requests`` in this process, per sample."""
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for r in requests:
+            scorer(r)
+        best = min(best, time.perf_counter() - t0)
+    return best / len(requests)
+
+
+def equivalence_report(pairs: list[tuple[str, bool, str, str]], samples: list[ScoreRequest], rounds: int) -> None:
+    """Accepted-equivalent / rejected-wrong rates and time per sample: math reward vs plain math-verify."""
+    requests = [ScoreRequest("math", rf"The answer is $\boxed{{{a}}}$.", ref, {}, k) for k, _, ref, a in pairs]
+    n_eq = sum(expected for _, expected, _, _ in pairs)
+    print(f"\nequivalence pairs ({len(pairs)}: {n_eq} equivalent, {len(pairs) - n_eq} wrong)")
+    missed: Counter[str] = Counter()
+    for name, scorer in (("plain math-verify", plain_math_verify), ("math reward", math_reward)):
+        verdicts = [scorer(r) for r in requests]
+        accepted = sum(v for v, (_, e, _, _) in zip(verdicts, pairs, strict=True) if e)
+        rejected = sum(not v for v, (_, e, _, _) in zip(verdicts, pairs, strict=True) if not e)
+        print(f"  {name:18s} accepts {accepted / n_eq:6.1%} of equivalents ({accepted}/{n_eq}), "
+              f"rejects {rejected / (len(pairs) - n_eq):6.1%} of wrong ({rejected}/{len(pairs) - n_eq})")
+        if scorer is math_reward:
+            missed.update(k for v, (k, e, _, _) in zip(verdicts, pairs, strict=True) if v != e)
+    if missed:
+        print("  math reward's mistakes by kind: " + ", ".join(f"{k} {n}" for k, n in missed.most_common()))
+    for label, reqs in (("generated samples", samples), ("equivalence pairs", requests)):
+        t_old = _seconds_per_sample(plain_math_verify, reqs, rounds)
+        t_new = _seconds_per_sample(math_reward, reqs, rounds)
+        print(f"  time per sample, {label:17s}: plain math-verify {t_old * 1e3:7.2f} ms, "
+              f"math reward {t_new * 1e3:7.2f} ms -> {t_new / t_old:.2f}x")
+
+
 def _timed(requests, **kwargs):
     t0 = time.perf_counter()
     out = score_all(requests, **kwargs)
@@ -109,6 +182,8 @@ def main(argv=None) -> None:
     for r, o in zip(bad, out, strict=True):
         status = "timed out" if o.timed_out else (o.error or f"score {o.score:g}")
         print(f"  {r.response[:50]:50s} vs {r.ground_truth[:20]:20s} -> {status}")
+
+    equivalence_report(load_pairs(args.pairs), requests, args.rounds)
 
 
 if __name__ == "__main__":

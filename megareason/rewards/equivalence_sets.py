@@ -96,10 +96,31 @@ def _half_line(op: str, c: sympy.Expr) -> sympy.Set:
     }[op]
 
 
+_ABS = re.compile(r"^\|\s*(?:" + _VARIABLE.pattern + r")\s*(?:(?P<sign>[+-])(?P<shift>[^|]+))?\|$")
+
+
+def absolute_inequality(operands: list[str], ops: list[str]) -> sympy.Set | None:
+    """``|x| \\le 1``, ``|x - 2| > 3`` (also written ``c > |x|``) -> the set of x, else None."""
+    if len(ops) != 1:
+        return None
+    (left, right), op = operands, ops[0]
+    if _ABS.match(right):
+        left, right, op = right, left, _FLIP[op]
+    m, c = _ABS.match(left), real_number(right)
+    if m is None or c is None or op == "\\ne":
+        return None
+    shift = real_number(m.group("shift")) if m.group("shift") else sympy.Integer(0)
+    if shift is None:
+        return None
+    center = -shift if m.group("sign") == "+" else shift
+    inside = sympy.Interval(center - c, center + c, left_open=op == "<", right_open=op == "<")
+    return inside if op in ("<", "\\le") else sympy.Complement(sympy.Reals, inside)
+
+
 def inequality_chain(s: str) -> sympy.Set | None:
     """``a < x``, ``x \\ge 4``, ``5 \\ge x``, ``2 < t \\le 5``, ``x \\ne 0`` -> the set of x, else None.
 
-    Exactly one operand must be a variable, the others real constants.
+    Exactly one operand must be a variable, the others real constants (or ``|x - a| < c``).
     """
     tokens = [t.strip() for t in _RELATION.split(s)]
     operands, ops = tokens[::2], tokens[1::2]
@@ -107,7 +128,7 @@ def inequality_chain(s: str) -> sympy.Set | None:
         return None
     var_at = [i for i, t in enumerate(operands) if _VARIABLE.fullmatch(t)]
     if len(var_at) != 1:
-        return None
+        return absolute_inequality(operands, ops)
     v = var_at[0]
     result = sympy.Reals
     for i, op in enumerate(ops):
