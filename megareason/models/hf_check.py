@@ -101,14 +101,15 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{where} is truncated: {size} bytes, not even the 8-byte header length")
+            raise CheckpointError(f"{where} is truncated: the file has {size} bytes, not even the 8-byte length of "
+                                  "its header")
         (n,) = struct.unpack("<Q", head)
         if n > _MAX_HEADER:
             raise CheckpointError(f"{where} is not a safetensors file (its first 8 bytes give a header of "
                                   f"{n:,} bytes)")
         if 8 + n > size:
-            raise CheckpointError(f"{where} is truncated: header says its JSON header is {n:,} bytes, the file "
-                                  f"holds {size - 8:,} after the length")
+            raise CheckpointError(f"{where} is truncated: its JSON header alone is {n:,} bytes, the file has "
+                                  f"{size:,}")
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -132,12 +133,12 @@ def safetensors_header(path: Path) -> dict[str, dict]:
                                   f"{info['shape']}) needs {math.prod(info['shape']) * width:,} bytes, its "
                                   f"data_offsets give {stop - begin:,}")
         end = stop
-    held = size - 8 - n
-    if held < end:
-        raise CheckpointError(f"{where} is truncated: header says {end:,} bytes of tensors, the file holds {held:,}")
-    if held > end:
-        raise CheckpointError(f"{where} has {held - end:,} bytes after its last tensor: header says {end:,} bytes "
-                              f"of tensors, the file holds {held:,}")
+    expected = 8 + n + end  # the length, the JSON header, the tensors
+    if size < expected:
+        raise CheckpointError(f"{where} is truncated: its header says {expected:,} bytes, the file has {size:,}")
+    if size > expected:
+        raise CheckpointError(f"{where} has {size - expected:,} bytes after its last tensor: its header says "
+                              f"{expected:,} bytes, the file has {size:,}")
     return header
 
 
