@@ -31,24 +31,23 @@ class CheckpointError(ValueError):
 def check_hf_dir(model_dir: str | Path, megatron: bool = False, tokenizer: bool = True) -> None:
     """Raise ``CheckpointError`` (or ``ArchError``) for the first problem of the HF checkpoint in
     ``model_dir``: config.json unreadable; with ``megatron`` an architecture the Megatron build does not
-    support or tensors it needs that no file holds; no weights; a ``.safetensors`` file whose header is
+    support; no weights; with ``megatron`` tensors it needs that no file holds; a ``.safetensors`` file whose header is
     unreadable or whose size disagrees with it; an index naming a missing file or a tensor its file lacks;
     with ``tokenizer`` no tokenizer files or unreadable ones (``check_tokenizer``)."""
     model_dir = Path(model_dir)
     config = read_json(model_dir / "config.json", "model config")
     if not isinstance(config, dict):
         raise CheckpointError(f"model config {model_dir / 'config.json'} is not a JSON object")
+    arch = _arch(config, model_dir / "config.json") if megatron else None  # architecture errors first
     names = check_weights(model_dir)
-    if megatron:
-        arch = _arch(config, model_dir / "config.json")
-        if names is not None:
-            from megareason.models import weight_map
+    if arch is not None and names is not None:
+        from megareason.models import weight_map
 
-            missing = [n for n in weight_map.hf_names(arch) if n not in names]
-            if missing:
-                more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-                raise CheckpointError(f"model directory {model_dir} is missing {len(missing)} tensors: "
-                                      f"{', '.join(missing[:5])}{more}")
+        missing = [n for n in weight_map.hf_names(arch) if n not in names]
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"model directory {model_dir} is missing {len(missing)} tensors: "
+                                  f"{', '.join(missing[:5])}{more}")
     if tokenizer:
         check_tokenizer(model_dir)
 
