@@ -190,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     from megareason.data import DataError
     from megareason.launch.preflight import PreflightError
     from megareason.models.arch import ArchError
+    from megareason.trainer.group import WorkerDied
 
+    if args.command in ("eval", "train", "sft", "benchmark", "serve-verifier"):
+        from megareason.launch.reaper import reap_descendants_on_exit
+
+        reap_descendants_on_exit()  # Ray, vLLM and reward processes die with this one, even on SIGKILL
     try:
         if args.command == "eval":
             return _eval(args)
@@ -220,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except WorkerDied as e:  # a process died under the run (killed, out of memory): no traceback of ours helps
+        print(f"error: {e}; the last complete checkpoint is intact: run the same command to resume", file=sys.stderr)
+        return 1
     except Exception:
         if logs.last_log() is None:
             raise
