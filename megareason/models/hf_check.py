@@ -136,7 +136,8 @@ def safetensors_header(path: Path) -> dict[str, dict]:
     if size < expected:
         raise CheckpointError(f"{where} is truncated: its header says {expected:,} bytes, the file has {size:,}")
     if size > expected:
-        raise CheckpointError(f"{where} has {size - expected:,} bytes after its last tensor: its header says "
+        extra = size - expected
+        raise CheckpointError(f"{where} has {extra:,} byte{'s' * (extra > 1)} after its last tensor: its header says "
                               f"{expected:,} bytes, the file has {size:,}")
     return header
 
@@ -171,5 +172,5 @@ def read_json(path: Path, what: str):
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{what} {path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{what} {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") \
+        raise CheckpointError(f"{what} {path} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
             from None
