@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from megareason.data import DataError
     from megareason.launch.preflight import PreflightError
     from megareason.models.arch import ArchError
-    from megareason.trainer.group import WorkerDied
+    from megareason.trainer.run_dir import RunError
 
     if args.command in ("eval", "train", "sft", "benchmark", "serve-verifier"):
         from megareason.launch.reaper import reap_descendants_on_exit
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except WorkerDied as e:  # a process died under the run (killed, out of memory): no traceback of ours helps
+    except RunError as e:  # a worker died under the run, a checkpoint could not be written: no traceback helps
         print(f"error: {e}; the last complete checkpoint is intact: run the same command to resume", file=sys.stderr)
         return 1
     except Exception:

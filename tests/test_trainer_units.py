@@ -218,3 +218,58 @@ def test_dynamic_sampling_is_refused_where_groups_have_no_rewards_of_their_own()
 
     with pytest.raises(ConfigError, match="algorithm.dynamic_sampling"):
         validate_training(load_config("raro_smollm2_cpu", ["algorithm.dynamic_sampling=true"]))
+
+
+class _DiskRole:
+    """A trained role that writes its checkpoint like a model does; ``full``: the disk fills up mid-write."""
+
+    name, full, loaded = "actor", False, ""
+
+    def save(self, path: str, meta: dict) -> None:
+        import errno
+        from pathlib import Path
+
+        Path(path).mkdir(parents=True)
+        (Path(path) / "model.pt").write_text(f"weights of step {meta['step']}")
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(path) / "optimizer.pt"))
+
+    def load(self, path: str) -> None:
+        from pathlib import Path
+
+        self.loaded = (Path(path) / "model.pt").read_text()
+
+    def sync_weights(self) -> None:
+        pass
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_keeps_the_last_complete_one(tmp_path):
+    from megareason.config import load_config
+    from megareason.trainer.driver import Driver
+    from megareason.trainer.run_dir import CheckpointError
+
+    cfg = load_config("grpo_smollm2_cpu", [f"trainer.output_dir={tmp_path}", "trainer.save_every=2", "trainer.steps=4",
+                                           "trainer.val_before_train=false"])
+    role = _DiskRole()
+    driver = Driver(cfg, RunDir(tmp_path), [role], 16, "training", None)
+    driver.start()
+    for step, _ in driver.steps():
+        role.full = step == 4
+        if step < 4:
+            driver.end_step(step, {"loss": float(step)})
+            continue
+        with pytest.raises(CheckpointError, match=r"step 4 could not be written .*No space left on device.*"
+                                                  r"optimizer\.pt.*the last complete one is .*step_00000002"):
+            driver.end_step(step, {"loss": 4.0})
+        break
+    driver.close()
+    assert RunDir(tmp_path).steps() == [2]  # the half-written step 4 never counts
+    # Space freed: the next run resumes from step 2's checkpoint and saves step 4, the leftover cleared.
+    again = _DiskRole()
+    resumed = Driver(cfg, RunDir(tmp_path), [again], 16, "training", None)
+    assert resumed.start().step == 2 and again.loaded == "weights of step 2"
+    for step, _ in resumed.steps():
+        resumed.end_step(step, {"loss": float(step)})
+    resumed.close()
+    assert RunDir(tmp_path).steps() == [2, 4] and not list((tmp_path / "checkpoints").glob(".*.tmp"))
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

@@ -32,7 +32,7 @@ from megareason.config import Config
 from megareason.data.sampler import PromptSampler
 from megareason.rollout.engine import Sampling
 from megareason.trainer.handles import PolicyHandle, RoleHandle
-from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
+from megareason.trainer.run_dir import CheckpointError, RunDir, RunError, SamplerState, TrainerState
 from megareason.trainer.tracking import Tracker
 from megareason.utils import atomic_write
 
@@ -138,10 +138,19 @@ class Driver:
         saving = time.monotonic()
         state = TrainerState(step=step, sampler=SamplerState(self.sampler.epoch, self.sampler.position),
                              extra=algorithm_state)
-        tmp = self.run.begin_checkpoint(step)
-        for role in self.roles:
-            role.save(str(tmp / role.name), {"step": step})
-        self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
+        previous = self.run.latest()
+        try:
+            tmp = self.run.begin_checkpoint(step)
+            for role in self.roles:
+                role.save(str(tmp / role.name), {"step": step})
+            self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
+        except RunError:
+            raise
+        except Exception as e:  # e.g. OSError ENOSPC, here or raised by a worker (Ray re-raises its type)
+            cause = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+            raise CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
+                                  f"{cause}; the last complete one is {previous or 'none (no earlier checkpoint)'}"
+                                  ) from e
         log.info("checkpoint of step %d saved in %.1f s", step, time.monotonic() - saving)
         self.last_save = time.monotonic()
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megareason.config.schema import Config
+from megareason.trainer.run_dir import RunError
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _node_of(_actor) -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(RunError):
     """A worker process of a group died (killed, out of memory, or its vLLM engine died) during a call."""
 
 

@@ -40,6 +40,15 @@ _STEP = re.compile(r"^step_(\d+)$")
 _LOCKS: dict[Path, int] = {}  # run folder -> the descriptor holding its lock, for the process's life
 
 
+class RunError(RuntimeError):
+    """A run stopped by a failure under it (a worker died, a checkpoint could not be written); its last
+    complete checkpoint is intact and the same command resumes from it."""
+
+
+class CheckpointError(RunError):
+    """A checkpoint could not be written (e.g. the disk is full); the previous complete one is intact."""
+
+
 class RunFolderBusy(ConfigError):
     """Another live process holds the run folder's lock (``hold_run_lock``)."""
 
