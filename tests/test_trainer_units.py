@@ -273,3 +273,32 @@ def test_a_full_disk_while_a_checkpoint_is_written_keeps_the_last_complete_one(t
     resumed.close()
     assert RunDir(tmp_path).steps() == [2, 4] and not list((tmp_path / "checkpoints").glob(".*.tmp"))
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_sigterm_during_validation_finishes_it_saves_and_exits_75(tmp_path):
+    """The SIGTERM arrives while step 2's validation runs (a real signal to this process): validation
+    completes, its metrics are logged, the step is checkpointed and the run exits with EXIT_STOPPED."""
+    import os
+    import signal
+
+    from megareason.config import load_config
+    from megareason.trainer.driver import EXIT_STOPPED, Driver, stop_signals
+
+    cfg = load_config("grpo_smollm2_cpu", [f"trainer.output_dir={tmp_path}", "trainer.save_every=0", "trainer.steps=4",
+                                           "trainer.val_every=2", "trainer.val_before_train=false"])
+
+    def validate(step: int) -> dict[str, float]:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return {"val/accuracy": step / 10}
+
+    role = _DiskRole()
+    with stop_signals() as stop:
+        driver = Driver(cfg, RunDir(tmp_path), [role], 16, "training", validate, stop)
+        driver.start()
+        with pytest.raises(SystemExit) as stopped:
+            for step, _ in driver.steps():
+                driver.end_step(step, {"loss": float(step)})
+    assert stopped.value.code == EXIT_STOPPED
+    assert RunDir(tmp_path).steps() == [2]
+    assert [(r["step"], r.get("val/accuracy")) for r in read_metrics(tmp_path)] == [(1, None), (2, 0.2)]
