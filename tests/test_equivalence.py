@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import sympy
 
-from megareason.rewards.equivalence import contradicts, equivalent, rounds_to
+from megareason.rewards.equivalence import contradicts, equivalent, interpret, rounds_to
 from megareason.rewards.equivalence_forms import (
     Labelled,
     RealSet,
@@ -21,7 +21,6 @@ from megareason.rewards.equivalence_forms import (
     Seq,
     clean,
     expand_pm,
-    interpret,
     mixed_number,
     percent_to_fraction,
     split_quantity,

@@ -34,11 +34,14 @@ from megareason.rewards.equivalence_forms import (
     RealSet,
     Scalar,
     Seq,
+    clean,
     decimal_places,
-    interpret,
+    expand_pm,
+    mentions_text,
     significant_digits,
+    structure,
 )
-from megareason.rewards.equivalence_sets import sets_equal, to_sympy
+from megareason.rewards.equivalence_sets import real_set, sets_equal, to_sympy
 
 _MAX_CHARS = 1000  # as the math reward: longer "answers" are not answers
 _MAX_ITEMS = 10  # unordered matching is a search; longer lists are compared in order only
@@ -49,6 +52,28 @@ _COMMAND = re.compile(r"\\(?!text|mathrm|mbox)[a-zA-Z]+")
 _GREEK = r"(?:alpha|beta|gamma|delta|theta|lambda|mu|phi|varphi|psi|omega|rho|sigma|tau)(?![a-zA-Z])"
 _VARIABLE = re.compile(r"\\" + _GREEK + r"|(?<!\\)[a-zA-Z]")  # a letter or a Greek letter
 _OTHER_COMMAND = re.compile(r"\\(?!" + _GREEK + r")[a-zA-Z]+")
+
+
+def interpret(s: str) -> list[object]:
+    """Every structure the answer ``s`` may mean (a ``(2,5)`` is an interval and a pair), best first.
+
+    ``s`` is cleaned here; ``\\pm`` expands to the set of its sign choices.
+    """
+    from_text = mentions_text(s)
+    s = clean(s)
+    expanded = expand_pm(s)
+    if expanded is not None:
+        values = [structure(e, from_text) for e in expanded]
+        values = [v.values[0] if isinstance(v, Labelled) and len(v.values) == 1 else v for v in values]
+        return [Seq("set", tuple(values))] if all(v is not None for v in values) else []
+    out: list[object] = []
+    reals = real_set(s)
+    if reals is not None:
+        out.append(RealSet(reals))
+    value = structure(s, from_text)
+    if value is not None:
+        out.append(value)
+    return out
 
 
 def equivalent(pred: str, gold: str) -> bool:

@@ -1,10 +1,9 @@
 """Written forms of a math answer, for the math reward's equivalence layer (``equivalence.py``).
 
-Pure string functions, each handling one way of writing an answer, and ``interpret`` which turns a
-cleaned answer into the candidate ``Value`` structures it may mean (a plain expression, a tuple, an
-unordered set, a labelled list, a ratio, a set of reals).  Nothing here calls sympy except
-``real_set``, which builds ``sympy.Interval``/``Union`` objects from interval, inequality and
-set-builder notation.  Comparison of the structures lives in ``equivalence.py``.
+Pure string functions, each handling one way of writing an answer, and ``structure`` which turns a
+cleaned answer into the ``Value`` structure it may mean (a plain expression, a tuple, an unordered set,
+a labelled list, a ratio).  Nothing here calls sympy; sets of reals (``real_set``) are
+``equivalence_sets.py``'s, and ``equivalence.interpret`` gathers both; comparison lives there too.
 """
 
 from __future__ import annotations
@@ -379,25 +378,6 @@ def _list(items: list[str], from_text: bool, depth: int) -> object | None:
     return Seq("list", tuple(structure(i, from_text, depth + 1) for i in items))
 
 
-def interpret(s: str) -> list[object]:
-    """Every structure the answer ``s`` may mean (a ``(2,5)`` is an interval and a pair), best first.
-
-    ``s`` is cleaned here; ``\\pm`` expands to the set of its sign choices.
-    """
-    from_text = bool(_TEXT.search(s))
-    s = clean(s)
-    expanded = expand_pm(s)
-    if expanded is not None:
-        values = [structure(e, from_text) for e in expanded]
-        values = [v.values[0] if isinstance(v, Labelled) and len(v.values) == 1 else v for v in values]
-        return [Seq("set", tuple(values))] if all(v is not None for v in values) else []
-    from megareason.rewards.equivalence_sets import real_set  # sympy-heavy; only when needed
-
-    out: list[object] = []
-    reals = real_set(s)
-    if reals is not None:
-        out.append(RealSet(reals))
-    value = structure(s, from_text)
-    if value is not None:
-        out.append(value)
-    return out
+def mentions_text(s: str) -> bool:
+    """The answer wraps words in ``\\text{}`` (or a font command): labels and units may be words."""
+    return bool(_TEXT.search(s))
