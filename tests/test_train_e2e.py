@@ -68,18 +68,29 @@ def _comm(pid: int) -> str:
 def _sigkill_driver_expecting_no_orphans(proc: subprocess.Popen) -> None:
     """``kill -9`` of the driver alone: within a few seconds nothing it started is left (Ray's processes and
     agents, the policy worker, its vLLM engine core and workers, the reward workers; launch/reaper.py)."""
-    from megareason.launch.reaper import alive, descendants, process_table
-
-    table = process_table()
-    started = descendants({proc.pid}, table)
-    names = {pid: _comm(pid) for pid in started}
-    assert any(n.startswith("VLLM") for n in names.values()) and "raylet" in names.values(), names
+    started = _started_by(proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    deadline = time.time() + 20
-    while (left := sorted(names[p] for p, s in started.items() if alive(p, s))) and time.time() < deadline:
+    _expect_gone(started, "the driver's SIGKILL")
+
+
+def _started_by(proc: subprocess.Popen) -> dict[int, tuple[int, str]]:
+    """The processes the driver started (pid -> (start time, name)): Ray's, the workers', vLLM's."""
+    from megareason.launch.reaper import descendants, process_table
+
+    started = {pid: (start, _comm(pid)) for pid, start in descendants({proc.pid}, process_table()).items()}
+    names = {name for _, name in started.values()}
+    assert any(n.startswith("VLLM") for n in names) and "raylet" in names, names
+    return started
+
+
+def _expect_gone(started: dict[int, tuple[int, str]], after: str, within: float = 20.0) -> None:
+    from megareason.launch.reaper import alive
+
+    deadline = time.time() + within
+    while (left := sorted(name for p, (s, name) in started.items() if alive(p, s))) and time.time() < deadline:
         time.sleep(0.2)
-    assert not left, f"left behind 20 s after the driver's SIGKILL: {left}"
+    assert not left, f"left behind {within:.0f} s after {after}: {left}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -180,9 +191,12 @@ def test_bad_setups_fail_before_any_worker_starts(tiny_qwen2, tmp_path, override
 
 
 @pytest.mark.parametrize("extra, logged", [
-    # REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and token-level TIS
+    # REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and as a loss term too (seed
+    # 001), token-level TIS, Dr. GRPO's constant normaliser
     (("algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true",
-      "algorithm.rollout_tis_cap=2.0"), ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated")),
+      "algorithm.kl_loss_coef=0.01", "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+      "algorithm.rollout_tis_cap=2.0"),
+     ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated", "actor/kl")),
     # GSPO (its paper's clip range) with sequence-level MIS, DAPO's dynamic sampling and overlong shaping
     (("algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
       "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0", "algorithm.dynamic_sampling=true",
