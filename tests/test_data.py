@@ -200,3 +200,25 @@ def test_malformed_file_logs_nothing_from_datasets(tmp_path, caplog, capfd, name
     assert [r.getMessage() for r in caplog.records if r.name.startswith("datasets")] == []
     out, err = capfd.readouterr()
     assert "Failed to" not in out + err and "datasets" not in out + err
+
+
+def test_a_source_sets_extra_info_for_its_rows_and_the_reward_reads_it(tmp_path):
+    """data.sources[i].extra_info reaches every row (a row's own key wins) and so the reward family's
+    settings: the arithmetic reward with reward_type=correct pays nothing for a well-formed wrong answer
+    (combined, the default, pays its boxed_weight 0.3)."""
+    from megareason.config import load_config
+    from megareason.rewards.registry import compute_score
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"question": "1 + 1", "answer": "2", "data_source": "arithmetic"}\n'
+                    '{"question": "2 + 2", "answer": "4", "data_source": "arithmetic", '
+                    '"extra_info": {"reward_type": "boxed"}}\n')
+    cfg = load_config("grpo_smollm2_cpu", [f"data.sources=[{{kind: file, path: {path}, "
+                                           "extra_info: {reward_type: correct, boxed_weight: 0.5}}]"])
+    first, second = load_records(cfg.data)
+    assert first.extra_info["reward_type"] == "correct" and first.extra_info["boxed_weight"] == 0.5
+    assert second.extra_info["reward_type"] == "boxed"  # the row's own value
+    wrong = "1 + 1 = 3 <eoe>"
+    assert compute_score("arithmetic", wrong, "2", first.extra_info).score == 0.0
+    assert compute_score("arithmetic", wrong, "2", {}).score == pytest.approx(0.3)
+    assert compute_score("arithmetic", "2 + 2 = 5 <eoe>", "4", second.extra_info).score == 1.0

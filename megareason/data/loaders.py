@@ -37,6 +37,8 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
     records: list[PromptRecord] = []
     for source in cfg.sources:
         rows = LOADERS[source.kind](source)
+        for rec in rows:
+            rec.extra_info = {**source.extra_info, **rec.extra_info}
         records.extend(rows[: source.size] if source.size else rows)
     for i, rec in enumerate(records):
         rec.extra_info.setdefault("index", i)
