@@ -26,6 +26,14 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """Qwen3 family: per-head q/k norms, GQA, head_dim 32 apart from hidden 64 / 4 heads, no biases, tied
+    embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", hidden_size=64, head_dim=32,
+                            intermediate_size=128, tie_word_embeddings=True, seed=2)
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """One two-node Slurm cluster on loopback for every launch test (tests/slurm_cluster.py), stopped by PID
     at the end of the session."""

@@ -39,7 +39,7 @@ def _save_at_tp2_pp2(model_dir: str, out: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
 def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, request, tmp_path):
     model_dir = request.getfixturevalue(family)
     ckpt = tmp_path / "ckpt"

@@ -85,7 +85,7 @@ def _rel(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
 def test_gradients_and_adamw_step_match_transformers(family, request):
     model_dir = request.getfixturevalue(family)
     arch = ModelArch.from_pretrained(model_dir)

@@ -16,7 +16,7 @@ def _shards(ckpt, tp, pp):
     return {(t, p): weight_map.to_megatron(ckpt.get, ckpt.arch, t, tp, p, pp) for t in range(tp) for p in range(pp)}
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_round_trip_is_byte_identical(family, tp, pp, request):
     ckpt = HFCheckpoint(request.getfixturevalue(family))
@@ -24,6 +24,23 @@ def test_round_trip_is_byte_identical(family, tp, pp, request):
     assert set(back) == ckpt.names()
     for name, tensor in back.items():
         assert torch.equal(tensor, ckpt.get(name)), name
+    shapes = weight_map.hf_shapes(ckpt.arch)
+    assert {n: tuple(t.shape) for n, t in back.items()} == shapes
+
+
+def test_qwen3_norms_are_whole_on_every_tp_rank(tiny_qwen3):
+    """q_norm/k_norm hold one head_dim weight shared by all heads: every TP rank gets all of it."""
+    ckpt = HFCheckpoint(tiny_qwen3)
+    arch = ckpt.arch
+    assert (arch.family, arch.qk_norm, arch.qkv_bias, arch.head_dim) == ("qwen3", True, False, 32)
+    assert arch.num_heads * arch.head_dim != arch.hidden_size  # head_dim is not hidden / heads
+    for r in range(2):
+        shard = weight_map.to_megatron(ckpt.get, arch, r, 2, 1, 2)  # last PP stage: global layer 1
+        for hf, mc in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            want = ckpt.get(f"model.layers.1.self_attn.{hf}.weight")
+            assert torch.equal(shard[f"decoder.layers.0.self_attention.{mc}.weight"], want)
+        qkv = shard["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert qkv.shape == ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim // 2, arch.hidden_size)
 
 
 def test_qkv_layout_by_hand():
@@ -68,10 +85,16 @@ def test_heads_not_divisible_by_tp(tiny_qwen2):
 
 
 def test_unsupported_architecture():
-    with pytest.raises(ArchError, match="unsupported architecture model_type='gpt2'.*supported: llama, mistral, qwen2"):
+    with pytest.raises(ArchError, match="model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"):
         ModelArch.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ArchError, match="rope_type='yarn' is not supported"):
         ModelArch.from_hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+    with pytest.raises(ArchError, match="use_sliding_window=true .*is not supported"):
+        ModelArch.from_hf_config({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 4096})
+    with pytest.raises(ArchError, match=r"layer_types \['sliding_attention'\] are not supported"):
+        ModelArch.from_hf_config({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]})
+    with pytest.raises(ArchError, match="attention_bias=true"):
+        ModelArch.from_hf_config({"model_type": "qwen3", "attention_bias": True})
 
 
 def test_missing_tensors_are_named_before_loading(tiny_llama, tmp_path):

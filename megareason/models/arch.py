@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # Llama 3.x RoPE scaling as megatron-core implements it (only the factor is configurable there).
 _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -24,7 +24,7 @@ class ModelArch:
     """A decoder's architecture as ``transformer_config`` and the weight map need it, read from an HF
     config (``from_hf_config``); plain data, saved as ``arch`` in a checkpoint's megareason.json."""
 
-    family: str  # weight-map family: "llama" or "qwen2"
+    family: str  # weight-map family: "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -38,12 +38,16 @@ class ModelArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    # Qwen3: per-head RMSNorm on q and k before RoPE (megatron-core's qk_layernorm). False where a
+    # checkpoint's megareason.json predates the field.
+    qk_norm: bool = False
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config") -> ModelArch:
         """From the dict of an HF ``config.json``. Raises ``ArchError`` (naming ``source``) for what the
         megatron-core build cannot reproduce: a ``model_type`` outside ``SUPPORTED``, an activation other
-        than SiLU, MLP biases, attention biases (but Qwen2's q/k/v), RoPE scaling other than Llama 3's."""
+        than SiLU, MLP biases, attention biases (but Qwen2's q/k/v), RoPE scaling other than Llama 3's,
+        sliding-window attention layers."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED:
             raise ArchError(f"{source}: unsupported architecture model_type={model_type!r} "
@@ -54,6 +58,7 @@ class ModelArch:
             raise ArchError(f"{source}: mlp_bias=true is not supported")
         if model_type != "qwen2" and config.get("attention_bias"):
             raise ArchError(f"{source}: attention_bias=true (biases on q/k/v and o_proj) is not supported")
+        _check_full_attention(config, source)
         rope = dict(config.get("rope_parameters") or {})
         scaling = config.get("rope_scaling") or {}
         rope.update({k: v for k, v in scaling.items() if k not in rope})
@@ -85,6 +90,7 @@ class ModelArch:
             max_position_embeddings=config["max_position_embeddings"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v biases and no o_proj bias
+            qk_norm=family == "qwen3",  # Qwen3 always has q_norm and k_norm
         )
 
     @classmethod
@@ -114,6 +120,16 @@ class ModelArch:
         return -(-self.vocab_size // tp) * tp
 
 
+def _check_full_attention(config: dict, source: str) -> None:
+    """Refuse sliding-window attention layers (Qwen2/Qwen3 ``use_sliding_window``, any ``layer_types``
+    entry but full attention): the megatron-core build attends over the whole sequence in every layer."""
+    if config.get("use_sliding_window"):
+        raise ArchError(f"{source}: use_sliding_window=true (sliding-window attention layers) is not supported")
+    other = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
+    if other:
+        raise ArchError(f"{source}: layer_types {other} are not supported (only full_attention)")
+
+
 def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype=None, **overrides):
     """The megatron-core ``TransformerConfig`` for ``arch`` (dropout off: RL needs exact log-probs)."""
     import torch
@@ -134,6 +150,7 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,

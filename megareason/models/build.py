@@ -72,7 +72,9 @@ class RMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm for megatron-core's local layers, with its weight marked ``sequence_parallel``
     under sequence parallelism: each TP rank then normalises its own slice of the sequence, and
     ``finalize_model_grads`` sums the weight's gradient over the TP ranks (megatron-core's own
-    ``WrappedTorchNorm`` refuses sequence parallelism for want of that mark)."""
+    ``WrappedTorchNorm`` refuses sequence parallelism for want of that mark). As Qwen3's q/k norm each
+    TP rank normalises its own heads; ``finalize_model_grads`` sums those gradients over TP by name
+    (``qk_layernorm``), with sequence parallelism or without."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
         super().__init__(hidden_size, eps=eps)
@@ -91,27 +93,31 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(num_layers: int, local: bool = False):
+def layer_spec(num_layers: int, local: bool = False, qk_norm: bool = False):
     """The block spec of a stage of ``num_layers`` layers: TransformerEngine layers on GPU when it is
     installed (the NGC containers have it), else (or with ``local``) megatron-core's local (pure torch)
-    layers, on CPU and GPU alike."""
+    layers, on CPU and GPU alike; ``qk_norm``: with per-head norms of q and k (Qwen3)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_engine_available() and not local:
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     if torch.cuda.is_available():
         log.warning("TransformerEngine is not installed: megatron-core's local layers on GPU (slower)")
-    return _local_spec(num_layers)
+    return _local_spec(num_layers, qk_norm)
 
 
-def _local_spec(num_layers: int):
-    """megatron-core's local layer spec with ``RMSNorm`` (above) in every norm, the final one included."""
+def _local_spec(num_layers: int, qk_norm: bool):
+    """megatron-core's local layer spec with ``RMSNorm`` (above) in every norm, the final one and (with
+    ``qk_norm``) the per-head q and k norms included."""
     from dataclasses import replace as replace_fields
 
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    attention = layer.submodules.self_attention
+    if qk_norm:
+        attention.submodules = replace_fields(attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
     layer.submodules = replace_fields(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
 
@@ -132,7 +138,7 @@ def build_gpt(arch: ModelArch, compute: ComputeSettings = FP32, local_spec: bool
     params_dtype = compute.dtype
     config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype,
                                 **compute.config_overrides(arch, layout.pp, layout.tp))
-    spec = layer_spec(arch.num_layers // layout.pp, local_spec)
+    spec = layer_spec(arch.num_layers // layout.pp, local_spec, arch.qk_norm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 checkpoints with a working tokenizer and chat template, for tests.
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints with a working tokenizer and chat template, for tests.
 
 Built entirely in code (no download): a byte-level BPE tokenizer trained on a small built-in corpus,
 a ChatML chat template, and a randomly initialised model saved as float32 safetensors, so vLLM,
@@ -55,26 +55,29 @@ def build_tokenizer(vocab_size: int = 384):
 
 def build_tiny_model(
     out_dir: str | Path,
-    family: Literal["llama", "qwen2"] = "qwen2",
+    family: Literal["llama", "qwen2", "qwen3"] = "qwen2",
     *,
     hidden_size: int = 128,
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 256,
+    head_dim: int | None = None,
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024,
     seed: int = 0,
 ) -> Path:
     """Write a random tiny ``family`` checkpoint plus tokenizer to ``out_dir`` and return it.
 
-    ``hidden_size / num_heads`` must be a head size vLLM-CPU supports (32, 64, 80, ...). GQA when
-    ``num_kv_heads < num_heads``; Qwen2 gets QKV biases as in the real family. Weights are
-    initialised with a larger std than the default so the logits are not near-uniform (greedy
-    decoding then has clear winners, which makes token-for-token comparisons meaningful).
+    The head size (``head_dim``, default ``hidden_size / num_heads``) must be one vLLM-CPU supports
+    (32, 64, 80, ...). GQA when ``num_kv_heads < num_heads``; Qwen2 gets QKV biases and Qwen3 per-head
+    q/k norms as in the real families. Weights are initialised with a larger std than the default so the
+    logits are not near-uniform (greedy decoding then has clear winners, which makes token-for-token
+    comparisons meaningful). Qwen3's norm weights are random too (1 + N(0, 0.2^2), where transformers
+    puts ones), so a q norm mapped to k, or a norm left out, changes the output.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     tokenizer = build_tokenizer()
     common = dict(
@@ -92,14 +95,23 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if head_dim is not None:
+        common["head_dim"] = head_dim
     if family == "llama":
         config = LlamaConfig(**common, rope_theta=10000.0)
     elif family == "qwen2":
         config = Qwen2Config(**common, rope_theta=1000000.0)
+    elif family == "qwen3":
+        config = Qwen3Config(**common, rope_theta=1000000.0)
     else:
-        raise ValueError(f"family must be 'llama' or 'qwen2', got {family!r}")
+        raise ValueError(f"family must be 'llama', 'qwen2' or 'qwen3', got {family!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family == "qwen3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(0.2 * torch.randn_like(p))
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -50,6 +50,11 @@ LLAMA = (
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated", "last"),
 )
 QKV_BIAS = Rule(_M + "self_attention.linear_qkv.bias", tuple(_L + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv")
+# Qwen3's per-head norms: one weight of head_dim shared by every head, so every TP rank holds all of it.
+QK_NORM = (
+    Rule(_M + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",), "replicated"),
+    Rule(_M + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "replicated"),
+)
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "last")
 # Tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the output layer.
 TIED_OUTPUT = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
@@ -80,7 +85,7 @@ def model_state(model) -> dict[str, torch.Tensor]:
 def rules_for(arch: ModelArch, pp: int = 1, with_output: bool = True) -> tuple[Rule, ...]:
     """The rules of ``arch`` split over ``pp`` stages; ``with_output=False`` leaves out the LM head
     (the critic replaces it with a value head)."""
-    rules = LLAMA + ((QKV_BIAS,) if arch.qkv_bias else ())
+    rules = LLAMA + ((QKV_BIAS,) if arch.qkv_bias else ()) + (QK_NORM if arch.qk_norm else ())
     if not with_output:
         return rules
     if not arch.tie_word_embeddings:
@@ -203,6 +208,7 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         "norm.weight": (h,), "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
+        "q_norm.weight": (hd,), "k_norm.weight": (hd,),
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
     }
     return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
