@@ -26,6 +26,26 @@ def test_logprob_mismatch_by_hand():
         logprob_mismatch(trainer, rollout, torch.zeros(2, 3))
 
 
+def _perturb(model, layout, tied: bool, seed: int) -> None:
+    """Add noise to every weight, a stand-in for a training step: TP-split weights differently on every
+    shard, replicated ones (norms) identically on the TP ranks that share them, the same on every DP
+    replica, and a tied model's output layer (the last stage's copy of the embedding, PP > 1) as its
+    embedding, as training keeps them."""
+    import zlib
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            key = name.removeprefix("module.")
+            if tied and key == "output_layer.weight":
+                key = "embedding.word_embeddings.weight"
+            elif key.startswith("decoder."):  # layer numbers are local to the stage
+                key = f"stage {layout.pp_rank} {key}"
+            if getattr(p, "tensor_model_parallel", False):
+                key += f" tp {layout.tp_rank}"
+            g = torch.Generator().manual_seed(seed + zlib.crc32(key.encode()))
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
 def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     import torch.distributed as dist
 
@@ -41,14 +61,7 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     layout = init_parallel(2, 2)
     ckpt = HFCheckpoint(model_dir)
     actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
-    # Perturb every weight (a stand-in for a training step): TP-split weights differently on every
-    # shard, replicated ones (norms) identically on the TP ranks that share them, as training would.
-    split = torch.Generator().manual_seed(100 + dist.get_rank())
-    shared = torch.Generator().manual_seed(200 + layout.pp_rank)
-    with torch.no_grad():
-        for p in actor.model.parameters():
-            g = split if getattr(p, "tensor_model_parallel", False) else shared
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    _perturb(actor.model, layout, ckpt.arch.tie_word_embeddings, seed=100)
     settings = engine_settings(Config(model=ModelConfig(path=model_dir), rollout=RolloutConfig(max_model_len=256)))
     engine = VLLMEngine(settings) if is_consumer() else None
     streamed = []
@@ -94,12 +107,14 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
 
 
 @pytest.mark.slow
-def test_sync_tp2_pp2_into_vllm_matches_transformers(tiny_qwen2, tmp_path):
-    tok = AutoTokenizer.from_pretrained(tiny_qwen2)
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_qwen3"])
+def test_sync_tp2_pp2_into_vllm_matches_transformers(family, request, tmp_path):
+    model_dir = request.getfixturevalue(family)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        tokenize=True, return_dict=False) for q in QUESTIONS]
     out = tmp_path / "perturbed"
-    result = run_workers(4, _worker, str(tiny_qwen2), str(out), prompts)[0]
+    result = run_workers(4, _worker, str(model_dir), str(out), prompts)[0]
 
     assert result["streamed_names"] == result["naive_names"] and all(result["streamed_equal"].values())
     assert result["stats"].buckets > 3  # really bucketed
@@ -107,7 +122,7 @@ def test_sync_tp2_pp2_into_vllm_matches_transformers(tiny_qwen2, tmp_path):
     file = out / "model.safetensors"
     assert result["stats"].bytes == file.stat().st_size - _header_bytes(file)
     perturbed = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    original = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).eval()
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         for ids, got in zip(prompts, result["greedy"], strict=True):
             kw = dict(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id,
@@ -139,12 +154,7 @@ def _replica_worker(model_dir: str, prompts: list[list[int]]):
     layout = init_parallel(2, 1)
     ckpt = HFCheckpoint(model_dir)
     actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
-    # The same on both replicas, as training keeps them; replicated tensors the same on both TP ranks.
-    split, shared = torch.Generator().manual_seed(300 + layout.tp_rank), torch.Generator().manual_seed(400)
-    with torch.no_grad():
-        for p in actor.model.parameters():
-            g = split if getattr(p, "tensor_model_parallel", False) else shared
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    _perturb(actor.model, layout, ckpt.arch.tie_word_embeddings, seed=300)
     settings = engine_settings(Config(model=ModelConfig(path=model_dir), rollout=RolloutConfig(max_model_len=256)))
     engine = VLLMEngine(settings) if is_consumer() else None
     if engine is not None:
