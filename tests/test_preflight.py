@@ -143,6 +143,22 @@ def test_missing_tensor_for_megatron(model):
         check_hf_dir(model, megatron=True)
 
 
+def test_qwen3_for_megatron(tiny_qwen3, tmp_path):
+    """Qwen3 passes; its per-head norms are tensors the Megatron build needs; a sliding-window variant is
+    refused by name before any weight is read."""
+    model = Path(shutil.copytree(tiny_qwen3, tmp_path / "qwen3"))
+    check_hf_dir(model, megatron=True)
+    st, config = model / "model.safetensors", model / "config.json"
+    tensors = load_file(st)
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, st)
+    with pytest.raises(CheckpointError, match=r"is missing 1 tensors: model.layers.1.self_attn.k_norm.weight$"):
+        check_hf_dir(model, megatron=True)
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_sliding_window": True}))
+    with pytest.raises(ArchError, match=rf"^{config}: use_sliding_window=true \(sliding-window attention layers\)"):
+        check_hf_dir(model, megatron=True)
+
+
 def test_no_weights(model):
     (model / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=rf"^model directory {model} has no weights"):
