@@ -43,6 +43,16 @@ def test_qwen3_norms_are_whole_on_every_tp_rank(tiny_qwen3):
         assert qkv.shape == ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim // 2, arch.hidden_size)
 
 
+def test_untied_qwen3_round_trip(tmp_path):
+    """Qwen3 with its own LM head (the 8B and larger), head_dim 64 over hidden 64: byte-identical at TP=2, PP=2."""
+    from megareason.models.tiny import build_tiny_model
+
+    ckpt = HFCheckpoint(build_tiny_model(tmp_path, "qwen3", hidden_size=64, head_dim=64, intermediate_size=64))
+    assert not ckpt.arch.tie_word_embeddings and "lm_head.weight" in ckpt.names()
+    back = weight_map.to_hf(_shards(ckpt, 2, 2), ckpt.arch, 2, 2)
+    assert set(back) == ckpt.names() and all(torch.equal(t, ckpt.get(n)) for n, t in back.items())
+
+
 def test_qkv_layout_by_hand():
     """2 query groups of 2 heads, head_dim 1: megatron rows are [q0 q1 k0 v0 | q2 q3 k1 v1]."""
     arch = ModelArch("llama", 8, 4, 4, 1, 4, 2, 1, 1e-6, 1e4, 0.0, 16, False, False)
