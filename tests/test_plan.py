@@ -59,6 +59,18 @@ def test_parameter_counts_by_hand():
     assert params_per_gpu(tied, 1, 2) == params_per_gpu(SMALL, 1, 2)  # the last stage keeps its own copy
 
 
+def test_qwen3_shapes_match_their_model_cards():
+    """Qwen3's published counts (model cards): 8B = 8.2B parameters, 6.95B without embeddings; 32B = 32.8B /
+    31.2B; 0.6B = 0.6B / 0.44B (tied). head_dim is 128 though hidden / heads is 64 for the 0.6B."""
+    for name, total, non_embedding in (("qwen3-8b", 8.2e9, 6.95e9), ("qwen3-32b", 32.8e9, 31.2e9),
+                                       ("qwen3-0.6b", 0.6e9, 0.44e9)):
+        arch = MODEL_SHAPES[name]
+        embeddings = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+        assert total_params(arch) == pytest.approx(total, rel=0.01), name
+        assert total_params(arch) - embeddings == pytest.approx(non_embedding, rel=0.01), name
+    assert MODEL_SHAPES["qwen3-0.6b"].head_dim == 128 and MODEL_SHAPES["qwen3-0.6b"].qk_norm
+
+
 def test_state_bytes_per_parameter_by_hand():
     n = N_TP2_PP2
     per_param = {}

@@ -86,12 +86,14 @@ def layer_spec(cfg: Config) -> Spec:
 
 def stage_params(arch: ModelArch, tp: int, pp: int, stage: int) -> int:
     """Parameters on one GPU of pipeline stage ``stage``: its layers ((q, k, v, o, gate, up, down) / TP +
-    2 replicated norms each); the first stage adds the embedding (vocab × h / TP), the last the final norm
-    and the output layer (a separate copy with PP > 1 even when tied)."""
+    2 replicated norms each, + Qwen3's replicated per-head q/k norms); the first stage adds the embedding
+    (vocab × h / TP), the last the final norm and the output layer (a separate copy with PP > 1 even when
+    tied)."""
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     linear = h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size
     bias = q + 2 * kv if arch.qkv_bias else 0
-    n = arch.num_layers // pp * ((linear + bias) // tp + 2 * h)
+    qk_norm = 2 * arch.head_dim if arch.qk_norm else 0
+    n = arch.num_layers // pp * ((linear + bias) // tp + 2 * h + qk_norm)
     vocab = arch.padded_vocab_size(tp) * h // tp
     if stage == 0:
         n += vocab

@@ -43,11 +43,11 @@ GPUS = {
 
 
 def _llama(vocab, hidden, ffn, layers, heads, kv, *, family="llama", tied=False, theta=500000.0, factor=8.0,
-           eps=1e-5, max_pos=131072) -> ModelArch:
+           eps=1e-5, max_pos=131072, head_dim=None) -> ModelArch:
     return ModelArch(family=family, vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
-                     num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads, rms_norm_eps=eps, rope_theta=theta,
-                     rope_scaling_factor=factor, max_position_embeddings=max_pos, tie_word_embeddings=tied,
-                     qkv_bias=family == "qwen2")
+                     num_heads=heads, num_kv_heads=kv, head_dim=head_dim or hidden // heads, rms_norm_eps=eps,
+                     rope_theta=theta, rope_scaling_factor=factor, max_position_embeddings=max_pos,
+                     tie_word_embeddings=tied, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
 
 
 # Shapes from the models' published config.json files, for planning without the weights.
@@ -59,6 +59,13 @@ MODEL_SHAPES = {
     "qwen2.5-7b": _llama(152064, 3584, 18944, 28, 28, 4, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
                          max_pos=32768),
     "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, tied=True, theta=100000.0, factor=0.0, max_pos=8192),
+    # Qwen3 dense: head_dim 128 whatever hidden / heads is; per-head q/k RMSNorm.
+    "qwen3-0.6b": _llama(151936, 1024, 3072, 28, 16, 8, family="qwen3", tied=True, theta=1e6, factor=0.0, eps=1e-6,
+                         max_pos=40960, head_dim=128),
+    "qwen3-8b": _llama(151936, 4096, 12288, 36, 32, 8, family="qwen3", theta=1e6, factor=0.0, eps=1e-6,
+                       max_pos=40960, head_dim=128),
+    "qwen3-32b": _llama(151936, 5120, 25600, 64, 64, 8, family="qwen3", theta=1e6, factor=0.0, eps=1e-6,
+                        max_pos=40960, head_dim=128),
 }
 
 
