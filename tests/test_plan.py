@@ -232,6 +232,15 @@ def test_the_70b_recipe_plans_its_own_settings():
     assert set(plan.seconds) == {"generation", "logprobs", "training", "weight refit"}
 
 
+def test_the_qwen3_8b_recipe_fits_one_node_and_needs_its_distributed_optimizer():
+    plan = plan_config("configs/grpo_qwen3_8b.yaml", [], PlanOptions(gpus_per_node=8), "qwen3-8b")
+    assert (plan.tp, plan.pp, plan.dp, plan.gpus, plan.engines) == (2, 1, 4, 8, 4)
+    assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
+    with pytest.raises(PlanError, match="set optim.use_distributed_optimizer=true to make it fit"):
+        plan_config("configs/grpo_qwen3_8b.yaml", ["optim.use_distributed_optimizer=false"],
+                    PlanOptions(gpus_per_node=8), "qwen3-8b")
+
+
 @pytest.mark.parametrize(("override", "fix"), [
     ("optim.use_distributed_optimizer=false", "set optim.use_distributed_optimizer=true to make it fit"),
     ("trainer.recompute=none", "set trainer.recompute=full trainer.recompute_num_layers=4 to make it fit"),
