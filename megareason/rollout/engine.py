@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 
 from megareason.rollout.buckets import new_bucket
-from megareason.utils import alive, descendants, process_table
+from megareason.utils import alive, process_table
 
 log = logging.getLogger(__name__)
 
@@ -254,9 +254,8 @@ class _EngineWatch:
 
     def __init__(self, poll_s: float = 1.0):
         me = os.getpid()
-        table = process_table()
-        self.cores = {pid: start for pid, start in descendants({me}, table).items()
-                      if table[pid][0] == me and _comm(pid).startswith("VLLM::EngineCor")}
+        self.cores = {pid: start for pid, (parent, _, start) in process_table().items()
+                      if parent == me and _comm(pid).startswith("VLLM::EngineCor")}
         self._stopped = threading.Event()
         if self.cores:
             threading.Thread(target=self._run, args=(poll_s,), name="engine-watch", daemon=True).start()

@@ -32,7 +32,7 @@ from megareason.config import Config
 from megareason.data.sampler import PromptSampler
 from megareason.rollout.engine import Sampling
 from megareason.trainer.handles import PolicyHandle, RoleHandle
-from megareason.trainer.run_dir import CheckpointError, RunDir, RunError, SamplerState, TrainerState
+from megareason.trainer.run_dir import CheckpointError, RunDir, RunError, SamplerState, TrainerState, first_line
 from megareason.trainer.tracking import Tracker
 from megareason.utils import atomic_write
 
@@ -147,10 +147,9 @@ class Driver:
         except RunError:
             raise
         except Exception as e:  # e.g. OSError ENOSPC, here or raised by a worker (Ray re-raises its type)
-            cause = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+            last = previous or "none (no earlier checkpoint)"
             raise CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
-                                  f"{cause}; the last complete one is {previous or 'none (no earlier checkpoint)'}"
-                                  ) from e
+                                  f"{first_line(e)}; the last complete one is {last}") from e
         log.info("checkpoint of step %d saved in %.1f s", step, time.monotonic() - saving)
         self.last_save = time.monotonic()
 

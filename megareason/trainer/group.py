@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megareason.config.schema import Config
-from megareason.trainer.run_dir import RunError
+from megareason.trainer.run_dir import RunError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +103,6 @@ class WorkerDied(RunError):
     """A worker process of a group died (killed, out of memory, or its vLLM engine died) during a call."""
 
 
-def _first_line(error: Exception) -> str:
-    """Ray's death report, shortened to its first sentence-like line."""
-    lines = [x.strip() for x in str(error).splitlines() if x.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 class WorkerGroup:
     """``tp x pp x dp`` Ray actors of one worker class (a role), one per placement bundle, set up with
     torch.distributed and megatron-core's parallel groups (rendezvous at rank 0's address). The driver
@@ -161,7 +155,7 @@ class WorkerGroup:
                 self.failed = True
                 rank = futures.index(done[0])
                 role = self.worker_cls.__name__.removesuffix("Worker").lower()
-                raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {_first_line(e)} (its log: "
+                raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {first_line(e)} (its log: "
                                  f"logs/{role}_rank{rank}.log in the run folder)") from None
             except Exception:
                 self.failed = True

@@ -45,6 +45,11 @@ class RunError(RuntimeError):
     complete checkpoint is intact and the same command resumes from it."""
 
 
+def first_line(error: BaseException) -> str:
+    """An error's first non-empty line (Ray's reports and re-raised worker errors run to many lines)."""
+    return next((x.strip() for x in str(error).splitlines() if x.strip()), type(error).__name__)
+
+
 class CheckpointError(RunError):
     """A checkpoint could not be written (e.g. the disk is full); the previous complete one is intact."""
 
