@@ -9,6 +9,7 @@ Scripts that create an engine need an ``if __name__ == "__main__":`` guard (the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -119,6 +120,23 @@ def _configure_cpu_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def _exits_if_the_core_died(method):
+    """vLLM can see its engine core die before the watch's next poll and raise ``EngineDeadError`` from
+    the call: the worker then exits as the watch would, with the same message (one behaviour, no race)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            watch = getattr(self, "_watch", None)
+            if watch is not None:
+                watch.exit_if_dead(wait_s=5.0 if type(e).__name__ == "EngineDeadError" else 0.0)
+            raise
+
+    return call
+
+
 class VLLMEngine:
     """``RolloutEngine`` backed by ``vllm.LLM``."""
 
@@ -158,6 +176,7 @@ class VLLMEngine:
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
         self._watch = _EngineWatch()
 
+    @_exits_if_the_core_died
     def generate(self, prompts_token_ids: Sequence[list[int]], sampling: Sampling,
                  use_tqdm: bool = True) -> list[list[Completion]]:
         """For each prompt (token ids, no further templating), ``sampling.n`` completions in prompt order,
@@ -182,6 +201,7 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=use_tqdm)
         return [[_completion(c) for c in out.outputs] for out in outputs]
 
+    @_exits_if_the_core_died
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
         """Load HF-named tensors into the running engine in place, in buckets of ``bucket_bytes`` (a
@@ -215,6 +235,7 @@ class VLLMEngine:
             seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
         )
 
+    @_exits_if_the_core_died
     def sleep(self, level: int) -> None:
         """GPU: free vLLM's GPU memory for training: level 1 moves the weights to host memory, level 2
         discards them (a weight sync follows); both drop the KV cache and pause the scheduler until a
@@ -223,6 +244,7 @@ class VLLMEngine:
         if not self.on_cpu:
             self.llm.sleep(level=level)
 
+    @_exits_if_the_core_died
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None: everything)."""
         if not self.on_cpu:
@@ -262,12 +284,21 @@ class _EngineWatch:
 
     def _run(self, poll_s: float) -> None:
         while not self._stopped.wait(poll_s):
+            self.exit_if_dead()
+
+    def exit_if_dead(self, wait_s: float = 0.0) -> None:
+        """If an engine core is gone (or goes within ``wait_s``), log which and exit this process (code 70)."""
+        deadline = time.monotonic() + wait_s
+        while True:
             dead = [pid for pid, start in self.cores.items() if not alive(pid, start)]
             if dead and not self._stopped.is_set():
                 log.error("the vLLM engine core process (pid %s) of this worker (pid %d) is gone (killed or "
                           "crashed; its last lines are above): the worker exits", dead[0], os.getpid())
                 logging.shutdown()
                 os._exit(70)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     def stop(self) -> None:
         self._stopped.set()
