@@ -18,7 +18,7 @@ from megareason.algorithms.raro import Verdict, parse_label, reward_matrix, role
 from megareason.config.schema import AlgorithmConfig, Config, RaroConfig
 from megareason.data.records import PromptRecord, TokenizedPrompt
 from megareason.raro.critic import critic_round
-from megareason.raro.prompts import policy_answer
+from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.raro.replay import ReplayBuffer, Triplet
 from megareason.rollout.engine import Completion, Sampling
 from megareason.trainer.experience import build_experience
@@ -448,6 +448,33 @@ def test_rerank_asks_every_pair_once_and_picks_the_critics_favourite():
                 queue.append("Verdict: Tie")
     assert rerank(Engine(queue), prompts, groups, RaroConfig(critic_max_tokens=16)) == [2, 0]
 
+    # A pair whose critic prompt does not fit the context is not asked and counts as a tie.
+    prompts, groups = _policy_batch(1, 3)
+    groups[0] = [_completion("<answer>42</answer>"), _completion("<answer>7</answer>"),
+                 _completion("<answer>" + "9" * 300 + "</answer>")]
+
+    class Chars(_Tokenizer):
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    short = max(len(render(Chars(), critic_messages(CRITIC_SYSTEM_PROMPT, "question 0", x, y))[1])
+                for x, y in (("42", "7"), ("7", "42")))
+    asked = []
+
+    class Judge:
+        """Prefers the answer 42 wherever it is shown; records what it was asked."""
+
+        tokenizer = Chars()
+
+        def generate(self, token_ids, sampling):
+            texts = ["".join(map(chr, ids)) for ids in token_ids]
+            asked.extend(texts)
+            return [[_completion("Verdict: A" if "Answer A:\n42\n" in t else "Verdict: B")] for t in texts]
+
+    assert rerank(Judge(), prompts, groups, RaroConfig(critic_max_tokens=16), max_prompt_tokens=short) == [0]
+    # 42 vs 7 only (42 wins): 42 scores 1 + 0.5 (a tie with the unasked long one), 9...9 0.5 + 0.5, 7 0 + 0.5
+    assert len(asked) == 1 and "42" in asked[0] and "\n7\n" in asked[0] and len(asked[0]) <= short
+
 
 def test_summarize_reports_the_reranked_accuracy():
     from megareason.rewards.scoring import SampleResult, summarize
@@ -498,3 +525,36 @@ def test_every_mini_batch_weighs_the_roles_lambda_pol_to_lambda_crit(n_pol):
         share = (w_B[rows] * tokens_B) / tokens_B.sum()  # each row's share of the mini-batch's token-mean
         pol, crit = float(share[~is_critic_B[rows]].sum()), float(share[is_critic_B[rows]].sum())
         assert (pol, crit) == (pytest.approx(1 / 9, rel=1e-5), pytest.approx(8 / 9, rel=1e-5))
+
+
+def test_expert_template_shows_the_critic_the_demonstration_sft_imitates():
+    """raro.expert_template: the expert's side of each triplet is the row's demonstration (as
+    sft.response_template fills it), cut as a policy response is: <think> dropped, <answer> block kept."""
+    prompts, groups = _policy_batch(2, 2)
+    prompts[0].record.extra_info["solution"] = "E0 because reasons"
+    generate, seen = _scripted_critic(lambda rec, j: f"Verdict: {_expert_position(rec)}")
+
+    def expert_shown(template: str) -> list[str]:
+        seen.clear()
+        _round(RaroConfig(critic_n=2, replay_buffer_ratio=0.0, expert_template=template), prompts, groups,
+               ReplayBuffer(10), generate)
+        (critic_prompts, _), = seen
+        out = []
+        for p in critic_prompts:
+            user = p.record.prompt[-1]["content"]
+            a, b = re.search(r"Answer A:\n(.*)\n\nAnswer B:\n(.*)\n\nWhich", user, re.DOTALL).groups()
+            out.append(a if p.record.ground_truth == "A" else b)
+        return out
+
+    assert set(expert_shown("")) == {"E0", "E1"}  # today's: extra_info expert_answer
+    assert set(expert_shown("The final answer is \\boxed{{{answer}}}.")) == {
+        "The final answer is \\boxed{E0}.", "The final answer is \\boxed{E1}."}
+    assert set(expert_shown("<think>{solution}</think>\nSo: {answer}.")) == {"So: E0.", "So: E1."}
+    assert set(expert_shown("<think>{solution}</think><answer>{answer}</answer>")) == {"E0", "E1"}
+
+
+def test_a_bad_expert_template_is_refused_before_the_run_naming_the_field():
+    from megareason.config import ConfigError, load_config, validate_training
+
+    with pytest.raises(ConfigError, match=r"raro.expert_template .*'reasoning'.*\{solution\} and \{answer\}"):
+        validate_training(load_config("raro_smollm2_cpu", ["raro.expert_template='{reasoning} {answer}'"]))

@@ -14,10 +14,11 @@ from golden_curves import check_golden
 
 from megareason.config import ConfigError
 from megareason.data.loaders import DataError
+from megareason.data.prompts import demonstration
 from megareason.data.records import PromptRecord
 from megareason.models.tiny import build_tokenizer
 from megareason.trainer.losses import sft_loss_fn
-from megareason.trainer.sft import demonstration, tokenize_demonstrations
+from megareason.trainer.sft import tokenize_demonstrations
 
 TEMPLATE = "{solution}\n\nThe final answer is \\boxed{{{answer}}}."
 

@@ -285,6 +285,12 @@ def _validate_raro(cfg: Config) -> None:
     _check(r.critic_max_tokens < cfg.rollout.max_model_len, "raro.critic_max_tokens",
            f"must leave room for the critic's prompt in rollout.max_model_len = {cfg.rollout.max_model_len}",
            r.critic_max_tokens)
+    if r.expert_template:
+        try:
+            r.expert_template.format(solution="", answer="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"raro.expert_template {r.expert_template!r}: {e}; it may use {{solution}} and "
+                              "{answer} (write {{ and }} for literal braces)") from None
 
 
 def _check(ok: bool, path: str, what: str, value: Any) -> None:

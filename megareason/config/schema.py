@@ -263,6 +263,11 @@ class RaroConfig:
     # models). The constraint steers sampling, so expect a larger train/generation mismatch on
     # the critic's rows. 0: free text, unparseable replies are masked.
     constrain_verdict_chars: int = 0
+    # Empty: the expert's answer the critic sees is the row's extra_info expert_answer, else its ground
+    # truth. Else the demonstration this template makes of the row ({solution}, {answer}: as
+    # sft.response_template), shown as a policy response is (its <answer> block, else the text without
+    # <think> blocks): the expert answers in the demonstration's words, the ones SFT imitates.
+    expert_template: str = ""
     # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
     # filtered: not judged, no gradient. The defaults here are seed 000's (its raro.yaml).
     max_response_length: int = 4096

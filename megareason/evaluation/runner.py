@@ -59,7 +59,8 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         picks = None
         if cfg.eval.rerank == "critic":
             log.info("critic tournament over %d x %d answers", len(prompts), cfg.rollout.n)
-            picks = rerank(engine, prompts, groups, cfg.raro, seed=cfg.rollout.seed)
+            picks = rerank(engine, prompts, groups, cfg.raro, seed=cfg.rollout.seed,
+                           max_prompt_tokens=cfg.rollout.max_model_len - cfg.raro.critic_max_tokens)
         t2 = time.perf_counter()
     finally:
         if own_engine:

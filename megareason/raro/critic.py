@@ -29,6 +29,7 @@ import torch
 
 from megareason.algorithms.raro import Verdict, parse_label, reward_matrix, to_role
 from megareason.config.schema import RaroConfig
+from megareason.data.prompts import demonstration
 from megareason.data.records import PromptRecord, TokenizedPrompt
 from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.raro.replay import ReplayBuffer, Triplet
@@ -51,10 +52,15 @@ class RaroBatch:
     metrics: dict[str, float]
 
 
-def expert_answer(record: PromptRecord) -> str:
-    """The expert's final answer: ``extra_info["expert_answer"]`` when the loader set one (e.g. the
-    countdown expression, whose ground truth is the target number), else the ground truth."""
-    return str(record.extra_info.get("expert_answer", record.ground_truth))
+def expert_answer(record: PromptRecord, template: str = "") -> str:
+    """The expert's answer as the critic sees it. No ``template`` (``raro.expert_template``): the final
+    answer, ``extra_info["expert_answer"]`` when the loader set one (e.g. the countdown expression, whose
+    ground truth is the target number), else the ground truth. A template: the demonstration it makes
+    of the row, cut as a policy response is (``policy_answer``)."""
+    if not template:
+        return str(record.extra_info.get("expert_answer", record.ground_truth))
+    where = f"raro expert answer of row {record.extra_info.get('index', '?')}"
+    return policy_answer(demonstration(record, template, where, "raro.expert_template")[1])
 
 
 def verdict_regex(reasoning_chars: int) -> str | None:
@@ -77,7 +83,7 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
             continue
         rec = prompts[i].record
         fresh.append((b, Triplet(question=str(rec.extra_info.get("question", rec.prompt[-1]["content"])),
-                                 expert=expert_answer(rec), policy=policy_answer(c.text),
+                                 expert=expert_answer(rec, cfg.expert_template), policy=policy_answer(c.text),
                                  data_source=rec.data_source, index=int(rec.extra_info.get("index", -1)),
                                  step=step)))
     ratio = cfg.replay_buffer_ratio

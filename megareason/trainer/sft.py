@@ -22,6 +22,7 @@ from pathlib import Path
 
 from megareason.config import Config, ConfigError
 from megareason.data.loaders import load_records
+from megareason.data.prompts import demonstration
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 from megareason.rewards.scoring import score, scorer_from, scoring_pool
 from megareason.rollout.engine import Completion
@@ -32,23 +33,6 @@ from megareason.trainer.handles import PolicyHandle, start_workers
 from megareason.trainer.run_dir import RunDir, hold_run_lock
 
 log = logging.getLogger(__name__)
-
-
-def demonstration(record: PromptRecord, template: str, where: str) -> tuple[list[dict[str, str]], str]:
-    """(prompt messages, response text) of one demonstration record."""
-    if record.prompt and record.prompt[-1]["role"] == "assistant":
-        if len(record.prompt) < 2:
-            raise DataError(f"{where}: a chat demonstration needs a message before the assistant's answer")
-        return record.prompt[:-1], record.prompt[-1]["content"]
-    info = record.extra_info
-    answer = str(info.get("expert_answer", record.ground_truth))
-    if not answer.strip():
-        raise DataError(f"{where}: no answer to imitate (empty ground truth / expert_answer)")
-    try:
-        return record.prompt, template.format(solution=str(info.get("solution", "")).strip(), answer=answer).strip()
-    except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"sft.response_template {template!r}: {e}; it may use {{solution}} and {{answer}} "
-                          "(write {{ and }} for literal braces)") from None
 
 
 def tokenize_demonstrations(records: list[PromptRecord], tokenizer, template: str, max_len: int,

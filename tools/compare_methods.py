@@ -1,0 +1,253 @@
+"""Base vs SFT vs GRPO (rule verifier) vs RARO (no verifier) vs RARO + critic reranking, on one model, one
+task, one set of training prompts with expert demonstrations and one held-out set (issue 25; seed 000's
+comparison at small scale). Every arm is ``configs/compare_smollm2_cpu.yaml`` plus the overrides below;
+each trains ``--steps`` steps of ``--prompts`` prompts (GRPO and RARO sample ``rollout.n`` responses per
+prompt, SFT imitates one demonstration per prompt) and is evaluated greedily on the held-out prompts
+every ``trainer.val_every`` steps by the trainer itself (``rollouts/val_step_N.jsonl``).
+
+    .venv/bin/python tools/compare_methods.py                    # SmolLM2-135M, ~1.5 h on 2 cores
+    .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --runs /tmp/cmp --results /tmp/cmp
+      --rerank-prompts 8 model.path=/path/to/tiny                # (one line) a smoke run
+
+Interrupted, it picks up where it stopped: a finished arm is not rerun, an unfinished one resumes from its
+last checkpoint (the trainer's own resume). Writes, under ``--results``: ``compare_methods.md`` (the table:
+accuracy with its 95% bootstrap interval, the paired difference vs base with its interval and McNemar's
+exact p, wall time, the command of each arm), ``compare_methods.json``, ``compare_methods_heldout.png``
+(held-out accuracy vs step, every arm) and ``compare_methods_raro_critic.png`` (the critic's accuracy,
+tie rate and format-error rate per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = "compare_smollm2_cpu"
+BOOTSTRAP = 10_000
+
+
+def arm_commands(runs: Path, steps: int, prompts: int, heldout: int, extra: list[str]) -> dict[str, list[str]]:
+    """The megareason command of each training arm (base is GRPO's step-0 validation: the same greedy
+    pass over the same prompts with the untouched model)."""
+    common = ["--config-name", CONFIG, f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}",
+              f"data.val_sources.0.size={heldout}", *extra]
+    return {
+        "grpo": ["train", *common, f"trainer.output_dir={runs / 'grpo'}"],
+        "sft": ["sft", *common, f"trainer.output_dir={runs / 'sft'}", "trainer.val_before_train=false"],
+        "raro": ["train", *common, f"trainer.output_dir={runs / 'raro'}", "trainer.val_before_train=false",
+                 "algorithm.name=raro", "algorithm.kl_coef=0.001"],
+    }
+
+
+def megareason() -> list[str]:
+    exe = Path(sys.executable).parent / "megareason"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "megareason.cli"]
+
+
+def run_arm(name: str, args: list[str], folder: Path, steps: int) -> float:
+    """Run (or resume) one arm; its wall time over every attempt, kept in ``folder/wall_seconds.json``."""
+    done = folder / "rollouts" / f"val_step_{steps:08d}.jsonl"
+    clock = folder / "wall_seconds.json"
+    spent = json.loads(clock.read_text())["seconds"] if clock.exists() else 0.0
+    if done.exists():
+        print(f"[{name}] finished earlier ({spent / 60:.1f} min)", flush=True)
+        return spent
+    print(f"[{name}] megareason {' '.join(args)}", flush=True)
+    start = time.monotonic()
+    proc = subprocess.run([*megareason(), *args], cwd=ROOT)
+    spent += time.monotonic() - start
+    folder.mkdir(parents=True, exist_ok=True)
+    _write(clock, json.dumps({"seconds": spent}) + "\n")
+    if proc.returncode != 0:
+        sys.exit(f"[{name}] failed (exit {proc.returncode}); its log is in {folder / 'logs'}; rerun to resume")
+    return spent
+
+
+def held_out(folder: Path) -> dict[int, np.ndarray]:
+    """{step: per-prompt greedy correctness (0/1), in held-out order} from the trainer's validation dumps."""
+    out = {}
+    for path in sorted((folder / "rollouts").glob("val_step_*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows.sort(key=lambda r: r["index"])
+        out[int(path.stem.rsplit("_", 1)[1])] = np.array([float(r["correct"]) for r in rows])
+    return out
+
+
+def bootstrap_mean(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of ``x`` (resampling prompts)."""
+    idx = rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))
+    means = x[idx].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def mcnemar_exact_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided exact McNemar test on paired 0/1 outcomes: a binomial(n_discordant, 1/2) test."""
+    only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
+    n, k = only_a + only_b, min(only_a, only_b)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+
+
+def paired(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> dict:
+    """a - b on the same prompts: the difference of accuracies, its 95% bootstrap interval (prompts
+    resampled jointly), and McNemar's exact p."""
+    lo, hi = bootstrap_mean(a - b, rng)
+    return {"diff": float((a - b).mean()), "ci": [lo, hi], "mcnemar_p": mcnemar_exact_p(a, b)}
+
+
+def rerank_arm(runs: Path, steps: int, n_prompts: int, n: int, extra: list[str]) -> dict | None:
+    """RARO's final policy, ``n`` samples per prompt on the first ``n_prompts`` held-out prompts, the model
+    as its own critic picking one (``eval.rerank=critic``): critic@n vs pass@1 of the same samples."""
+    if n_prompts <= 0:
+        return None
+    out = runs / "raro_rerank"
+    found = sorted(out.glob("*/summary.json"))
+    if not found:
+        hf = runs / "raro" / "hf"
+        if not (hf / "config.json").exists():
+            ckpt = runs / "raro" / "checkpoints" / f"step_{steps:08d}" / "actor"
+            subprocess.run([*megareason(), "convert", "megatron-to-hf", str(ckpt), str(hf)], cwd=ROOT, check=True)
+        args = ["eval", "--config-name", CONFIG, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
+                f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}",
+                "data.sources=${data.val_sources}", f"data.val_sources.0.size={n_prompts}",
+                *[e for e in extra if not e.startswith("model.path=")]]
+        print(f"[raro+rerank] megareason {' '.join(args)}", flush=True)
+        start = time.monotonic()
+        subprocess.run([*megareason(), *args], cwd=ROOT, check=True)
+        found = sorted(out.glob("*/summary.json"))
+        summary = json.loads(found[-1].read_text())
+        summary["wall_seconds"] = time.monotonic() - start
+        _write(found[-1], json.dumps(summary, indent=2) + "\n")
+    summary = json.loads(found[-1].read_text())
+    s = summary["summaries"][0]
+    return {"prompts": s["prompts"], "n": n, "pass@1": s["pass_at"]["1"], f"pass@{n}": s["pass_at"][str(n)],
+            "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
+
+
+def critic_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    keys = ("raro/critic_accuracy", "raro/tie_rate", "raro/format_error_rate")
+    curves: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        for k in keys:
+            if k in m:
+                curves[k].append((m["step"], m[k]))
+    return curves
+
+
+def report(results: Path, table: dict, curves: dict[str, dict[int, float]], critic: dict, rerank: dict | None,
+           commands: dict[str, list[str]], budget: str) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    _write(results / "compare_methods.json", json.dumps({"arms": table, "held_out_curves": curves,
+                                                          "raro_critic": critic, "rerank": rerank}, indent=2) + "\n")
+    lines = ["| arm | held-out accuracy (95% CI) | paired diff vs base (95% CI) | McNemar p | wall time |",
+             "|---|---|---|---|---|"]
+    for name, row in table.items():
+        lo, hi = row["ci"]
+        vs = row.get("vs_base")
+        diff = f"{vs['diff']:+.3f} ({vs['ci'][0]:+.3f} to {vs['ci'][1]:+.3f})" if vs else "—"
+        p = f"{vs['mcnemar_p']:.2g}" if vs else "—"
+        wall = f"{row['wall_seconds'] / 60:.0f} min" if row.get("wall_seconds") else "—"
+        lines.append(f"| {name} | {row['accuracy']:.3f} ({lo:.3f}–{hi:.3f}) | {diff} | {p} | {wall} |")
+    if "vs_grpo" in table.get("raro", {}):
+        v = table["raro"]["vs_grpo"]
+        lines += ["", f"RARO − GRPO on the same prompts: {v['diff']:+.3f} (95% CI {v['ci'][0]:+.3f} to "
+                      f"{v['ci'][1]:+.3f}), McNemar p {v['mcnemar_p']:.2g}."]
+    if rerank:
+        lines += ["", f"RARO + critic reranking (first {rerank['prompts']} held-out prompts, {rerank['n']} samples "
+                      f"each at the training temperature): pass@1 {rerank['pass@1']:.3f}, critic@{rerank['n']} "
+                      f"{rerank['critic@n']:.3f}, pass@{rerank['n']} {rerank['pass@' + str(rerank['n'])]:.3f}."]
+    lines += ["", f"Budget per arm: {budget}.", "", "Commands (from the repository root):", ""]
+    lines += [f"    .venv/bin/megareason {' '.join(c)}" for c in commands.values()]
+    _write(results / "compare_methods.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, curve in curves.items():
+        steps = sorted(curve)
+        ax.plot(steps, [curve[s] for s in steps], marker="o", label=name)
+    ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title="SmolLM2-135M, basic_arithmetic")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(results / "compare_methods_heldout.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, points in critic.items():
+        if points:
+            ax.plot([s for s, _ in points], [v for _, v in points], label=key.split("/")[1])
+    ax.axhline(0.5, color="grey", lw=0.5)
+    ax.set(xlabel="training step", ylabel="rate", title="RARO critic", ylim=(0, 1))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(results / "compare_methods_raro_critic.png", dpi=120)
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=8, help="training prompts per step (every arm)")
+    ap.add_argument("--heldout", type=int, default=500, help="held-out prompts (greedy)")
+    ap.add_argument("--rerank-prompts", type=int, default=100, help="held-out prompts for critic reranking (0: none)")
+    ap.add_argument("--rerank-n", type=int, default=4)
+    ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "compare_methods")
+    ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
+    ap.add_argument("--arms", default="grpo,sft,raro", help="training arms to run, in order (base comes with grpo)")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides for every arm (e.g. model.path=...)")
+    a = ap.parse_args()
+    if a.heldout < 2:
+        ap.error("--heldout must be >= 2")
+    commands = arm_commands(a.runs, a.steps, a.prompts, a.heldout, a.overrides)
+    wanted = [x for x in a.arms.split(",") if x]
+    if unknown := set(wanted) - set(commands):
+        ap.error(f"--arms: unknown {sorted(unknown)}; choose from {sorted(commands)}")
+    if "grpo" not in wanted:
+        ap.error("--arms must include grpo: its step-0 validation is the base model's")
+    wall = {name: run_arm(name, commands[name], a.runs / name, a.steps) for name in wanted}
+    rerank = rerank_arm(a.runs, a.steps, min(a.rerank_prompts, a.heldout), a.rerank_n, a.overrides) \
+        if "raro" in wanted else None
+
+    rng = np.random.default_rng(0)
+    curves = {name: held_out(a.runs / name) for name in wanted}
+    base = curves["grpo"][0]
+    finals = {"base": base, **{name: curves[name][a.steps] for name in wanted}}
+    table = {}
+    for name, x in finals.items():
+        lo, hi = bootstrap_mean(x, rng)
+        table[name] = {"accuracy": float(x.mean()), "ci": [lo, hi], "prompts": len(x), "wall_seconds": wall.get(name)}
+        if name != "base":
+            table[name]["vs_base"] = paired(x, base, rng)
+    if "raro" in finals:
+        table["raro"]["vs_grpo"] = paired(finals["raro"], finals["grpo"], rng)
+    as_means = {name: {s: float(v.mean()) for s, v in c.items()} for name, c in curves.items()}
+    for name in as_means:
+        as_means[name].setdefault(0, float(base.mean()))  # every arm starts from the base model
+    critic = critic_curves(a.runs / "raro") if "raro" in wanted else {}
+    n = json.loads((a.runs / "grpo" / "config.json").read_text())["rollout"]["n"]
+    budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
+              f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
+    report(a.results, table, {k: dict(sorted(v.items())) for k, v in as_means.items()}, critic, rerank,
+           {k: commands[k] for k in wanted}, budget)
+
+
+if __name__ == "__main__":
+    main()
