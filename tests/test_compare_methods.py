@@ -1,0 +1,83 @@
+"""tools/compare_methods.py (issue 25): its statistics against hand-computed values, and the recipe's first
+steps on the tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
+the SmolLM2 comparison itself is a long experiment, not a test: docs/results/compare_methods.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from golden_curves import check_golden
+from test_train_e2e import _env, _metrics
+
+TOOL = Path(__file__).resolve().parent.parent / "tools" / "compare_methods.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("compare_methods", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mcnemar_exact_p_by_hand():
+    cm = _tool()
+    a = np.array([1] * 8 + [0] * 2 + [1] * 5 + [0] * 5)  # 8 prompts only a solves, 2 only b, 10 concordant
+    b = np.array([0] * 8 + [1] * 2 + [1] * 5 + [0] * 5)
+    # two-sided binomial(10, 1/2) test of 2 vs 8: 2 * (C(10,0) + C(10,1) + C(10,2)) / 2^10
+    assert cm.mcnemar_exact_p(a, b) == pytest.approx(2 * (1 + 10 + 45) / 1024)
+    assert cm.mcnemar_exact_p(a, a) == 1.0
+    assert cm.mcnemar_exact_p(np.ones(5), np.zeros(5)) == pytest.approx(2 / 32)
+
+
+def test_bootstrap_intervals_match_the_normal_approximation():
+    cm = _tool()
+    rng = np.random.default_rng(1)
+    x = np.array([1.0] * 150 + [0.0] * 350)  # accuracy 0.3 on 500 prompts
+    lo, hi = cm.bootstrap_mean(x, rng)
+    half = 1.96 * math.sqrt(0.3 * 0.7 / 500)
+    assert lo == pytest.approx(0.3 - half, abs=0.006) and hi == pytest.approx(0.3 + half, abs=0.006)
+    # paired: b solves the same prompts as a plus 40 more; the difference's interval is that of the mean
+    # of a 0/1 vector with 40 ones in 500 (not the much wider one of two independent samples)
+    b = x.copy()
+    b[150:190] = 1.0
+    d = cm.paired(b, x, rng)
+    half = 1.96 * math.sqrt(0.08 * 0.92 / 500)
+    assert d["diff"] == pytest.approx(0.08)
+    assert d["ci"][0] == pytest.approx(0.08 - half, abs=0.006) and d["ci"][1] == pytest.approx(0.08 + half, abs=0.006)
+    assert d["mcnemar_p"] == pytest.approx(2 / 2**40)
+
+
+@pytest.mark.slow
+def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
+    """The tool end to end on the tiny model (the byte-level tokenizer needs a longer context and stops
+    the policy at the first "e", as test_train_e2e's RARO run does), then each arm's curve against its
+    golden one, and the table against the validation dumps it was computed from."""
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    tiny = [f"model.path={tiny_qwen2}", "rollout.max_tokens=16", "rollout.max_model_len=1024",
+            "data.max_prompt_length=512", "rollout.stop=[e]", "raro.constrain_verdict_chars=12",
+            "trainer.val_every=1", "trainer.save_every=2", "optim.lr=1e-3"]
+    proc = subprocess.run([sys.executable, str(TOOL), "--steps", "2", "--prompts", "4", "--heldout", "6",
+                           "--rerank-prompts", "2", "--arms", "grpo,raro", "--runs", str(runs),
+                           "--results", str(results), *tiny], capture_output=True, text=True, timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_golden("compare_grpo", _metrics(runs / "grpo"))
+    raro = _metrics(runs / "raro")
+    assert all(raro[s]["raro/critic_fresh"] > 0 and raro[s]["raro/format_error_rate"] == 0 for s in (1, 2))
+    check_golden("compare_raro", raro)
+
+    table = json.loads((results / "compare_methods.json").read_text())
+    for arm, dump in (("base", runs / "grpo" / "rollouts" / "val_step_00000000.jsonl"),
+                      ("raro", runs / "raro" / "rollouts" / "val_step_00000002.jsonl")):
+        rows = [json.loads(line) for line in dump.read_text().splitlines()]
+        assert len(rows) == 6 and table["arms"][arm]["accuracy"] == sum(r["correct"] for r in rows) / 6
+    assert table["rerank"]["prompts"] == 2 and table["rerank"]["n"] == 4
+    for name in ("compare_methods.md", "compare_methods_heldout.png", "compare_methods_raro_critic.png"):
+        assert (results / name).stat().st_size > 0
+    assert "| raro |" in (results / "compare_methods.md").read_text()
