@@ -105,6 +105,17 @@ def test_unsupported_architecture():
         ModelArch.from_hf_config({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]})
     with pytest.raises(ArchError, match="attention_bias=true"):
         ModelArch.from_hf_config({"model_type": "qwen3", "attention_bias": True})
+    # Mistral v0.1 attends over a 4096-token window in every layer; a null window, or one covering every
+    # position, is full attention; Qwen's sliding_window means nothing without use_sliding_window.
+    mistral = {"model_type": "mistral", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+               "num_hidden_layers": 2, "num_attention_heads": 2, "rms_norm_eps": 1e-5,
+               "max_position_embeddings": 32768}
+    with pytest.raises(ArchError, match=r"sliding_window=4096 \(Mistral's sliding-window attention over 32768"):
+        ModelArch.from_hf_config({**mistral, "sliding_window": 4096})
+    for window in (None, 32768):
+        assert ModelArch.from_hf_config({**mistral, "sliding_window": window}).family == "llama"
+    qwen = {**mistral, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}
+    assert ModelArch.from_hf_config(qwen).family == "qwen2"
 
 
 def test_missing_tensors_are_named_before_loading(tiny_llama, tmp_path):

@@ -7,6 +7,7 @@ TP/PP layout needs from it, so a bad layout fails before any weight is read.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +126,14 @@ def _check_full_attention(config: dict, source: str) -> None:
     entry but full attention): the megatron-core build attends over the whole sequence in every layer."""
     if config.get("use_sliding_window"):
         raise ArchError(f"{source}: use_sliding_window=true (sliding-window attention layers) is not supported")
+    # Mistral attends over a window whenever sliding_window is set (Qwen2/Qwen3 only with use_sliding_window);
+    # a window covering every position changes nothing.
+    window = config.get("sliding_window")
+    if config.get("model_type") == "mistral" and window is not None \
+            and window < config.get("max_position_embeddings", math.inf):
+        raise ArchError(f"{source}: sliding_window={window} (Mistral's sliding-window attention over "
+                        f"{config.get('max_position_embeddings')} positions) is not supported; models with "
+                        "sliding_window=null are")
     other = sorted({t for t in config.get("layer_types") or [] if t != "full_attention"})
     if other:
         raise ArchError(f"{source}: layer_types {other} are not supported (only full_attention)")
