@@ -168,7 +168,7 @@ def report(results: Path, table: dict, curves: dict[str, dict[int, float]], crit
                       f"each at the training temperature): pass@1 {rerank['pass@1']:.3f}, critic@{rerank['n']} "
                       f"{rerank['critic@n']:.3f}, pass@{rerank['n']} {rerank['pass@' + str(rerank['n'])]:.3f}."]
     lines += ["", f"Budget per arm: {budget}.", "", "Commands (from the repository root):", ""]
-    lines += [f"    .venv/bin/megareason {' '.join(c)}" for c in commands.values()]
+    lines += [f"    .venv/bin/megareason {' '.join(c)}".replace(f"{ROOT}/", "") for c in commands.values()]
     _write(results / "compare_methods.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
