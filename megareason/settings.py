@@ -53,7 +53,8 @@ def compute_settings(cfg: Config) -> ComputeSettings:
     """Precision, activation recomputation and sequence parallelism of every Megatron role."""
     t = cfg.trainer
     return ComputeSettings(precision=t.precision, recompute=t.recompute, recompute_num_layers=t.recompute_num_layers,
-                           sequence_parallel=cfg.parallel.sequence_parallel)
+                           sequence_parallel=cfg.parallel.sequence_parallel, moe_aux_loss_coeff=t.moe_aux_loss_coeff,
+                           moe_z_loss_coeff=t.moe_z_loss_coeff)
 
 
 def lora_settings(cfg: Config) -> LoRASettings | None:

@@ -193,8 +193,14 @@ def validate(cfg: Config) -> None:
 def validate_training(cfg: Config) -> None:
     """The checks only training needs (``megareason train`` runs them before any worker starts)."""
     par, alg, opt, t = cfg.parallel, cfg.algorithm, cfg.optim, cfg.trainer
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+                 "expert_model_parallel_size"):
         _check(getattr(par, name) >= 1, f"parallel.{name}", "must be >= 1", getattr(par, name))
+    _check(par.data_parallel_size % par.expert_model_parallel_size == 0, "parallel.expert_model_parallel_size",
+           f"must divide parallel.data_parallel_size = {par.data_parallel_size} (the experts are split over "
+           "data-parallel ranks)", par.expert_model_parallel_size)
+    _check(t.moe_aux_loss_coeff >= 0, "trainer.moe_aux_loss_coeff", "must be >= 0 (0: off)", t.moe_aux_loss_coeff)
+    _check(t.moe_z_loss_coeff >= 0, "trainer.moe_z_loss_coeff", "must be >= 0 (0: off)", t.moe_z_loss_coeff)
     _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",
            "needs parallel.tensor_model_parallel_size > 1", par.sequence_parallel)
     world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size

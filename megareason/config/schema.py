@@ -185,6 +185,9 @@ class ParallelConfig:
     # megatron-core's sequence parallelism (needs TP > 1): the norms, residual stream and the saved
     # activations between the TP regions are split over the TP ranks along the sequence (1/TP of them).
     sequence_parallel: bool = False
+    # Mixture-of-experts models: the experts are split over this many ranks, taken from the data-parallel
+    # ones (it must divide data_parallel_size); each expert is split over TP like a dense MLP.
+    expert_model_parallel_size: int = 1
 
 
 @dataclass
@@ -341,6 +344,10 @@ class TrainerConfig:
     # full: 0 recomputes every layer (one layer per checkpoint); N > 0 only the first N layers of each
     # pipeline stage (the rest keep their activations).
     recompute_num_layers: int = 0
+    # Mixture-of-experts models: the router's load-balancing loss (switch/aux loss, megatron-core's
+    # moe_aux_loss_coeff; 0 turns it off, the metrics moe/* are logged either way) and z-loss (off).
+    moe_aux_loss_coeff: float = 0.001
+    moe_z_loss_coeff: float = 0.0
     # Prompts per step; each gets rollout.n samples.
     prompts_per_step: int = 8
     # Dynamic micro-batching: sequences are packed into micro-batches of at most this many tokens.

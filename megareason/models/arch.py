@@ -11,7 +11,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+             "mixtral": "mixtral"}
+# Families whose every MLP is a mixture of experts (megatron-core MoE layers).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 # Llama 3.x RoPE scaling as megatron-core implements it (only the factor is configurable there).
 _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -25,7 +28,7 @@ class ModelArch:
     """A decoder's architecture as ``transformer_config`` and the weight map need it, read from an HF
     config (``from_hf_config``); plain data, saved as ``arch`` in a checkpoint's megareason.json."""
 
-    family: str  # weight-map family: "llama", "qwen2" or "qwen3"
+    family: str  # weight-map family: "llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral"
     vocab_size: int
     hidden_size: int
     ffn_hidden_size: int
@@ -42,6 +45,37 @@ class ModelArch:
     # Qwen3: per-head RMSNorm on q and k before RoPE (megatron-core's qk_layernorm). False where a
     # checkpoint's megareason.json predates the field.
     qk_norm: bool = False
+    # Mixture of experts (0 experts: a dense MLP). Every layer's MLP is ``num_experts`` SwiGLU experts of
+    # ``moe_ffn_hidden_size``, each token sent to the ``moe_top_k`` with the highest router scores and its
+    # outputs weighted by the softmax of the router logits: renormalised over the chosen experts
+    # (``moe_norm_topk``: Mixtral always, Qwen3-MoE's ``norm_topk_prob``) or not.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_experts > 0
+
+    def param_counts(self) -> tuple[int, int]:
+        """(total, active per token) parameter counts: equal for a dense model; an MoE token runs
+        ``moe_top_k`` of the ``num_experts`` experts (router included in both)."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += (self.num_heads + 2 * self.num_kv_heads) * hd if self.qkv_bias else 0
+        attn += 2 * hd if self.qk_norm else 0
+        norms = 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + h
+        if not self.is_moe:
+            mlp = 3 * h * self.ffn_hidden_size
+            total = embed + self.num_layers * (attn + norms + mlp)
+            return total, total
+        expert = 3 * h * self.moe_ffn_hidden_size
+        router = self.num_experts * h
+        base = embed + self.num_layers * (attn + norms + router)
+        return base + self.num_layers * self.num_experts * expert, base + self.num_layers * self.moe_top_k * expert
 
     @classmethod
     def from_hf_config(cls, config: dict, source: str = "config") -> ModelArch:
@@ -60,6 +94,7 @@ class ModelArch:
         if model_type != "qwen2" and config.get("attention_bias"):
             raise ArchError(f"{source}: attention_bias=true (biases on q/k/v and o_proj) is not supported")
         _check_full_attention(config, source)
+        moe = _moe_fields(config, source) if SUPPORTED[model_type] in MOE_FAMILIES else {}
         rope = dict(config.get("rope_parameters") or {})
         scaling = config.get("rope_scaling") or {}
         rope.update({k: v for k, v in scaling.items() if k not in rope})
@@ -91,7 +126,8 @@ class ModelArch:
             max_position_embeddings=config["max_position_embeddings"],
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v biases and no o_proj bias
-            qk_norm=family == "qwen3",  # Qwen3 always has q_norm and k_norm
+            qk_norm=family in ("qwen3", "qwen3_moe"),  # Qwen3 always has q_norm and k_norm
+            **moe,
         )
 
     @classmethod
@@ -102,9 +138,16 @@ class ModelArch:
             raise ArchError(f"{model_dir}: no config.json (expected an HF checkpoint directory)")
         return cls.from_hf_config(json.loads(path.read_text()), source=str(path))
 
-    def check_parallelism(self, tp: int, pp: int) -> None:
-        """Raise ``ArchError`` unless this model can be split over ``tp`` x ``pp``."""
+    def check_parallelism(self, tp: int, pp: int, ep: int = 1) -> None:
+        """Raise ``ArchError`` unless this model can be split over ``tp`` x ``pp`` (and its experts over
+        ``ep`` expert-parallel ranks, each expert split over the same ``tp`` ranks)."""
         problems = []
+        if ep > 1 and not self.is_moe:
+            problems.append(f"expert_model_parallel_size={ep} needs a mixture-of-experts model (this one is dense)")
+        if self.is_moe and self.num_experts % ep:
+            problems.append(f"num_experts={self.num_experts} is not divisible by EP={ep}")
+        if self.is_moe and self.moe_ffn_hidden_size % tp:
+            problems.append(f"moe_intermediate_size={self.moe_ffn_hidden_size} is not divisible by TP={tp}")
         if self.num_heads % tp:
             problems.append(f"num_attention_heads={self.num_heads} is not divisible by TP={tp}")
         if self.num_kv_heads % tp:
@@ -119,6 +162,30 @@ class ModelArch:
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rounded up to a multiple of TP (each rank holds an equal slice; pads are masked)."""
         return -(-self.vocab_size // tp) * tp
+
+
+def _moe_fields(config: dict, source: str) -> dict:
+    """The ``ModelArch`` MoE fields of a Qwen3-MoE or Mixtral config; ``ArchError`` for what the megatron-core
+    MoE layer does not reproduce (dense layers between the MoE ones, router jitter, a shared expert)."""
+    if config.get("model_type") == "qwen3_moe":
+        dense = config.get("mlp_only_layers") or []
+        step = config.get("decoder_sparse_step", 1)
+        if dense or step != 1:
+            raise ArchError(f"{source}: mlp_only_layers={dense}, decoder_sparse_step={step} (dense MLP layers "
+                            "between the MoE ones) are not supported; every layer must be MoE")
+        # the Hub's configs say num_experts; transformers 5 writes num_local_experts
+        experts = config.get("num_experts") or config["num_local_experts"]
+        ffn, norm = config["moe_intermediate_size"], bool(config.get("norm_topk_prob"))
+    else:  # mixtral: softmax over the top-k logits, always renormalised
+        if config.get("router_jitter_noise"):
+            raise ArchError(f"{source}: router_jitter_noise={config['router_jitter_noise']} is not supported (0)")
+        experts, ffn, norm = config["num_local_experts"], config["intermediate_size"], True
+    if config.get("shared_expert_intermediate_size"):
+        raise ArchError(f"{source}: a shared expert (shared_expert_intermediate_size) is not supported")
+    top_k = config["num_experts_per_tok"]
+    if not 0 < top_k <= experts:
+        raise ArchError(f"{source}: num_experts_per_tok={top_k} must be in 1..{experts} (the number of experts)")
+    return dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=ffn, moe_norm_topk=norm)
 
 
 def _check_full_attention(config: dict, source: str) -> None:
@@ -139,8 +206,13 @@ def _check_full_attention(config: dict, source: str) -> None:
         raise ArchError(f"{source}: layer_types {other} are not supported (only full_attention)")
 
 
-def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtype=None, **overrides):
-    """The megatron-core ``TransformerConfig`` for ``arch`` (dropout off: RL needs exact log-probs)."""
+def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, ep: int = 1, params_dtype=None,
+                       moe_aux_loss_coeff: float = 0.0, moe_z_loss_coeff: float = 0.0, **overrides):
+    """The megatron-core ``TransformerConfig`` for ``arch`` (dropout off: RL needs exact log-probs).
+
+    MoE: megatron-core's router and dropless all-to-all token dispatch over ``ep`` expert-parallel ranks
+    (each expert split over TP like a dense MLP); the router runs in fp32; its load-balancing loss
+    (``moe_aux_loss_coeff``, 0 = off) and z-loss (0 = off) are added to the training loss."""
     import torch
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -179,5 +251,21 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, pp: int = 1, params_dtyp
         # Losses return (sum, count); megatron-core divides the gradients by the global count.
         calculate_per_token_loss=True,
     )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_top_k,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            # topk of the logits then softmax over them == softmax then renormalising the top k
+            moe_router_pre_softmax=not arch.moe_norm_topk,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_z_loss_coeff=moe_z_loss_coeff or None,
+            moe_grouped_gemm=False,
+            expert_model_parallel_size=ep,
+        )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -35,6 +35,9 @@ class ComputeSettings:
     recompute: str  # none | selective (core attention) | full
     recompute_num_layers: int  # full: 0 = every layer, one per checkpoint; N = the first N of each stage
     sequence_parallel: bool
+    # MoE models: the router's load-balancing loss and z-loss coefficients (0 = off; dense models ignore them)
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -48,6 +51,8 @@ class ComputeSettings:
         if self.sequence_parallel and tp == 1:
             raise ArchError("sequence parallelism needs tensor parallelism (TP > 1)")
         kwargs: dict = {"sequence_parallel": self.sequence_parallel}
+        if arch.is_moe:
+            kwargs.update(moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff)
         if self.recompute == "selective":
             kwargs.update(recompute_granularity="selective", recompute_modules=["core_attn"])
         elif self.recompute == "full":
@@ -93,20 +98,24 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def layer_spec(num_layers: int, local: bool = False, qk_norm: bool = False):
+def layer_spec(num_layers: int, local: bool = False, qk_norm: bool = False, num_experts: int = 0):
     """The block spec of a stage of ``num_layers`` layers: TransformerEngine layers on GPU when it is
     installed (the NGC containers have it), else (or with ``local``) megatron-core's local (pure torch)
-    layers, on CPU and GPU alike; ``qk_norm``: with per-head norms of q and k (Qwen3)."""
+    layers, on CPU and GPU alike; ``qk_norm``: with per-head norms of q and k (Qwen3); ``num_experts``:
+    MoE layers of that many experts, each a separate MLP (megatron-core's ``SequentialMLP``: the weight
+    map's per-expert names; no grouped GEMM)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = num_experts or None
     if transformer_engine_available() and not local:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, num_experts=experts,
+                                                                moe_grouped_gemm=False)
     if torch.cuda.is_available():
         log.warning("TransformerEngine is not installed: megatron-core's local layers on GPU (slower)")
-    return _local_spec(num_layers, qk_norm)
+    return _local_spec(num_layers, qk_norm, experts)
 
 
-def _local_spec(num_layers: int, qk_norm: bool):
+def _local_spec(num_layers: int, qk_norm: bool, num_experts: int | None = None):
     """megatron-core's local layer spec with ``RMSNorm`` (above) in every norm, the final one and (with
     ``qk_norm``) the per-head q and k norms included."""
     from dataclasses import replace as replace_fields
@@ -114,7 +123,8 @@ def _local_spec(num_layers: int, qk_norm: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts,
+                                           moe_grouped_gemm=False)
     attention = layer.submodules.self_attention
     if qk_norm:
         attention.submodules = replace_fields(attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm)
@@ -127,6 +137,17 @@ def uses_transformer_engine(model) -> bool:
     return any(n.endswith(".layer_norm_weight") for n, _ in model.named_parameters())
 
 
+def _fix_moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's router (``moe_utils.RouterGatingLinearFunction``) tests
+    ``te_general_gemm is not None``, a name that module defines only when TransformerEngine imports:
+    without TE (CPU, or a GPU image without it) every MoE forward raises NameError. Define it as None
+    there, which selects the plain ``torch.mm`` path the function already has."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt(arch: ModelArch, compute: ComputeSettings = FP32, local_spec: bool = False):
     """This rank's stage of ``arch`` as a ``GPTModel`` with vocab-parallel (un-gathered) logits, its
     parameters in ``compute.dtype``; ``local_spec``: megatron-core's local layers even where
@@ -134,11 +155,13 @@ def build_gpt(arch: ModelArch, compute: ComputeSettings = FP32, local_spec: bool
     from megatron.core.models.gpt import GPTModel
 
     layout = current_layout()
-    arch.check_parallelism(layout.tp, layout.pp)
+    arch.check_parallelism(layout.tp, layout.pp, layout.ep)
+    if arch.is_moe:
+        _fix_moe_without_transformer_engine()
     params_dtype = compute.dtype
-    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype,
+    config = transformer_config(arch, tp=layout.tp, pp=layout.pp, ep=layout.ep, params_dtype=params_dtype,
                                 **compute.config_overrides(arch, layout.pp, layout.tp))
-    spec = layer_spec(arch.num_layers // layout.pp, local_spec, arch.qk_norm)
+    spec = layer_spec(arch.num_layers // layout.pp, local_spec, arch.qk_norm, arch.num_experts)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -200,7 +223,7 @@ def load_hf_weights(model, ckpt: HFCheckpoint, with_output_layer: bool = True) -
     ckpt.check_complete()
     layout = current_layout()
     state = weight_map.to_megatron(ckpt.get, ckpt.arch, layout.tp_rank, layout.tp, layout.pp_rank, layout.pp,
-                                   with_output=with_output_layer)
+                                   with_output=with_output_layer, ep_rank=layout.ep_rank, ep=layout.ep)
     own = {k: v for k, v in weight_map.model_state(model).items()
            if with_output_layer or not k.startswith("output_layer.")}
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))

@@ -70,6 +70,41 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class _CpuEvent:
+    def synchronize(self) -> None:
+        return None
+
+
+class CpuStream:
+    """Stands in for ``torch.cuda.Stream`` where there is no CUDA: everything runs in order on the CPU,
+    so waiting on a stream or an event it recorded is immediate."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CURRENT_STREAM = CpuStream()
+
+
+def _cpu_current_stream(device=None) -> CpuStream:
+    return _CURRENT_STREAM
+
+
+def _cpu_stream_context(stream):
+    from contextlib import nullcontext
+
+    return nullcontext(stream)
+
+
 def apply() -> bool:
     """Install the patches when CUDA is absent. Returns whether they are (now) installed."""
     global _applied
@@ -95,6 +130,13 @@ def apply() -> bool:
     # (4) device="cuda" factory calls and Tensor.cuda(): see CudaToCpuMode. The mode is entered for
     #     the life of the process (megatron-core makes these calls from the training thread).
     CudaToCpuMode().__enter__()
+    # (7) MoE's all-to-all token dispatcher (transformer/moe/token_dispatcher.MoEAlltoAllTokenDispatcher)
+    #     creates a side ``torch.cuda.Stream`` for its device-to-host copies of the token counts, enters
+    #     it with ``torch.cuda.stream``, compares it with ``torch.cuda.current_stream()`` and waits on an
+    #     event it records: CpuStream, on which all of that is immediate.
+    torch.cuda.Stream = CpuStream
+    torch.cuda.current_stream = _cpu_current_stream
+    torch.cuda.stream = _cpu_stream_context
     _apply_optimizer_patches()
     _applied = True
     return True

@@ -19,6 +19,10 @@ class Layout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    # Expert parallelism (MoE): the experts are split over ``ep`` ranks carved out of data parallelism
+    # (ranks of the same TP and PP rank, consecutive DP ranks); 1 for a dense model.
+    ep: int = 1
+    ep_rank: int = 0
 
     @property
     def first_stage(self) -> bool:
@@ -31,11 +35,12 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> Layout:
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> Layout:
     """Join the default process group (from torchrun-style env vars) and build megatron's groups.
 
-    The world size must be a multiple of ``tp * pp``; the rest is data parallel. On a machine without
-    CUDA the backend is gloo and ``cpu_compat`` patches megatron-core's CUDA-only calls.
+    The world size must be a multiple of ``tp * pp``; the rest is data parallel, of which ``ep`` ranks at
+    a time share out the experts of an MoE model (``ep`` must divide the data-parallel size). On a
+    machine without CUDA the backend is gloo and ``cpu_compat`` patches megatron-core's CUDA-only calls.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -50,11 +55,15 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0) -> Layout:
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of TP x PP = {tp} x {pp}")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"expert parallelism EP={ep} must divide the data-parallel size {world // (tp * pp)} "
+                         f"(world {world} / TP {tp} / PP {pp})")
     if not on_gpu:
         cpu_compat.apply()
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout()
 
@@ -71,6 +80,8 @@ def current_layout() -> Layout:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
     )
 
 

@@ -23,6 +23,7 @@ from megareason.models.build import FP32, ComputeSettings, HFCheckpoint, build_g
 from megareason.models.checkpoint import load_checkpoint, save_checkpoint
 from megareason.models.logprobs import logprob_head
 from megareason.models.lora import LoRASettings, apply_lora
+from megareason.models.moe import RouterWatch
 from megareason.models.schedule import LossFn, forward_outputs, padded_micro_batches
 from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
 
@@ -31,9 +32,10 @@ class _Trainable:
     def __init__(self, model, ckpt: HFCheckpoint, settings: OptimizerSettings, lora: LoRASettings | None):
         self.model, self.arch, self.hf_dir, self.lora = model, ckpt.arch, ckpt.dir, lora
         self.ddp, self.optimizer = wrap_for_training(model, settings)
+        self.router_watch = RouterWatch(model) if ckpt.arch.is_moe else None
 
     def train_step(self, micro_batches, loss_fn: LossFn) -> StepResult:
-        return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn)
+        return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn, self.router_watch)
 
     def save(self, path, metadata: dict | None = None):
         from dataclasses import asdict

@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints with a working tokenizer and chat template, for tests.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoints with a working tokenizer and chat
+template, for tests.
 
 Built entirely in code (no download): a byte-level BPE tokenizer trained on a small built-in corpus,
 a ChatML chat template, and a randomly initialised model saved as float32 safetensors, so vLLM,
@@ -55,7 +56,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 def build_tiny_model(
     out_dir: str | Path,
-    family: Literal["llama", "qwen2", "qwen3"] = "qwen2",
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"] = "qwen2",
     *,
     hidden_size: int = 128,
     num_layers: int = 2,
@@ -66,6 +67,10 @@ def build_tiny_model(
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    num_experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate_size: int | None = None,
+    norm_topk_prob: bool = True,
 ) -> Path:
     """Write a random tiny ``family`` checkpoint plus tokenizer to ``out_dir`` and return it.
 
@@ -75,9 +80,14 @@ def build_tiny_model(
     logits are not near-uniform (greedy decoding then has clear winners, which makes token-for-token
     comparisons meaningful). Qwen3's norm weights are random too (1 + N(0, 0.2^2), where transformers
     puts ones), so a q norm mapped to k, or a norm left out, changes the output.
+
+    MoE families (``qwen3_moe``, ``mixtral``): every layer is ``num_experts`` experts of
+    ``moe_intermediate_size`` (default ``intermediate_size / 2``; Mixtral's experts are
+    ``intermediate_size`` wide), ``top_k`` per token; ``norm_topk_prob`` is Qwen3-MoE's (Mixtral always
+    renormalises). The router weights get the larger std too, so routing differs clearly between tokens.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers as tf
 
     tokenizer = build_tokenizer()
     common = dict(
@@ -98,16 +108,25 @@ def build_tiny_model(
     if head_dim is not None:
         common["head_dim"] = head_dim
     if family == "llama":
-        config = LlamaConfig(**common, rope_theta=10000.0)
+        config = tf.LlamaConfig(**common, rope_theta=10000.0)
     elif family == "qwen2":
-        config = Qwen2Config(**common, rope_theta=1000000.0)
+        config = tf.Qwen2Config(**common, rope_theta=1000000.0)
     elif family == "qwen3":
-        config = Qwen3Config(**common, rope_theta=1000000.0)
+        config = tf.Qwen3Config(**common, rope_theta=1000000.0)
+    elif family == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(**common, rope_theta=1000000.0, num_experts=num_experts, num_experts_per_tok=top_k,
+                                moe_intermediate_size=moe_intermediate_size or intermediate_size // 2,
+                                norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.001)
+    elif family == "mixtral":
+        if moe_intermediate_size is not None:
+            common["intermediate_size"] = moe_intermediate_size
+        config = tf.MixtralConfig(**common, rope_theta=1000000.0, num_local_experts=num_experts,
+                               num_experts_per_tok=top_k, router_jitter_noise=0.0)
     else:
-        raise ValueError(f"family must be 'llama', 'qwen2' or 'qwen3', got {family!r}")
+        raise ValueError(f"family must be 'llama', 'qwen2', 'qwen3', 'qwen3_moe' or 'mixtral', got {family!r}")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "qwen3":
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in ("qwen3", "qwen3_moe"):
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):

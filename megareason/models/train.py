@@ -53,6 +53,7 @@ class StepResult:
     loss: float  # sum of loss_sum / sum of count, over the global batch
     grad_norm: float  # before clipping
     metrics: dict[str, float]  # each metric summed over micro-batches and DP ranks
+    moe: dict[str, float] | None = None  # MoE models: the routers' load and loss (``moe.RouterWatch.metrics``)
 
 
 def wrap_for_training(model, settings: OptimizerSettings):
@@ -87,12 +88,17 @@ def wrap_for_training(model, settings: OptimizerSettings):
     return ddp, get_megatron_optimizer(opt_config, [ddp])
 
 
-def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn) -> StepResult:
-    """One optimizer step over ``micro_batches`` (this data-parallel rank's share of the global batch)."""
+def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn,
+               router_watch=None) -> StepResult:
+    """One optimizer step over ``micro_batches`` (this data-parallel rank's share of the global batch);
+    ``router_watch`` (an MoE model's ``moe.RouterWatch``) counts the step's routing."""
     optimizer.zero_grad()
+    if router_watch is not None:
+        router_watch.start()
     sums = forward_backward(ddp_model, micro_batches, head, loss_fn)
+    moe = router_watch.metrics() if router_watch is not None else None
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
     loss_sum, count = sums.pop("loss_sum"), sums.pop("count")
-    return StepResult(loss=loss_sum / max(count, 1.0), grad_norm=float(grad_norm), metrics=sums)
+    return StepResult(loss=loss_sum / max(count, 1.0), grad_norm=float(grad_norm), metrics=sums, moe=moe)

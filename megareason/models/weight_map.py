@@ -13,6 +13,11 @@ Layouts (megatron-core local and TransformerEngine specs alike):
 * ``gate_up``: ``linear_fc1`` holds [gate; up]; each TP rank holds [gate_r; up_r].
 * ``vocab``: rows (vocab entries) split over TP after padding the vocab to a multiple of TP.
 * ``row``: columns split over TP (row-parallel linear). ``replicated``: the same on every rank.
+
+Mixture-of-experts layers (Qwen3-MoE, Mixtral): one rule per expert tensor, ``{e}`` in its names. Expert
+parallelism gives each of the EP ranks ``num_experts / EP`` consecutive experts, numbered from 0 on every
+rank by megatron-core (``{e}`` in the megatron name is that local number, in the HF names the global one);
+within an EP rank each expert is split over TP like a dense MLP. The router is replicated.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ class Rule:
     split: str  # "replicated" | "vocab" | "row" | "qkv" | "gate_up"
     where: str = "layer"  # "layer" | "first" (first pipeline stage) | "last" (last stage)
 
+    @property
+    def per_expert(self) -> bool:
+        """Whether this rule is one tensor per expert (``{e}`` in its names)."""
+        return "{e}" in self.megatron
+
 
 _L = "model.layers.{i}."
 _M = "decoder.layers.{i}."
@@ -55,6 +65,20 @@ QK_NORM = (
     Rule(_M + "self_attention.q_layernorm.weight", (_L + "self_attn.q_norm.weight",), "replicated"),
     Rule(_M + "self_attention.k_layernorm.weight", (_L + "self_attn.k_norm.weight",), "replicated"),
 )
+_E = _M + "mlp.experts.local_experts.{e}."
+QWEN3_MOE_MLP = (
+    Rule(_M + "mlp.router.weight", (_L + "mlp.gate.weight",), "replicated"),
+    Rule(_E + "linear_fc1.weight", (_L + "mlp.experts.{e}.gate_proj.weight", _L + "mlp.experts.{e}.up_proj.weight"),
+         "gate_up"),
+    Rule(_E + "linear_fc2.weight", (_L + "mlp.experts.{e}.down_proj.weight",), "row"),
+)
+MIXTRAL_MLP = (  # w1 = gate, w3 = up, w2 = down
+    Rule(_M + "mlp.router.weight", (_L + "block_sparse_moe.gate.weight",), "replicated"),
+    Rule(_E + "linear_fc1.weight", (_L + "block_sparse_moe.experts.{e}.w1.weight",
+                                    _L + "block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
+    Rule(_E + "linear_fc2.weight", (_L + "block_sparse_moe.experts.{e}.w2.weight",), "row"),
+)
+MOE_MLP = {"qwen3_moe": QWEN3_MOE_MLP, "mixtral": MIXTRAL_MLP}
 UNTIED_OUTPUT = Rule("output_layer.weight", ("lm_head.weight",), "vocab", "last")
 # Tied embeddings with PP > 1: the last stage holds its own copy of the embedding as the output layer.
 TIED_OUTPUT = Rule("output_layer.weight", ("model.embed_tokens.weight",), "vocab", "last")
@@ -86,6 +110,8 @@ def rules_for(arch: ModelArch, pp: int = 1, with_output: bool = True) -> tuple[R
     """The rules of ``arch`` split over ``pp`` stages; ``with_output=False`` leaves out the LM head
     (the critic replaces it with a value head)."""
     rules = LLAMA + ((QKV_BIAS,) if arch.qkv_bias else ()) + (QK_NORM if arch.qk_norm else ())
+    if arch.is_moe:
+        rules = tuple(r for r in rules if ".mlp.linear_fc" not in r.megatron) + MOE_MLP[arch.family]
     if not with_output:
         return rules
     if not arch.tie_word_embeddings:
@@ -100,8 +126,28 @@ def hf_names(arch: ModelArch) -> list[str]:
     names = []
     for rule in rules_for(arch):
         layers = range(arch.num_layers) if rule.where == "layer" else [None]
-        names += [n.format(i=i) for i in layers for n in rule.hf]
+        names += [n.format(i=i, e=e) for i in layers for e in _experts(rule, arch) for n in rule.hf]
     return names
+
+
+def _experts(rule: Rule, arch: ModelArch) -> range:
+    """The global expert numbers of ``rule`` (one ``range(1)`` pass for a rule that is not per expert)."""
+    return range(arch.num_experts) if rule.per_expert else range(1)
+
+
+def _local_experts(rule: Rule, arch: ModelArch, ep_rank: int, ep: int) -> list[tuple[int, int]]:
+    """(local, global) expert numbers of ``rule`` on expert-parallel rank ``ep_rank``; [(0, 0)] for a
+    rule that is not per expert."""
+    if not rule.per_expert:
+        return [(0, 0)]
+    per_rank = arch.num_experts // ep
+    return [(e, ep_rank * per_rank + e) for e in range(per_rank)]
+
+
+def expert_owner(arch: ModelArch, expert: int, ep: int) -> tuple[int, int]:
+    """(EP rank, local number) of global expert ``expert``."""
+    per_rank = arch.num_experts // ep
+    return expert // per_rank, expert % per_rank
 
 
 def _stage_layers(arch: ModelArch, pp_rank: int, pp: int) -> range:
@@ -115,16 +161,19 @@ def _on_stage(rule: Rule, pp_rank: int, pp: int) -> bool:
 
 
 def to_megatron(get: Callable[[str], torch.Tensor], arch: ModelArch, tp_rank: int, tp: int,
-                pp_rank: int, pp: int, with_output: bool = True) -> dict[str, torch.Tensor]:
-    """The megatron-core state of rank (``tp_rank``, ``pp_rank``), reading HF tensors through ``get``."""
+                pp_rank: int, pp: int, with_output: bool = True, ep_rank: int = 0,
+                ep: int = 1) -> dict[str, torch.Tensor]:
+    """The megatron-core state of rank (``tp_rank``, ``pp_rank``, ``ep_rank``), reading HF tensors
+    through ``get``."""
     out = {}
     for rule in rules_for(arch, pp, with_output):
         if not _on_stage(rule, pp_rank, pp):
             continue
         layers = _stage_layers(arch, pp_rank, pp) if rule.where == "layer" else [None]
         for local, i in enumerate(layers):
-            tensors = [get(n.format(i=i)) for n in rule.hf]
-            out[rule.megatron.format(i=local)] = _shard(rule.split, tensors, arch, tp_rank, tp)
+            for e_local, e in _local_experts(rule, arch, ep_rank, ep):
+                tensors = [get(n.format(i=i, e=e)) for n in rule.hf]
+                out[rule.megatron.format(i=local, e=e_local)] = _shard(rule.split, tensors, arch, tp_rank, tp)
     return out
 
 
@@ -152,9 +201,10 @@ def _shard(split: str, ts: list[torch.Tensor], arch: ModelArch, r: int, tp: int)
     raise AssertionError(f"unknown split {split!r}")
 
 
-def to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], arch: ModelArch, tp: int,
-          pp: int, with_output: bool = True) -> dict[str, torch.Tensor]:
-    """Merge the megatron-core states of all ranks, keyed by (tp_rank, pp_rank), into HF tensors.
+def to_hf(shards: Mapping[tuple[int, ...], Mapping[str, torch.Tensor]], arch: ModelArch, tp: int,
+          pp: int, with_output: bool = True, ep: int = 1) -> dict[str, torch.Tensor]:
+    """Merge the megatron-core states of all ranks, keyed by (tp_rank, pp_rank) — (tp_rank, pp_rank,
+    ep_rank) when ``ep`` > 1 — into HF tensors.
 
     A tied model's output layer copy on the last stage is dropped (it is the embedding).
     """
@@ -167,10 +217,12 @@ def to_hf(shards: Mapping[tuple[int, int], Mapping[str, torch.Tensor]], arch: Mo
                 continue
             layers = _stage_layers(arch, pp_rank, pp) if rule.where == "layer" else [None]
             for local, i in enumerate(layers):
-                name = rule.megatron.format(i=local)
-                parts = [shards[(r, pp_rank)][name] for r in range(tp)]
-                for hf_name, t in zip(rule.hf, unshard(rule.split, parts, arch), strict=True):
-                    out[hf_name.format(i=i)] = t
+                for e in _experts(rule, arch):
+                    ep_rank, e_local = expert_owner(arch, e, ep) if rule.per_expert else (0, 0)
+                    name = rule.megatron.format(i=local, e=e_local)
+                    parts = [shards[(r, pp_rank, ep_rank) if ep > 1 else (r, pp_rank)][name] for r in range(tp)]
+                    for hf_name, t in zip(rule.hf, unshard(rule.split, parts, arch), strict=True):
+                        out[hf_name.format(i=i, e=e)] = t
     return out
 
 
@@ -211,4 +263,13 @@ def hf_shapes(arch: ModelArch) -> dict[str, tuple[int, ...]]:
         "q_norm.weight": (hd,), "k_norm.weight": (hd,),
         "gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f),
     }
-    return {name: by_suffix[".".join(name.split(".")[-2:])] for name in hf_names(arch)}
+    fm = arch.moe_ffn_hidden_size
+    expert = {"gate_proj.weight": (fm, h), "up_proj.weight": (fm, h), "down_proj.weight": (h, fm),
+              "w1.weight": (fm, h), "w3.weight": (fm, h), "w2.weight": (h, fm)}
+    by_suffix["gate.weight"] = (arch.num_experts, h)  # the router
+
+    def shape(name: str) -> tuple[int, ...]:
+        suffix = ".".join(name.split(".")[-2:])
+        return expert[suffix] if ".experts." in name else by_suffix[suffix]
+
+    return {name: shape(name) for name in hf_names(arch)}

@@ -209,7 +209,10 @@ def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPro
 
     path = resolve_model_path(cfg.model.path)
     p = cfg.parallel
-    HFCheckpoint(path).arch.check_parallelism(p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    arch = HFCheckpoint(path).arch
+    arch.check_parallelism(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size)
+    if arch.is_moe and cfg.lora.enabled:
+        raise ConfigError(f"{path}: LoRA on a mixture-of-experts model is not supported (lora.enabled=true)")
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
     d = policy_data(cfg)

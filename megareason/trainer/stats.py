@@ -12,7 +12,7 @@ optimizer steps (``mean_metrics``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 
@@ -24,11 +24,13 @@ class TrainStats:
     grad_norm: float
     tokens: float
     NOT_MEANS: ClassVar[tuple[str, ...]] = ()  # sums reported elsewhere than in ``means``
+    # MoE models: the routers' metrics (``models.moe.RouterWatch.metrics``), reported as they are
+    moe: dict[str, float] | None = field(default=None, kw_only=True)
 
     @classmethod
-    def from_step(cls, loss: float, grad_norm: float, sums: dict[str, float]):
+    def from_step(cls, loss: float, grad_norm: float, sums: dict[str, float], moe: dict[str, float] | None = None):
         """From ``models.train.StepResult``'s fields; ``sums`` must name exactly this record's fields."""
-        return cls(loss=loss, grad_norm=grad_norm, **sums)
+        return cls(loss=loss, grad_norm=grad_norm, **sums, moe=moe)
 
     def means(self) -> dict[str, float]:
         """``loss``, ``grad_norm``, each ``X_num / X_den`` as ``X`` and each token sum ``X_sum`` as the
@@ -40,6 +42,7 @@ class TrainStats:
                 out[f.name[:-4]] = value / max(getattr(self, f.name[:-4] + "_den"), 1)
             elif f.name.endswith("_sum") and value is not None and f.name not in self.NOT_MEANS:
                 out[f.name[:-4]] = value / max(self.tokens, 1)
+        out.update(self.moe or {})
         return out
 
 

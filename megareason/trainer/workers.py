@@ -69,7 +69,7 @@ class _Worker:
             torch.set_num_threads(threads)
         p = self.cfg.parallel
         self.layout = init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                    seed=self.cfg.trainer.seed)
+                                    seed=self.cfg.trainer.seed, ep=p.expert_model_parallel_size)
         self._build()
         return self.layout.dp_rank, self.layout.tp_rank, self.layout.pp_rank
 
@@ -106,7 +106,7 @@ class _Worker:
                                 share_prefix=self._share_prefix(role.model), responses_only=responses_only,
                                 width_multiple=self._width_multiple())
         result = role.train_step(micro, loss_fn)
-        return record.from_step(result.loss, result.grad_norm, result.metrics)
+        return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
     def save(self, path: str, metadata: dict) -> None:
         self.role.save(path, metadata)
