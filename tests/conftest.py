@@ -34,6 +34,20 @@ def tiny_qwen3(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    """Qwen3-MoE family: per-head q/k norms, 4 experts of 64, top-2 renormalised (norm_topk_prob), untied."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", hidden_size=64, head_dim=32,
+                            intermediate_size=128, moe_intermediate_size=64, num_experts=4, top_k=2, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory):
+    """Mixtral family: 4 experts of 64 (w1/w3/w2), top-2, no q/k norms, tied embeddings."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", hidden_size=64, head_dim=32,
+                            intermediate_size=64, num_experts=4, top_k=2, tie_word_embeddings=True, seed=4)
+
+
+@pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """One two-node Slurm cluster on loopback for every launch test (tests/slurm_cluster.py), stopped by PID
     at the end of the session."""

@@ -94,8 +94,64 @@ def test_heads_not_divisible_by_tp(tiny_qwen2):
         arch.check_parallelism(1, 3)
 
 
+def _moe_shards(ckpt, tp, pp, ep):
+    return {(t, p, e): weight_map.to_megatron(ckpt.get, ckpt.arch, t, tp, p, pp, ep_rank=e, ep=ep)
+            for t in range(tp) for p in range(pp) for e in range(ep)}
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3_moe", "tiny_mixtral"])
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 2, 1), (1, 1, 2), (2, 1, 4), (2, 2, 2)])
+def test_moe_round_trip_is_byte_identical(family, tp, pp, ep, request):
+    ckpt = HFCheckpoint(request.getfixturevalue(family))
+    assert ckpt.arch.num_experts == 4 and ckpt.arch.moe_top_k == 2
+    shards = _moe_shards(ckpt, tp, pp, ep)
+    back = weight_map.to_hf(shards if ep > 1 else {k[:2]: v for k, v in shards.items()}, ckpt.arch, tp, pp, ep=ep)
+    assert set(back) == ckpt.names()
+    for name, tensor in back.items():
+        assert torch.equal(tensor, ckpt.get(name)), name
+    assert {n: tuple(t.shape) for n, t in back.items()} == weight_map.hf_shapes(ckpt.arch)
+    # EP rank e holds experts e*4/EP ... (e+1)*4/EP - 1, numbered from 0; TP splits each like a dense MLP
+    block = "mlp" if ckpt.arch.family == "qwen3_moe" else "block_sparse_moe"
+    prefix = f"model.layers.1.{block}.experts"
+    down = "down_proj" if ckpt.arch.family == "qwen3_moe" else "w2"
+    last = shards[(tp - 1, pp - 1, ep - 1)][f"decoder.layers.{2 // pp - 1}.mlp.experts.local_experts.{4 // ep - 1}"
+                                            ".linear_fc2.weight"]
+    assert torch.equal(last, ckpt.get(f"{prefix}.3.{down}.weight").chunk(tp, dim=1)[tp - 1])
+    assert sum(".local_experts." in n for n in shards[(0, 0, 0)]) == 2 * (2 // pp) * (4 // ep)
+
+
+def test_moe_fields_are_read_and_checked():
+    base = {"model_type": "qwen3_moe", "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 64,
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4, "norm_topk_prob": False}
+    arch = ModelArch.from_hf_config(base)
+    assert (arch.family, arch.num_experts, arch.moe_top_k, arch.moe_ffn_hidden_size, arch.moe_norm_topk,
+            arch.qk_norm) == ("qwen3_moe", 8, 2, 4, False, True)
+    # by hand: embed 32*8*2 + final norm 8; per layer attention 8*4*(2*2+2*2)=256, q/k norms 2*4, 2 norms of 8,
+    # router 8*8; experts 3*8*4 = 96 each (8 in all, 2 active)
+    per_layer = 256 + 8 + 16 + 64
+    assert arch.param_counts() == (512 + 8 + 2 * (per_layer + 8 * 96), 512 + 8 + 2 * (per_layer + 2 * 96))
+    with pytest.raises(ArchError, match=r"mlp_only_layers=\[0\].*every layer must be MoE"):
+        ModelArch.from_hf_config({**base, "mlp_only_layers": [0]})
+    with pytest.raises(ArchError, match="num_experts=8 is not divisible by EP=3"):
+        arch.check_parallelism(1, 1, 3)
+    with pytest.raises(ArchError, match="moe_intermediate_size=4 is not divisible by TP=8"):
+        arch.check_parallelism(8, 1, 1)
+    dense = ModelArch.from_hf_config({**base, "model_type": "qwen3"})
+    assert not dense.is_moe and dense.param_counts()[0] == dense.param_counts()[1]
+    with pytest.raises(ArchError, match="expert_model_parallel_size=2 needs a mixture-of-experts model"):
+        dense.check_parallelism(1, 1, 2)
+    with pytest.raises(ArchError, match=r"multi-head latent attention \(MLA: kv_lora_rank=512"):
+        ModelArch.from_hf_config({**base, "model_type": "deepseek_v3", "kv_lora_rank": 512})
+    with pytest.raises(ArchError, match="MoE with shared experts .*'qwen2_moe'"):
+        ModelArch.from_hf_config({**base, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 32})
+    mixtral = {**base, "model_type": "mixtral", "num_local_experts": 8, "router_jitter_noise": 0.1}
+    with pytest.raises(ArchError, match="router_jitter_noise=0.1 is not supported"):
+        ModelArch.from_hf_config(mixtral)
+
+
 def test_unsupported_architecture():
-    with pytest.raises(ArchError, match="model_type='gpt2'.*supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ArchError, match="'gpt2'.*supported: llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"):
         ModelArch.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ArchError, match="rope_type='yarn' is not supported"):
         ModelArch.from_hf_config({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})

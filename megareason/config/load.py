@@ -199,6 +199,9 @@ def validate_training(cfg: Config) -> None:
     _check(par.data_parallel_size % par.expert_model_parallel_size == 0, "parallel.expert_model_parallel_size",
            f"must divide parallel.data_parallel_size = {par.data_parallel_size} (the experts are split over "
            "data-parallel ranks)", par.expert_model_parallel_size)
+    _check(par.expert_model_parallel_size == 1 or par.tensor_model_parallel_size == 1 or par.sequence_parallel,
+           "parallel.sequence_parallel", "must be true for an MoE model (expert_model_parallel_size > 1) at "
+           "tensor_model_parallel_size > 1: megatron-core trains MoE layers with TP only so", par.sequence_parallel)
     _check(t.moe_aux_loss_coeff >= 0, "trainer.moe_aux_loss_coeff", "must be >= 0 (0: off)", t.moe_aux_loss_coeff)
     _check(t.moe_z_loss_coeff >= 0, "trainer.moe_z_loss_coeff", "must be >= 0 (0: off)", t.moe_z_loss_coeff)
     _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",

@@ -84,6 +84,12 @@ class ModelArch:
         than SiLU, MLP biases, attention biases (but Qwen2's q/k/v), RoPE scaling other than Llama 3's,
         sliding-window attention layers."""
         model_type = config.get("model_type")
+        if config.get("kv_lora_rank") or config.get("q_lora_rank"):
+            raise ArchError(f"{source}: multi-head latent attention (MLA: kv_lora_rank={config.get('kv_lora_rank')}, "
+                            f"model_type={model_type!r}) is not supported")
+        if config.get("shared_expert_intermediate_size") or config.get("n_shared_experts"):
+            raise ArchError(f"{source}: MoE with shared experts (model_type={model_type!r}) is not supported; "
+                            "supported MoE families: qwen3_moe, mixtral")
         if model_type not in SUPPORTED:
             raise ArchError(f"{source}: unsupported architecture model_type={model_type!r} "
                             f"({config.get('architectures')}); supported: {', '.join(sorted(SUPPORTED))}")
@@ -180,8 +186,6 @@ def _moe_fields(config: dict, source: str) -> dict:
         if config.get("router_jitter_noise"):
             raise ArchError(f"{source}: router_jitter_noise={config['router_jitter_noise']} is not supported (0)")
         experts, ffn, norm = config["num_local_experts"], config["intermediate_size"], True
-    if config.get("shared_expert_intermediate_size"):
-        raise ArchError(f"{source}: a shared expert (shared_expert_intermediate_size) is not supported")
     top_k = config["num_experts_per_tok"]
     if not 0 < top_k <= experts:
         raise ArchError(f"{source}: num_experts_per_tok={top_k} must be in 1..{experts} (the number of experts)")

@@ -50,6 +50,9 @@ class ComputeSettings:
             raise ArchError(f"precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
         if self.sequence_parallel and tp == 1:
             raise ArchError("sequence parallelism needs tensor parallelism (TP > 1)")
+        if arch.is_moe and tp > 1 and not self.sequence_parallel:
+            raise ArchError(f"a mixture-of-experts model at TP={tp} needs sequence parallelism "
+                            "(parallel.sequence_parallel=true): megatron-core trains MoE layers with TP only so")
         kwargs: dict = {"sequence_parallel": self.sequence_parallel}
         if arch.is_moe:
             kwargs.update(moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_z_loss_coeff=self.moe_z_loss_coeff)

@@ -137,9 +137,66 @@ def apply() -> bool:
     torch.cuda.Stream = CpuStream
     torch.cuda.current_stream = _cpu_current_stream
     torch.cuda.stream = _cpu_stream_context
+    _apply_moe_patches()
     _apply_optimizer_patches()
     _applied = True
     return True
+
+
+def _apply_moe_patches() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # (8) The same dispatcher turns its split sizes into numpy arrays with
+    #     moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA tensors; the
+    #     CPU tensors it leaves are refused by gloo's all_to_all_single (it wants a sequence of ints).
+    moe_utils.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+    # (9) With TP > 1 the dispatcher gathers the tokens routed to this TP group's experts with an uneven
+    #     all-gather (tensor_parallel.mappings._gather_along_first_dim with output_split_sizes) and returns
+    #     their outputs with an uneven reduce-scatter (_reduce_scatter_along_first_dim with
+    #     input_split_sizes); gloo has neither. The same results from the collectives it has: an even
+    #     all-gather of zero-padded pieces, and an all-reduce of which each rank keeps its own piece.
+    from megatron.core.tensor_parallel import mappings
+
+    even_gather, even_reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return even_gather(input_, group, output_split_sizes, use_global_buffer)
+        return _uneven_all_gather(input_, group, [int(n) for n in output_split_sizes])
+
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return even_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        return _uneven_reduce_scatter(input_, group, [int(n) for n in input_split_sizes])
+
+    mappings._gather_along_first_dim = gather
+    mappings._reduce_scatter_along_first_dim = reduce_scatter
+
+
+def _uneven_all_gather(input_: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    longest = max(sizes)
+    padded = input_.new_zeros(longest, *input_.shape[1:])
+    padded[: input_.shape[0]] = input_
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, sizes, strict=True)])
+
+
+def _uneven_reduce_scatter(input_: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    import torch.distributed as dist
+
+    total = input_.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total.split(sizes, dim=0)[group.rank()].contiguous()
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _apply_optimizer_patches() -> None:

@@ -1,0 +1,158 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) through megatron-core's MoE layers, against transformers:
+log-probs, gradients and one AdamW step at every TP x PP x EP layout of 4 gloo processes, and the routers'
+metrics (tokens per expert, load-balancing loss) against the same quantities computed from transformers'
+router logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+from transformers import AutoModelForCausalLM
+
+from megareason.models import weight_map
+from megareason.models.arch import ModelArch
+
+# (TP, PP, EP) on 4 ranks: EP takes data-parallel ranks (EP=4: one expert per rank)
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
+LR, EPS, CLIP = 1e-2, 1e-3, 0.5
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (8, 12), generator=g)
+    mask = torch.zeros(8, 12)
+    for i in range(8):
+        mask[i, 3 + i % 3 : 12 - i % 4] = 1.0
+    return tokens, mask
+
+
+def nll_loss(logp_BT, entropy_BT, batch):
+    mask = batch.loss_mask_BT
+    return -(logp_BT * mask).sum(), mask.sum(), {}
+
+
+def _worker(model_dir: str, tokens, mask, layouts):
+    from megareason.config.schema import Config, OptimConfig
+    from megareason.models.build import ComputeSettings, HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.moe import RouterWatch
+    from megareason.models.parallel import init_parallel
+    from megareason.models.schedule import forward_outputs, padded_micro_batches
+    from megareason.models.train import TrainBatch, train_step, wrap_for_training
+    from megareason.settings import optimizer_settings
+
+    out = {}
+    for tp, pp, ep in layouts:
+        layout = init_parallel(tp, pp, ep=ep)
+        assert (layout.ep, layout.dp) == (ep, 4 // (tp * pp))
+        ckpt = HFCheckpoint(model_dir)
+        # megatron-core trains MoE with TP only under sequence parallelism
+        model = build_gpt(ckpt.arch, ComputeSettings("fp32", "none", 0, sequence_parallel=tp > 1))
+        load_hf_weights(model, ckpt)
+        head = logprob_head(ckpt.arch.vocab_size)
+        # every rank: log-probs of the whole batch (EP ranks exchange tokens with each other)
+        logp = torch.cat([o[0] for o in forward_outputs(model, padded_micro_batches(tokens, 2), head, 2)])
+        ddp, opt = wrap_for_training(model, optimizer_settings(Config(optim=OptimConfig(eps=EPS, clip_grad=CLIP)), LR))
+        watch = RouterWatch(model)
+        share = tokens.shape[0] // layout.dp
+        rows = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
+        micro = [TrainBatch(t, m) for t, m in zip(tokens[rows].split(2), mask[rows].split(2), strict=True)]
+        result = train_step(ddp, opt, micro, head, nll_loss, watch)
+        # the step clipped these in place
+        grads = {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+        params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        out[(tp, pp, ep)] = dict(key=(layout.tp_rank, layout.pp_rank, layout.ep_rank), logp=logp, grads=grads,
+                                 params=params, result=result)
+    return out
+
+
+def _merge(per_rank, layout, what, arch):
+    tp, pp, ep = layout
+    shards = {}
+    for results in per_rank:
+        r = results[layout]
+        shards.setdefault(r["key"] if ep > 1 else r["key"][:2], r[what])
+    return weight_map.to_hf(shards, arch, tp, pp, ep=ep)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _router_reference(hf, tokens, arch):
+    """Tokens per expert per layer over the whole batch, and the switch load-balancing loss (megatron's
+    convention: transformers' ``load_balancing_loss_func`` / k) of each micro-batch of 2 rows averaged over
+    micro-batches and layers, from transformers' router logits."""
+    counts = torch.zeros(arch.num_layers, arch.num_experts)
+    aux = []
+    with torch.no_grad():
+        for rows in tokens.split(2):
+            for layer, logits in enumerate(hf(rows, output_router_logits=True).router_logits):
+                scores = torch.softmax(logits.float(), -1)
+                chosen = torch.topk(logits, arch.moe_top_k, dim=-1).indices
+                c = torch.zeros(arch.num_experts).index_add_(0, chosen.flatten(), torch.ones(chosen.numel()))
+                counts[layer] += c
+                aux.append(arch.num_experts / arch.moe_top_k * float((c / scores.shape[0] * scores.mean(0)).sum()))
+    return counts, sum(aux) / len(aux)
+
+
+def _per_expert(hf, grads: bool = False) -> dict[str, torch.Tensor]:
+    """transformers' parameters (or their gradients) under the checkpoint's names: transformers 5 keeps
+    each layer's experts fused ([E, 2F, H], [E, H, F]); ``save_pretrained`` writes them per expert."""
+    import copy
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    model = copy.deepcopy(hf)
+    if grads:
+        with torch.no_grad():
+            for p, source in zip(model.parameters(), hf.parameters(), strict=True):
+                p.copy_(source.grad)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return load_file(f"{tmp}/model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tiny_qwen3_moe", "tiny_mixtral"])
+def test_moe_logprobs_gradients_and_adamw_step_match_transformers(family, request):
+    model_dir = request.getfixturevalue(family)
+    arch = ModelArch.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokens, mask = _batch(arch.vocab_size)
+    counts, aux = _router_reference(hf, tokens, arch)
+    assert (counts.min(1).values < counts.max(1).values).all()  # the routers do favour some experts
+    logits = hf(tokens).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    loss = -(logp * mask[:, 1:]).sum() / mask.sum()
+    loss.backward()
+    ref_grads = _per_expert(hf, grads=True)
+    ref_norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), CLIP).item()
+    assert ref_norm > CLIP
+    torch.optim.AdamW(hf.parameters(), lr=LR, eps=EPS, weight_decay=0.0).step()
+    after = _per_expert(hf)
+    clip = CLIP / (ref_norm + 1e-6)  # both optimizers clip the gradients in place by this factor
+
+    per_rank = run_workers(4, _worker, str(model_dir), tokens, mask, LAYOUTS)
+    for layout in LAYOUTS:
+        grads = _merge(per_rank, layout, "grads", arch)
+        params = _merge(per_rank, layout, "params", arch)
+        assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+        for name, g in grads.items():
+            assert _rel(g, clip * ref_grads[name]) < 1e-4, f"{layout} {name}: grad vs transformers"
+            assert (params[name] - after[name]).abs().max().item() < 1e-5, f"{layout} {name}: AdamW step"
+        for rank, results in enumerate(per_rank):
+            r = results[layout]
+            err = (r["logp"][:, 1:] - logp.detach()).abs().max().item()
+            assert err < 1e-4, f"rank {rank} TP,PP,EP={layout}: max |dlogp| {err}"
+            result = r["result"]
+            assert abs(result.grad_norm - ref_norm) / ref_norm < 1e-5
+            assert abs(result.loss - loss.item()) < 1e-5
+            moe = result.moe
+            for layer in range(arch.num_layers):
+                assert moe[f"moe/layer_{layer}/tokens_max"] == counts[layer].max().item(), (layout, layer)
+                assert moe[f"moe/layer_{layer}/tokens_min"] == counts[layer].min().item(), (layout, layer)
+            assert abs(moe["moe/min_max_ratio"] - min((c.min() / c.max()).item() for c in counts)) < 1e-6
+            assert abs(moe["moe/aux_loss"] - aux) < 1e-5, (layout, moe["moe/aux_loss"], aux)
