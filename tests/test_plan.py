@@ -18,15 +18,20 @@ from megareason.launch.plan import (
     plan_config,
     workload,
 )
+from megareason.launch.plan_format import format_plan
 from megareason.launch.plan_memory import (
+    active_params,
+    flop_params,
     layer_bytes,
     lora_params_per_gpu,
     memory_per_rank,
     params_per_gpu,
     stage_activations,
+    stage_param_split,
     states,
     total_params,
 )
+from megareason.launch.plan_time import all_to_all_seconds, decode_read_params
 from megareason.models.arch import ArchError, ModelArch
 
 # 4 layers, hidden 64, ffn 128, 4 heads / 2 kv heads of 16, vocab 100, untied: small enough to count by hand.
@@ -316,3 +321,121 @@ def test_rollout_engines_follow_the_trainer_placement():
     plan = _plan_70b()
     assert plan.engines * plan.vllm_tp == plan.gpus
     assert plan.notes["weight refit"].startswith("141 GB to every rank, in-process")
+
+
+# ----------------------------------------------------------------------------------------- mixtures of experts
+
+# SMALL's attention (hidden 64, 4 heads / 2 kv heads of 16, vocab 100, untied) in 2 layers whose MLP is 4 SwiGLU
+# experts of ffn 32, top-2 (Mixtral's router: softmax over the chosen two).
+MOE = ModelArch(**{**SMALL.__dict__, "family": "mixtral", "ffn_hidden_size": 32, "num_layers": 2, "num_experts": 4,
+                   "moe_top_k": 2, "moe_ffn_hidden_size": 32})
+# Per layer: attention 12288, two norms 128, the router 4 x 64 = 256 (replicated over TP); an expert 3 x 64 x 32.
+MOE_DENSE_LAYER, EXPERT = 12288 + 128 + 256, 6144
+
+
+def _moe_layout(*overrides: str):
+    """TP 2 x DP 2 (sequence parallel: an MoE at TP > 1 needs it), bf16, the distributed optimizer."""
+    return _cfg("parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=2",
+                "parallel.sequence_parallel=true", "trainer.precision=bf16", "optim.use_distributed_optimizer=true",
+                "trainer.micro_batch_tokens=1024", *overrides)
+
+
+def test_moe_total_and_active_counts_by_hand():
+    embeddings = 2 * EMBEDDING + 64  # input and output embeddings (untied) + the final norm
+    assert total_params(MOE) == 2 * (MOE_DENSE_LAYER + 4 * EXPERT) + embeddings == MOE.param_counts()[0]
+    assert active_params(MOE) == 2 * (MOE_DENSE_LAYER + 2 * EXPERT) + embeddings == MOE.param_counts()[1]
+    assert flop_params(MOE) == active_params(MOE) - EMBEDDING  # the input embedding is a lookup
+    assert active_params(SMALL) == total_params(SMALL)  # dense: every parameter runs
+    # Dense parts over TP (the router and norms replicated); each EP rank holds 4 / EP experts, each over TP.
+    dense_tp2 = 2 * (12288 // 2 + 128 + 256) + EMBEDDING // 2
+    assert stage_param_split(MOE, 2, 1, 0, ep=1) == (dense_tp2 + EMBEDDING // 2 + 64, 2 * 4 * EXPERT // 2)
+    assert stage_param_split(MOE, 2, 1, 0, ep=2) == (dense_tp2 + EMBEDDING // 2 + 64, 2 * 2 * EXPERT // 2)
+
+
+@pytest.mark.parametrize(("name", "total", "active"), [("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                                       ("mixtral-8x7b", 46.7e9, 12.9e9)])
+def test_moe_shapes_match_their_published_counts(name, total, active):
+    arch = MODEL_SHAPES[name]
+    assert arch.is_moe and (total_params(arch), active_params(arch)) == arch.param_counts()
+    assert total_params(arch) == pytest.approx(total, rel=0.02)
+    assert active_params(arch) == pytest.approx(active, rel=0.02)
+
+
+def test_moe_state_bytes_at_ep_1_and_2_by_hand():
+    """Expert weights (and their gradients) halve from EP 1 to EP 2, dense ones do not; the distributed
+    optimizer shards the dense state over DP 4 and the experts' over DP / EP, so each GPU keeps 12·E / DP
+    bytes of expert state at any EP (E / EP experts over DP / EP ranks)."""
+    dense, experts = 2 * (12288 // 2 + 128 + 256) + EMBEDDING + 64, 2 * 4 * EXPERT // 2  # TP 2, PP 1
+    cfg = _moe_layout("parallel.data_parallel_size=4")
+    for ep in (1, 2):
+        st = states(cfg, MOE, 2, 1, 4, 0, ep)
+        assert st["parameters"] == 2 * (dense + experts // ep)
+        assert st["gradients"] == 4 * (dense + experts // ep)
+        assert st["optimizer_state"] == 12 * dense // 4 + 12 * (experts // ep) // (4 // ep)
+    assert memory_per_rank(cfg, MOE, 2, 1, 4, 1024, ep=2)["parameters"] == 2 * (dense + experts // 2)
+    plain = _moe_layout("parallel.data_parallel_size=4", "optim.use_distributed_optimizer=false")
+    assert states(plain, MOE, 2, 1, 4, 0, 2)["optimizer_state"] == 12 * (dense + experts // 2)
+
+
+def test_moe_activations_use_the_active_experts():
+    # TE, bf16, TP 1, per token: norms 2 x (2h·2 + 4) = 520, RoPE 4d·2 = 128, attention (3q + 3k)·2 + 4a =
+    # (192 + 96)·2 + 16 = 592; MLP: the top-2 experts' 5f·2 = 320 each, their dispatched inputs and weighted
+    # outputs 2h·2 = 256 each, the router's fp32 logits and probabilities 8 x 4 experts = 32.
+    t = 1024
+    assert layer_bytes(_cfg("trainer.precision=bf16"), MOE, 1, t, "te") == (520 + 128 + 592 + 2 * (320 + 256) + 32) * t
+    # At TP 2 with sequence parallelism: norms and the router over T / 2 tokens, each expert's f over TP.
+    sp = _moe_layout()
+    assert layer_bytes(sp, MOE, 2, t, "te") == (260 + 128 + 296 + 2 * (160 + 256)) * t + 32 * t // 2
+    # Whatever EP is: with balanced routing each rank's experts see k copies of its tokens.
+    assert stage_activations(sp, MOE, 2, 1, t, 0).saved == memory_per_rank(sp, MOE, 2, 1, 2, t, ep=2)["activations"]
+
+
+def test_moe_plan_splits_the_experts_over_ep():
+    opt = PlanOptions(nodes=1, gpus_per_node=4)
+    one, two = (make_plan(_moe_layout(f"parallel.expert_model_parallel_size={ep}"), MOE, opt) for ep in (1, 2))
+    dense, experts = 2 * (12288 // 2 + 128 + 256) + EMBEDDING + 64, 2 * 4 * EXPERT // 2
+    assert one.memory["training"]["parameters (bf16)"] == 2 * (dense + experts)
+    assert two.memory["training"]["parameters (bf16)"] == 2 * (dense + experts // 2)
+    assert (two.ep, two.params_per_gpu, two.total_params, two.active_params) == (
+        2, dense + experts // 2, total_params(MOE), active_params(MOE))
+    assert two.memory["generation"]["vLLM weights"] == total_params(MOE) * 2  # vLLM holds every expert
+    # Same FLOPs (active parameters); EP 2 adds the dispatch's all-to-alls.
+    assert all_to_all_seconds(one, _moe_layout(), 1e6) == 0 < all_to_all_seconds(two, _moe_layout(), 1e6)
+    text = format_plan(two)
+    assert "TP 2 x PP 1 x DP 2, EP 2 (2 experts per GPU, expert DP 1)" in text
+    assert f"{total_params(MOE) / 1e9:.2f}B parameters total, {active_params(MOE) / 1e9:.2f}B active per token" in text
+    # A decode step of one sequence reads the dense weights and its top-2 experts of each layer; a large
+    # batch reads them all.
+    assert decode_read_params(MOE, 1) == pytest.approx(active_params(MOE))
+    assert decode_read_params(MOE, 1000) == pytest.approx(total_params(MOE))
+
+
+def test_moe_layouts_that_are_refused():
+    opt2, opt4 = PlanOptions(nodes=1, gpus_per_node=2), PlanOptions(nodes=1, gpus_per_node=4)
+    with pytest.raises(ArchError, match=r"expert_model_parallel_size=2 needs a mixture-of-experts model \(this one "
+                                        r"is dense\)"):
+        make_plan(_cfg("parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2"), SMALL, opt2)
+    with pytest.raises(ArchError, match="num_experts=4 is not divisible by EP=8"):
+        make_plan(_cfg("parallel.data_parallel_size=8", "parallel.expert_model_parallel_size=8"), MOE,
+                  PlanOptions(nodes=1, gpus_per_node=8))
+    with pytest.raises(PlanError, match=r"parallel.expert_model_parallel_size=4 does not divide "
+                                        r"parallel.data_parallel_size=2"):
+        make_plan(_moe_layout("parallel.expert_model_parallel_size=4"), MOE, opt4)
+    with pytest.raises(PlanError, match=r"parallel.sequence_parallel=false: a mixture-of-experts model at "
+                                        r"parallel.tensor_model_parallel_size=2 needs parallel.sequence_parallel=true"):
+        make_plan(_moe_layout("parallel.sequence_parallel=false"), MOE, opt4)
+    with pytest.raises(PlanError, match="lora.enabled=true: the planner does not count LoRA adapters"):
+        make_plan(_moe_layout("lora.enabled=true"), MOE, opt4)
+
+
+def test_the_qwen3_30b_a3b_recipe_fits_four_nodes_with_ep_8():
+    plan = plan_config("configs/grpo_qwen3_30b_a3b.yaml", [], PlanOptions(gpus_per_node=8), "qwen3-30b-a3b")
+    assert (plan.tp, plan.pp, plan.dp, plan.ep, plan.gpus, plan.engines, plan.vllm_tp) == (2, 1, 16, 8, 32, 16, 2)
+    assert plan.settings["parallel.sequence_parallel"] and plan.settings["optim.use_distributed_optimizer"]
+    assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
+    assert plan.kv_tokens_per_engine >= 5120
+    assert "MoE: N = 3.35B active of 30.53B" in plan.notes["training"]
+    # Without expert parallelism every GPU holds all 128 experts: no memory setting makes that fit.
+    with pytest.raises(PlanError, match="does not fit.*split the model over more GPUs: .*expert_model_parallel_size"):
+        plan_config("configs/grpo_qwen3_30b_a3b.yaml", ["parallel.expert_model_parallel_size=1"],
+                    PlanOptions(gpus_per_node=8), "qwen3-30b-a3b")

@@ -19,6 +19,13 @@ assumed, and a config that does not fit is refused with the setting that would m
   of a vLLM engine reads its weight shard and the KV cache of the running sequences from HBM. Refit is
   bytes over the network (PP stages live on other nodes) and NVLink plus a per-bucket RPC cost.
 
+Mixtures of experts (``parallel.expert_model_parallel_size`` EP ranks, carved out of DP, each holding
+num_experts / EP experts split over TP): memory counts the TOTAL parameters (dense ones over TP x PP,
+experts over TP x PP x EP, their distributed-optimizer state over DP / EP), activations and FLOPs (N above)
+the ACTIVE ones (a token runs its top-k experts); training and log-prob passes add the token dispatch's
+all-to-alls; vLLM holds every expert over the rollout TP, and a decode step reads the experts its batch
+routes to.
+
 ``make_plan`` is pure (config + shape + allocation in, numbers out); ``format_plan`` prints it; problems
 that make a plan impossible raise :class:`PlanError` naming the config field(s) and, when one exists, the
 cheapest change of the settings above that makes the plan fit.
@@ -39,6 +46,7 @@ from megareason.config.schema import Config
 from megareason.launch.plan_format import as_overrides, format_plan
 from megareason.launch.plan_memory import (
     BYTES,
+    active_params,
     layer_bytes,
     layer_spec,
     params_per_gpu,
@@ -106,6 +114,7 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
     gpu = GPUS[opt.gpu]
     p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
     tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    ep = p.expert_model_parallel_size
     world = tp * pp * dp
     nodes = opt.nodes or max(1, math.ceil(world / opt.gpus_per_node))
     if world != nodes * opt.gpus_per_node:
@@ -113,7 +122,8 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
             f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size x data_parallel_size = "
             f"{tp} x {pp} x {dp} = {world} GPUs does not equal the allocation's {nodes} nodes x "
             f"{opt.gpus_per_node} GPUs = {nodes * opt.gpus_per_node}")
-    arch.check_parallelism(tp, pp)
+    arch.check_parallelism(tp, pp, ep)
+    _check_moe(cfg, arch)
     if p.sequence_parallel and tp == 1:
         raise PlanError("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size > 1")
     if t.recompute == "full" and t.recompute_num_layers > arch.num_layers // pp:
@@ -141,6 +151,24 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
     peak = max(sum(lines.values()) for lines in fitted.memory.values())
     raise PlanError(f"{message}; set {as_overrides(changes)} to make it fit (then {peak / GiB:.1f} GiB per GPU at the "
                     f"peak, {sum(fitted.seconds.values()):.0f} s per step)")
+
+
+def _check_moe(cfg: Config, arch: ModelArch) -> None:
+    """Refuse what a mixture-of-experts layout cannot run (``check_parallelism`` has refused EP > 1 for a
+    dense model): experts split over ranks that are not whole data-parallel groups, TP without sequence
+    parallelism, and LoRA (whose adapters the planner counts for dense MLPs only)."""
+    p = cfg.parallel
+    tp, dp, ep = p.tensor_model_parallel_size, p.data_parallel_size, p.expert_model_parallel_size
+    if dp % ep:
+        raise PlanError(f"parallel.expert_model_parallel_size={ep} does not divide parallel.data_parallel_size="
+                        f"{dp}: the experts are split over data-parallel ranks")
+    if arch.is_moe and tp > 1 and not p.sequence_parallel:
+        raise PlanError(f"parallel.sequence_parallel=false: a mixture-of-experts model at "
+                        f"parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
+                        f"(megatron-core trains MoE layers with TP only so)")
+    if arch.is_moe and cfg.lora.enabled:
+        raise PlanError("lora.enabled=true: the planner does not count LoRA adapters of a mixture-of-experts "
+                        f"model ({arch.num_experts} experts per layer)")
 
 
 def _cheapest_fix(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU,
@@ -183,6 +211,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     p, r, t, alg = cfg.parallel, cfg.rollout, cfg.trainer, cfg.algorithm
     tp, pp, dp, vtp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                        r.tensor_parallel_size)
+    ep = p.expert_model_parallel_size
     critic, lora, act = alg.name == "ppo", cfg.lora.enabled, BYTES[t.precision]
     spec = layer_spec(cfg)
 
@@ -207,12 +236,12 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
 
     per_stage: list[dict[str, dict[str, float]]] = []
     for stage in range(pp):
-        st = states(cfg, arch, tp, pp, dp, stage)
+        st = states(cfg, arch, tp, pp, dp, stage, ep)
         lines = {
             f"parameters ({t.precision}{', base + LoRA adapters' if lora else ''})": st["parameters"],
             f"gradients (fp32 main_grad{' of the LoRA adapters' if lora else ''})": st["gradients"],
-            (f"optimizer: {'Adam moments' if act == 4 else 'fp32 main weights + Adam moments'}"
-             f"{f' (/ DP {dp})' if cfg.optim.use_distributed_optimizer and dp > 1 else ''}"): st["optimizer_state"],
+            f"optimizer: {'Adam moments' if act == 4 else 'fp32 main weights + Adam moments'}"
+            f"{_optimizer_shards(cfg, arch)}": st["optimizer_state"],
         }
         if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
             lines["critic: parameters + gradients + optimizer"] = sum(lines.values())
@@ -235,7 +264,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
             "logprobs": {**lines, "forward working set": working},
         }
         if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
-            phases["logprobs"]["reference model (onloaded)"] = act * stage_params(arch, tp, pp, stage)
+            phases["logprobs"]["reference model (onloaded)"] = act * stage_params(arch, tp, pp, stage, ep)
         per_stage.append(phases)
     stages = {ph: max(range(pp), key=lambda s, ph=ph: sum(per_stage[s][ph].values())) for ph in per_stage[0]}
     by_recompute = {}
@@ -243,12 +272,20 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         c = _with(cfg, {"trainer.recompute": name, "trainer.recompute_num_layers": 0})
         by_recompute[name] = max(training_activations(c, s) for s in range(pp))
     return Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
-                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, engines=rollout_engines(tp * pp * dp, vtp, dp),
-                vllm_tp=vtp,
-                settings=settings_of(cfg), spec=spec, options=opt, params_per_gpu=params_per_gpu(arch, tp, pp),
-                total_params=total_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
+                gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, ep=ep,
+                engines=rollout_engines(tp * pp * dp, vtp, dp), vllm_tp=vtp, settings=settings_of(cfg), spec=spec,
+                options=opt, params_per_gpu=params_per_gpu(arch, tp, pp, ep), total_params=total_params(arch),
+                active_params=active_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
                 stages=stages, activations_by_recompute=by_recompute,
                 kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, passes=passes)
+
+
+def _optimizer_shards(cfg: Config, arch: ModelArch) -> str:
+    """How the distributed optimizer shards the state, for its line: over DP, an MoE's experts over DP / EP."""
+    dp, ep = cfg.parallel.data_parallel_size, cfg.parallel.expert_model_parallel_size
+    if not cfg.optim.use_distributed_optimizer or dp == 1:
+        return ""
+    return f" (/ DP {dp}, experts / DP/EP {dp // ep})" if arch.is_moe else f" (/ DP {dp})"
 
 
 def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
@@ -281,7 +318,7 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
                    }.get(phase, "raise parallel.tensor_model_parallel_size")
             if not big.startswith(("activations", "vLLM")):
                 fix = ("split the model over more GPUs: parallel.tensor_model_parallel_size / "
-                       "pipeline_model_parallel_size")
+                       f"pipeline_model_parallel_size{' / expert_model_parallel_size' if plan.arch.is_moe else ''}")
             return (f"does not fit: the {phase} phase needs {need / GiB:.1f} GiB per GPU > {plan.gpu.memory_gib} GiB "
                     f"on {plan.gpu.name} with {as_overrides(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
                     f"no change of {', '.join(SETTINGS)} makes it fit: {fix}")
@@ -326,7 +363,9 @@ Print, per GPU, the memory of parameters, gradients, optimizer states, activatio
 in each phase of a step (generation, training, log-probs), and the estimated seconds per phase from FLOPs
 and memory bandwidth. The trainer's memory settings come from the config (trainer.precision,
 trainer.recompute, trainer.recompute_num_layers, optim.use_distributed_optimizer,
-parallel.sequence_parallel). Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not
+parallel.sequence_parallel). Mixtures of experts: weights, gradients and optimizer states count every
+expert (each GPU holds num_experts / parallel.expert_model_parallel_size of them), activations and FLOPs
+the top-k experts a token runs. Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not
 the allocation's GPU count, or a config that does not fit, saying which settings would make it fit. The
 model's shape comes from model.path's config.json, or from --model-shape to plan without the weights.
 See docs/planner.md.
@@ -335,6 +374,7 @@ examples:
   megareason plan --model-shape llama-3.1-70b --nodes 8 --gpus-per-node 8 configs/raro_70b.yaml
   megareason plan --model-shape llama-3.1-70b configs/raro_70b.yaml trainer.recompute=none   # refused
   megareason plan --gpus-per-node 1 --gpu A100-80GB grpo_smollm2_cpu
+  megareason plan --model-shape qwen3-30b-a3b configs/grpo_qwen3_30b_a3b.yaml
 """
 
 

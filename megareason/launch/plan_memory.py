@@ -56,6 +56,17 @@ T' tokens) and the LM head's fp32 probabilities and log-probabilities (``models/
 bytes per scored token (with the fp32 entropy, int64 target index and bool in-range flag), plus T bytes
 (the packed row's sequence-start mask); the logits themselves are not saved.
 
+**Mixtures of experts** (``arch.is_moe``; ``parallel.expert_model_parallel_size`` EP, carved out of DP).
+States count the TOTAL parameters, split two ways (``stage_param_split``): the dense ones (attention,
+norms, the router E·h, replicated over TP, embeddings) as above over TP × PP, and the experts
+(E·3·h·f_e per layer, f_e the expert ffn size) over TP × PP × EP: each EP rank holds E / EP experts, each
+split over TP like a dense MLP. The distributed optimizer shards the dense optimizer_state over DP and the
+experts' over the expert-data-parallel group, DP / EP ranks. Activations count the ACTIVE parameters: with
+balanced routing every rank's experts see k copies of each of the T tokens (k = top-k, whatever EP is), so
+the MLP saves k·5·(f_e / TP)·B per token, plus the dispatch's permuted expert inputs and the outputs it
+weights by the router probabilities, 2k·h·B per token, and the router's fp32 logits and probabilities,
+8E per token of T'. These MoE figures are derived, not measured.
+
 Not counted: tensors of a few bytes per layer (a checkpointed core attention's 4-byte mask-type tensor),
 LoRA's rank-r intermediates; prefix-shared rows (``trainer.share_prompt_prefix``, local layers) are
 shorter than T. Checked: on CPU (local layers, a packed row through ``models.schedule``, TP 1 and 2, fp32
@@ -84,37 +95,56 @@ def layer_spec(cfg: Config) -> Spec:
 # ----------------------------------------------------------------------------------------- parameters
 
 
-def stage_params(arch: ModelArch, tp: int, pp: int, stage: int) -> int:
-    """Parameters on one GPU of pipeline stage ``stage``: its layers ((q, k, v, o, gate, up, down) / TP +
-    2 replicated norms each, + Qwen3's replicated per-head q/k norms); the first stage adds the embedding
-    (vocab × h / TP), the last the final norm and the output layer (a separate copy with PP > 1 even when
-    tied)."""
+def expert_params(arch: ModelArch) -> int:
+    """Parameters of one expert (gate, up and down of ``moe_ffn_hidden_size``); 0 for a dense model."""
+    return 3 * arch.hidden_size * arch.moe_ffn_hidden_size if arch.is_moe else 0
+
+
+def stage_param_split(arch: ModelArch, tp: int, pp: int, stage: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters on one GPU of pipeline stage ``stage``. Dense: its layers' (q, k, v, o,
+    and a dense model's gate, up, down) / TP + 2 replicated norms each, + Qwen3's replicated per-head q/k
+    norms, + an MoE router (E × h, replicated); the first stage adds the embedding (vocab × h / TP), the
+    last the final norm and the output layer (a separate copy with PP > 1 even when tied). Expert: the
+    layers' E / EP local experts, each / TP."""
     h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    linear = h * q + 2 * h * kv + q * h + 3 * h * arch.ffn_hidden_size
+    linear = h * q + 2 * h * kv + q * h + (0 if arch.is_moe else 3 * h * arch.ffn_hidden_size)
     bias = q + 2 * kv if arch.qkv_bias else 0
-    qk_norm = 2 * arch.head_dim if arch.qk_norm else 0
-    n = arch.num_layers // pp * ((linear + bias) // tp + 2 * h + qk_norm)
+    replicated = 2 * h + (2 * arch.head_dim if arch.qk_norm else 0) + arch.num_experts * h
+    layers = arch.num_layers // pp
+    n = layers * ((linear + bias) // tp + replicated)
     vocab = arch.padded_vocab_size(tp) * h // tp
     if stage == 0:
         n += vocab
     if stage == pp - 1:
         n += h + (0 if arch.tie_word_embeddings and pp == 1 else vocab)
-    return n
+    return n, layers * arch.num_experts // ep * expert_params(arch) // tp
 
 
-def params_per_gpu(arch: ModelArch, tp: int, pp: int) -> int:
+def stage_params(arch: ModelArch, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Parameters on one GPU of pipeline stage ``stage``: dense + expert (``stage_param_split``)."""
+    return sum(stage_param_split(arch, tp, pp, stage, ep))
+
+
+def params_per_gpu(arch: ModelArch, tp: int, pp: int, ep: int = 1) -> int:
     """Parameters on one GPU of the most loaded pipeline stage."""
-    return max(stage_params(arch, tp, pp, s) for s in {0, pp - 1})
+    return max(stage_params(arch, tp, pp, s, ep) for s in {0, pp - 1})
 
 
 def total_params(arch: ModelArch) -> int:
+    """Every parameter of the model (an MoE's every expert)."""
     return stage_params(arch, 1, 1, 0)
 
 
+def active_params(arch: ModelArch) -> int:
+    """Parameters a token runs through: an MoE's top-k experts of each layer instead of all of them."""
+    idle = arch.num_layers * (arch.num_experts - arch.moe_top_k) * expert_params(arch)
+    return total_params(arch) - idle
+
+
 def flop_params(arch: ModelArch) -> int:
-    """Parameters that cost FLOPs per token (the input embedding is a lookup)."""
+    """Parameters that cost FLOPs per token: the active ones but the input embedding (a lookup)."""
     untied_embedding = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
-    return total_params(arch) - untied_embedding
+    return active_params(arch) - untied_embedding
 
 
 def lora_params_per_gpu(arch: ModelArch, tp: int, pp: int, rank: int, targets: list[str]) -> int:
@@ -132,16 +162,20 @@ def lora_params_per_gpu(arch: ModelArch, tp: int, pp: int, rank: int, targets: l
     return arch.num_layers // pp * sum(per_target[t] for t in targets)
 
 
-def states(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, stage: int) -> dict[str, int]:
+def states(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, stage: int, ep: int = 1) -> dict[str, int]:
     """Bytes of ``parameters``, ``gradients`` and ``optimizer_state`` on one rank of ``stage`` (see the
-    module docstring)."""
+    module docstring): the distributed optimizer shards the dense state over DP, the experts' over DP / EP."""
     p = BYTES[cfg.trainer.precision]
-    n = stage_params(arch, tp, pp, stage)
-    trained = lora_params_per_gpu(arch, tp, pp, cfg.lora.rank, cfg.lora.targets) if cfg.lora.enabled else n
+    dense, expert = stage_param_split(arch, tp, pp, stage, ep)
+    n = dense + expert
     per_param = 8 if p == 4 else 12  # Adam moments (+ fp32 main weights in mixed precision)
-    shards = dp if cfg.optim.use_distributed_optimizer else 1
-    return {"parameters": p * (n + (trained if cfg.lora.enabled else 0)), "gradients": 4 * trained,
-            "optimizer_state": per_param * trained // shards}
+    if cfg.lora.enabled:
+        trained = lora_params_per_gpu(arch, tp, pp, cfg.lora.rank, cfg.lora.targets)
+        optimizer = per_param * trained // (dp if cfg.optim.use_distributed_optimizer else 1)
+        return {"parameters": p * (n + trained), "gradients": 4 * trained, "optimizer_state": optimizer}
+    dense_shards, expert_shards = (dp, dp // ep) if cfg.optim.use_distributed_optimizer else (1, 1)
+    optimizer = per_param * dense // dense_shards + per_param * expert // expert_shards
+    return {"parameters": p * n, "gradients": 4 * n, "optimizer_state": optimizer}
 
 
 # ----------------------------------------------------------------------------------------- activations
@@ -164,14 +198,24 @@ def layer_bytes(cfg: Config, arch: ModelArch, tp: int, tokens: int, spec: Spec) 
     """Bytes one layer that is not fully recomputed saves for backward over a row of ``tokens`` tokens."""
     act = BYTES[cfg.trainer.precision]
     h, d, a = arch.hidden_size, arch.head_dim, arch.num_heads // tp
-    q, k, f = a * d, arch.num_kv_heads // tp * d, arch.ffn_hidden_size // tp
+    q, k = a * d, arch.num_kv_heads // tp * d
     outside = -(-tokens // tp) if cfg.parallel.sequence_parallel else tokens
-    total = 2 * norm_bytes(h, act, spec) * outside + (4 * d * act + 5 * f * act) * tokens
+    total = 2 * norm_bytes(h, act, spec) * outside + 4 * d * act * tokens + mlp_bytes(arch, tp, tokens, outside, act)
     if cfg.trainer.recompute == "selective":
         return total + (3 * q + 3 * k) * act * tokens
     if spec == "te":
         return total + ((3 * q + 3 * k) * act + 4 * a) * tokens
     return total + 4 * q * act * tokens + a * tokens * tokens * (4 + (act if act < 4 else 0))
+
+
+def mlp_bytes(arch: ModelArch, tp: int, tokens: int, outside: int, act: int) -> int:
+    """Bytes one layer's MLP saves over ``tokens`` tokens (``outside`` of them outside the TP regions): a
+    dense SwiGLU 5f·B per token; an MoE's top-k experts k·5·f_e·B, their dispatched inputs and weighted
+    outputs 2k·h·B per token, and the router's fp32 logits and probabilities 8E per token of T'."""
+    if not arch.is_moe:
+        return 5 * (arch.ffn_hidden_size // tp) * act * tokens
+    k, f = arch.moe_top_k, arch.moe_ffn_hidden_size // tp
+    return k * (5 * f + 2 * arch.hidden_size) * act * tokens + 8 * arch.num_experts * outside
 
 
 def recomputed_layers(cfg: Config, arch: ModelArch, pp: int) -> int:
@@ -206,14 +250,14 @@ def stage_activations(cfg: Config, arch: ModelArch, tp: int, pp: int, tokens: in
 
 
 def memory_per_rank(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, tokens_per_micro_batch: int, *,
-                    stage: int | None = None, spec: Spec | None = None,
-                    scored_tokens: int | None = None) -> dict[str, int]:
+                    stage: int | None = None, spec: Spec | None = None, scored_tokens: int | None = None,
+                    ep: int = 1) -> dict[str, int]:
     """Bytes on one rank for ONE training micro-batch of ``tokens_per_micro_batch`` tokens (one packed row):
 
     - ``parameters``: the model's parameters in ``trainer.precision`` (LoRA: base + adapters);
     - ``gradients``: DDP's fp32 gradient buffer (``main_grad``) of the trained parameters;
     - ``optimizer_state``: Adam's ``exp_avg`` + ``exp_avg_sq`` (fp32), plus the fp32 main weights of a
-      bf16 run, ÷ DP under ``optim.use_distributed_optimizer``;
+      bf16 run, ÷ DP under ``optim.use_distributed_optimizer`` (an MoE's experts ÷ DP / ``ep``);
     - ``activations``: what the forward pass saves for backward, each storage once, parameters excluded
       (``models.memory.SavedActivations`` around the forward of the micro-batch and its log-prob head),
       without the transient rerun of a recomputed layer (``stage_activations(...).working``).
@@ -222,7 +266,7 @@ def memory_per_rank(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, tok
     ``local`` layers (default: what the trainer builds on GPU; on CPU pass ``local``); ``scored_tokens``:
     positions the LM head scores (default all). Formulas: the module docstring."""
     stages = range(pp) if stage is None else [stage]
-    per_stage = [{**states(cfg, arch, tp, pp, dp, s),
+    per_stage = [{**states(cfg, arch, tp, pp, dp, s, ep),
                   "activations": stage_activations(cfg, arch, tp, pp, tokens_per_micro_batch, s, spec=spec,
                                                    scored_tokens=scored_tokens).saved} for s in stages]
     return max(per_stage, key=lambda m: sum(m.values()))

@@ -3,7 +3,7 @@ a plan is made under, the step's generation passes (``workload``) and the ``Plan
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megareason.config.load import ConfigError
 from megareason.config.schema import Config
@@ -47,7 +47,13 @@ def _llama(vocab, hidden, ffn, layers, heads, kv, *, family="llama", tied=False,
     return ModelArch(family=family, vocab_size=vocab, hidden_size=hidden, ffn_hidden_size=ffn, num_layers=layers,
                      num_heads=heads, num_kv_heads=kv, head_dim=head_dim or hidden // heads, rms_norm_eps=eps,
                      rope_theta=theta, rope_scaling_factor=factor, max_position_embeddings=max_pos,
-                     tie_word_embeddings=tied, qkv_bias=family == "qwen2", qk_norm=family == "qwen3")
+                     tie_word_embeddings=tied, qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "qwen3_moe"))
+
+
+def _moe(dense: ModelArch, experts: int, top_k: int, expert_ffn: int, norm_topk: bool = True) -> ModelArch:
+    """``dense``'s attention with every MLP a mixture of ``experts`` SwiGLU experts of ``expert_ffn``, top-k."""
+    return replace(dense, num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=expert_ffn,
+                   moe_norm_topk=norm_topk)
 
 
 # Shapes from the models' published config.json files, for planning without the weights.
@@ -66,6 +72,12 @@ MODEL_SHAPES = {
                        max_pos=40960, head_dim=128),
     "qwen3-32b": _llama(151936, 5120, 25600, 64, 64, 8, family="qwen3", theta=1e6, factor=0.0, eps=1e-6,
                         max_pos=40960, head_dim=128),
+    # Mixtures of experts (total / active parameters: 30.5B / 3.3B, 46.7B / 12.9B). Qwen3-30B-A3B's
+    # intermediate_size 6144 is unused (every layer is MoE), kept as from_hf_config reads it.
+    "qwen3-30b-a3b": _moe(_llama(151936, 2048, 6144, 48, 32, 4, family="qwen3_moe", theta=1e6, factor=0.0,
+                                 eps=1e-6, max_pos=40960, head_dim=128), 128, 8, 768),
+    "mixtral-8x7b": _moe(_llama(32000, 4096, 14336, 32, 32, 8, family="mixtral", theta=1e6, factor=0.0,
+                                max_pos=32768), 8, 2, 14336),
 }
 
 
@@ -96,6 +108,7 @@ class Plan:
     tp: int
     pp: int
     dp: int
+    ep: int  # parallel.expert_model_parallel_size (1 for a dense model)
     engines: int
     vllm_tp: int
     settings: dict[str, object]  # the config's trainer memory settings (SETTINGS)
@@ -103,6 +116,7 @@ class Plan:
     options: PlanOptions
     params_per_gpu: int
     total_params: int
+    active_params: int  # per token: an MoE's top-k experts (= total_params for a dense model)
     memory: dict[str, dict[str, float]]  # phase -> line -> bytes, on the phase's most loaded stage
     stages: dict[str, int]  # phase -> its most loaded pipeline stage
     activations_by_recompute: dict[str, float]  # trainer.recompute none / selective / full -> training bytes

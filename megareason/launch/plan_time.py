@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 from megareason.config.schema import Config
-from megareason.launch.plan_memory import flop_params, recomputed_layers
+from megareason.launch.plan_memory import BYTES, expert_params, flop_params, recomputed_layers, total_params
 from megareason.launch.plan_records import Pass, Plan, element_bytes
+from megareason.models.arch import ModelArch
 
 # Assumptions of the time model (stated in the printed plan).
 HBM_EFFICIENCY = 0.8  # share of peak HBM bandwidth that decode kernels reach
@@ -40,7 +41,8 @@ def add_seconds(plan: Plan, cfg: Config) -> None:
     off_policy = alg.ppo_epochs > 1 or alg.mini_batches > 1
     kinds = [k for k, on in (("reference", alg.kl_coef > 0), ("old log-probs", off_policy),
                              ("critic values", critic)) if on]
-    plan.seconds["logprobs"] = len(kinds) * forward / flops_rate * (1 + logprobs_bubble)
+    dispatch = all_to_all_seconds(plan, cfg, rows_tokens)  # one forward's MoE dispatch + combine
+    plan.seconds["logprobs"] = len(kinds) * (forward / flops_rate * (1 + logprobs_bubble) + dispatch)
     plan.notes["logprobs"] = (f"{' + '.join(kinds)} forward over {rows_tokens / 1e6:.1f}M tokens" if kinds else
                               "none (on-policy, kl_coef = 0: the update's own forward gives the ratio)")
     # forward + input gradients + weight gradients (each ~ a forward); LoRA has no base weight gradients;
@@ -49,21 +51,63 @@ def add_seconds(plan: Plan, cfg: Config) -> None:
     share = recomputed_layers(cfg, arch, pp) / (arch.num_layers // pp)
     rerun = share * forward + (attn if t.recompute == "selective" else 0.0)
     per_update = passes_per_update * forward + rerun
-    plan.seconds["training"] = alg.ppo_epochs * per_update * (2 if critic else 1) / flops_rate * (1 + bubble)
+    compute = per_update / flops_rate * (1 + bubble) + (2 + share) * dispatch  # backward: 2 more all-to-alls
+    plan.seconds["training"] = alg.ppo_epochs * compute * (2 if critic else 1)
     recompute = {"none": "", "selective": " + core attention rerun"}.get(t.recompute,
                                                                          f" + {share:.0%} of a forward rerun")
     plan.notes["training"] = (f"{2 * passes_per_update}·N·tokens + attention{recompute}{' (LoRA)' if lora else ''}, "
                               f"{alg.ppo_epochs} epoch(s){' x actor and critic' if critic else ''}; "
                               f"{alg.mini_batches} x {micro} micro-batches of {t.micro_batch_tokens} tokens per DP "
-                              f"rank, PP bubble {bubble:.1%}")
+                              f"rank, PP bubble {bubble:.1%}{_moe_note(plan, dispatch)}")
     plan.seconds["weight refit"], plan.notes["weight refit"] = refit_seconds(plan, cfg)
 
 
+def all_to_all_seconds(plan: Plan, cfg: Config, tokens: float) -> float:
+    """An MoE forward's token dispatch and combine over ``tokens`` tokens (0 without experts or at EP 1):
+    two all-to-alls per layer, each sending, from every rank, the k copies of its tokens (1/TP of its
+    replica's under sequence parallelism) that go to the other EP ranks' experts, k·h·B bytes a copy,
+    1/EP of them to each (uniform routing); see ``ep_link_seconds``. Not overlapped with compute."""
+    arch = plan.arch
+    if not arch.is_moe or plan.ep == 1:
+        return 0.0
+    per_rank = tokens / (plan.dp * plan.tp) * arch.num_layers / plan.pp
+    return ep_link_seconds(plan, 2 * per_rank * arch.moe_top_k * arch.hidden_size * BYTES[cfg.trainer.precision])
+
+
+def ep_link_seconds(plan: Plan, volume: float) -> float:
+    """Seconds for a rank to send 1/EP of ``volume`` bytes to each other EP rank: the EP ranks are
+    consecutive DP ranks (TP apart), GPUs per node / TP of them on a node, reached over NVLink; the
+    others over the network."""
+    ep, gpu = plan.ep, plan.gpu
+    on_node = min(ep, max(1, plan.gpus_per_node // plan.tp))
+    nvlink = volume * (on_node - 1) / ep / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    return nvlink + volume * (ep - on_node) / ep / (gpu.network_bytes_s * NET_EFFICIENCY)
+
+
+def _moe_note(plan: Plan, dispatch: float) -> str:
+    """The training note's MoE part: active parameters and the all-to-all seconds per forward."""
+    if not plan.arch.is_moe:
+        return ""
+    return (f"; MoE: N = {plan.active_params / 1e9:.2f}B active of {plan.total_params / 1e9:.2f}B, all-to-all "
+            f"{dispatch:.1f} s per forward (EP {plan.ep})")
+
+
+def decode_read_params(arch: ModelArch, concurrent: int) -> float:
+    """Parameters a decode step of ``concurrent`` sequences reads: every dense one, and of each layer's
+    experts those some sequence is routed to, E·(1 - (1 - k/E)^c) expected under uniform routing."""
+    if not arch.is_moe:
+        return total_params(arch)
+    experts, k = arch.num_experts, arch.moe_top_k
+    touched = experts * (1 - (1 - k / experts) ** concurrent)
+    return total_params(arch) - arch.num_layers * (experts - touched) * expert_params(arch)
+
+
 def decode_step_seconds(plan: Plan, cfg: Config, concurrent: int, context: float) -> float:
-    """One decode step of an engine: read the weight shard and the running sequences' KV cache from HBM
+    """One decode step of an engine: read the weight shard (of an MoE, the experts the batch is routed to)
+    and the running sequences' KV cache from HBM
     (or, for large batches, compute), plus TP all-reduces and launch overheads."""
     gpu, arch = plan.gpu, plan.arch
-    weights = plan.total_params * element_bytes(cfg.rollout.dtype) / plan.vllm_tp
+    weights = decode_read_params(arch, concurrent) * element_bytes(cfg.rollout.dtype) / plan.vllm_tp
     kv = concurrent * context * plan.kv_bytes_per_token
     memory_s = (weights + kv) / (gpu.hbm_bytes_s * HBM_EFFICIENCY)
     compute_s = 2 * flop_params(arch) * concurrent / plan.vllm_tp / (gpu.bf16_flops * DECODE_MFU)
@@ -96,25 +140,38 @@ def generation_seconds(plan: Plan, cfg: Config, passes: list[Pass], engines: int
     return total, "; ".join(notes)
 
 
+def expert_gather_seconds(plan: Plan, cfg: Config) -> float:
+    """The refit's expert gather at EP > 1: each rank receives its stage's experts held by the other EP
+    ranks, 1/EP of them from each (``ep_link_seconds``)."""
+    if plan.ep == 1:
+        return 0.0
+    experts = plan.arch.num_layers * plan.arch.num_experts * expert_params(plan.arch)
+    return ep_link_seconds(plan, experts * element_bytes(cfg.rollout.dtype) / plan.pp)
+
+
 def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
     """Every engine receives the whole model, in the engine's dtype. Colocated SPMD engines
     (rollout.tensor_parallel_size > 1, ``rollout/colocated.py``): every rank all-gathers its stage's
     tensors over Megatron TP (NVLink) and receives the other stages' over the PP broadcast (the network
     where stages live on other nodes, each rank its own copy over its own NIC), then loads in-process.
     One engine per replica (rollout TP 1): the consumer gathers the same way, and the engine's ranks
-    read every bucket over NVLink (CUDA IPC), one RPC per bucket."""
+    read every bucket over NVLink (CUDA IPC), one RPC per bucket. At EP > 1 the experts held by the
+    other EP ranks are gathered too (``expert_gather_seconds``)."""
     gpu = plan.gpu
     size = plan.total_params * element_bytes(cfg.rollout.dtype)
     stages_per_node = max(1, plan.gpus_per_node // plan.tp)
     remote = size * max(0, plan.pp - stages_per_node) / plan.pp
     network = remote / (gpu.network_bytes_s * NET_EFFICIENCY)
+    experts = expert_gather_seconds(plan, cfg)
+    ep = f", {experts:.1f} s EP {plan.ep} expert gather" if plan.ep > 1 else ""
     if plan.vllm_tp > 1:
         nvlink = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
-        return network + nvlink, (f"{size / 1e9:.0f} GB to every rank, in-process: {network:.1f} s network (PP "
-                                  f"broadcast), {nvlink:.1f} s NVLink (TP all-gather of a stage)")
+        return network + nvlink + experts, (f"{size / 1e9:.0f} GB to every rank, in-process: {network:.1f} s "
+                                            f"network (PP broadcast), {nvlink:.1f} s NVLink (TP all-gather of a "
+                                            f"stage){ep}")
     nvlink = size * (1 + plan.vllm_tp) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
     buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
     rpc = buckets * REFIT_RPC_S
-    return network + nvlink + rpc, (f"{size / 1e9:.0f} GB per engine: {network:.1f} s network (PP), "
-                                   f"{nvlink:.1f} s NVLink (TP gather + {plan.vllm_tp} vLLM ranks), "
-                                   f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
+    return network + nvlink + rpc + experts, (f"{size / 1e9:.0f} GB per engine: {network:.1f} s network (PP), "
+                                             f"{nvlink:.1f} s NVLink (TP gather + {plan.vllm_tp} vLLM ranks){ep}, "
+                                             f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
