@@ -43,6 +43,24 @@ def _retie_embeddings(model, hf_config) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+def _repack_cpu_experts(model) -> int:
+    """vLLM 0.32's unquantized MoE method prepacks the experts into the CPU kernel's grouped-GEMM layout
+    only the first time its weights are processed; after a reload it copies the new (plain) weights into
+    place and skips the prepack, so the CPU kernel reads plain weights as packed ones and every MoE layer
+    computes garbage. Redo the CPU experts' own post-load step (pad + prepack) for each MoE layer.
+    Returns the number of layers repacked (0 on GPU, whose kernels read the plain weights)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
 class WeightUpdateExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
 
@@ -119,6 +137,7 @@ class WeightUpdateExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
             _retie_embeddings(runner.get_model(), self.vllm_config.model_config.hf_config)
+            _repack_cpu_experts(runner.get_model())
         release_imports()  # the trainer's CUDA-IPC bucket, mapped once for the whole update
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):

@@ -35,6 +35,7 @@ class _Item:
     layer: int | None  # global layer index
     stage: int  # owning pipeline stage
     local: int | None  # layer index on that stage
+    expert: int = 0  # a per-expert rule's global expert number
 
 
 def _items(arch: ModelArch, pp: int) -> list[_Item]:
@@ -45,7 +46,8 @@ def _items(arch: ModelArch, pp: int) -> list[_Item]:
         if r.where == "first":
             items.append(_Item(r, None, 0, None))
     for i in range(arch.num_layers):
-        items += [_Item(r, i, i // per_stage, i % per_stage) for r in rules if r.where == "layer"]
+        items += [_Item(r, i, i // per_stage, i % per_stage, e) for r in rules if r.where == "layer"
+                  for e in (range(arch.num_experts) if r.per_expert else [0])]
     for r in rules:
         if r.where == "last" and r is not weight_map.TIED_OUTPUT:
             items.append(_Item(r, None, pp - 1, None))
@@ -75,13 +77,17 @@ def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False,
     params = merged_state(model)
     tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     tp_src = ps.get_tensor_model_parallel_src_rank()
+    ep_group = ps.get_expert_model_parallel_group() if layout.ep > 1 else None
     receives = every_rank or layout.tp_rank == 0  # holds each whole tensor of its stage
     consumer = every_rank or is_consumer()
     for item in _items(arch, layout.pp):
-        names = [n.format(i=item.layer) for n in item.rule.hf]
+        names = [n.format(i=item.layer, e=item.expert) for n in item.rule.hf]
         tensors: list[torch.Tensor] | None = None
         if layout.pp_rank == item.stage:
-            local = params[item.rule.megatron.format(i=item.local)].detach()
+            if item.rule.per_expert:
+                local = _expert_shard(params, item, arch, layout, ep_group)
+            else:
+                local = params[item.rule.megatron.format(i=item.local)].detach()
             if dtype is not None:
                 local = local.to(dtype)
             if item.rule.split == "replicated" or layout.tp == 1:
@@ -109,15 +115,33 @@ def stream_hf_tensors(model, arch: ModelArch, every_rank: bool = False,
             yield from zip(names, tensors, strict=True)
 
 
+def _expert_shard(params: dict[str, torch.Tensor], item: _Item, arch: ModelArch, layout, ep_group) -> torch.Tensor:
+    """This rank's TP shard of one expert's tensor: its own, or under expert parallelism broadcast over the
+    expert-parallel group from the rank that holds that expert (every rank of the group takes part)."""
+    owner, local_expert = weight_map.expert_owner(arch, item.expert, layout.ep)
+    if layout.ep == 1:
+        return params[item.rule.megatron.format(i=item.local, e=local_expert)].detach()
+    mine = params[item.rule.megatron.format(i=item.local, e=0)].detach()  # every expert has the same shape
+    shard = params[item.rule.megatron.format(i=item.local, e=local_expert)].detach().contiguous() \
+        if layout.ep_rank == owner else torch.empty_like(mine)
+    dist.broadcast(shard, src=dist.get_global_rank(ep_group, owner), group=ep_group)
+    return shard
+
+
 def gather_hf_naive(model, arch: ModelArch) -> dict[str, torch.Tensor] | None:
-    """Reference: every rank's whole shard to the consumer rank, merged with ``weight_map.to_hf``."""
+    """Reference: every rank's whole shard to the consumer rank, merged with ``weight_map.to_hf`` (under
+    expert parallelism from every rank: the experts live on other data-parallel ranks)."""
     from megatron.core import parallel_state as ps
 
     layout = current_layout()
     state = dict(merged_state(model))
-    group = ps.get_model_parallel_group()
+    group = ps.get_model_parallel_group() if layout.ep == 1 else None
     shards = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shards, ((layout.tp_rank, layout.pp_rank), state), group=group)
+    key = (layout.tp_rank, layout.pp_rank) + ((layout.ep_rank,) if layout.ep > 1 else ())
+    dist.all_gather_object(shards, (key, state), group=group)
     if not is_consumer():
         return None
-    return weight_map.to_hf(dict(shards), arch, layout.tp, layout.pp)
+    merged: dict = {}
+    for k, v in shards:
+        merged.setdefault(k, v)
+    return weight_map.to_hf(merged, arch, layout.tp, layout.pp, ep=layout.ep)
