@@ -19,12 +19,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def _save_at_tp2_pp2(model_dir: str, out: str):
+def _save_at_tp2_pp2(model_dir: str, out: str, layout: tuple[int, int, int] = (2, 2, 1)):
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.checkpoint import save_checkpoint
     from megareason.models.parallel import init_parallel
 
-    init_parallel(2, 2)
+    tp, pp, ep = layout
+    init_parallel(tp, pp, ep=ep)
     ckpt = HFCheckpoint(model_dir)
     model = build_gpt(ckpt.arch)
     load_hf_weights(model, ckpt)
@@ -39,11 +40,14 @@ def _save_at_tp2_pp2(model_dir: str, out: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
-def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, request, tmp_path):
+@pytest.mark.parametrize("family, layout", [("tiny_qwen2", (2, 2, 1)), ("tiny_llama", (2, 2, 1)),
+                                            ("tiny_qwen3", (2, 2, 1)), ("tiny_qwen3_moe", (1, 2, 2)),
+                                            ("tiny_mixtral", (1, 1, 4))])
+def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, layout, request, tmp_path):
+    """Saved at TP x PP x EP (MoE: the experts spread over 2 or 4 expert-parallel ranks), exported at 1 x 1 x 1."""
     model_dir = request.getfixturevalue(family)
     ckpt = tmp_path / "ckpt"
-    run_workers(4, _save_at_tp2_pp2, str(model_dir), str(ckpt))
+    run_workers(4, _save_at_tp2_pp2, str(model_dir), str(ckpt), layout)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directories left
     # megatron-to-hf loads the TP=2, PP=2 checkpoint at TP=1, PP=1.
     result = _cli("convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf"))

@@ -384,3 +384,33 @@ def test_colocated_tp2_engine_spans_two_replicas_and_takes_the_sync(tiny_qwen2, 
     vllm_greedy = [r["response_token_ids"] for r in rows]
     assert _hf_greedy(export, prompts, 24) == vllm_greedy
     assert _hf_greedy(tiny_qwen2, prompts, 24) != vllm_greedy  # the sync changed what vLLM generates
+
+
+def test_grpo_on_a_mixture_of_experts_model_with_expert_parallelism_logs_load_and_resumes(tiny_qwen3_moe, tmp_path):
+    """Qwen3-MoE (4 experts, top-2) at DP=2 x EP=2: each replica holds two experts and feeds its own vLLM
+    engine all four (broadcast over the EP group); the routers' metrics are logged; losing step 2's
+    checkpoint and resuming from step 1 gives step 2 again, exactly."""
+    import shutil
+
+    out = tmp_path / "moe"
+    args = ("trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=2", "trainer.val_every=0",
+            "data.val_sources=[]", "parallel.data_parallel_size=2", "parallel.expert_model_parallel_size=2")
+    _run(_args(tiny_qwen3_moe, tmp_path, out, *args))
+    reference = _metrics(out)
+    assert sorted(reference) == [1, 2]
+    for step in (1, 2):
+        m = reference[step]
+        assert m["actor/grad_norm"] > 0 and 0 < m["actor/moe/min_max_ratio"] <= 1
+        assert m["actor/moe/aux_loss"] > 0  # its value is checked against transformers in test_moe.py
+        for layer in (0, 1):
+            assert 0 < m[f"actor/moe/layer_{layer}/tokens_min"] <= m[f"actor/moe/layer_{layer}/tokens_max"]
+        assert m["rollout/token_mult_prob_error"] < 1.001  # vLLM serves the synced MoE weights
+    crashed = tmp_path / "crashed"
+    shutil.copytree(out, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_00000002")
+    proc = _run(_args(tiny_qwen3_moe, tmp_path, crashed, *args))
+    assert "resuming from" in proc.stderr
+    again = _metrics(crashed)
+    for key in ("actor/loss", "actor/grad_norm", "reward/mean", "actor/moe/aux_loss", "actor/moe/min_max_ratio",
+                "actor/moe/layer_1/tokens_max"):
+        assert again[2][key] == reference[2][key], (key, again[2][key], reference[2][key])
