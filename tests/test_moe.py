@@ -215,3 +215,37 @@ def test_moe_weight_sync_into_vllm_matches_transformers(tiny_qwen3_moe, tmp_path
         before = [original.generate(torch.tensor([ids]), **kw)[0, len(ids):].tolist() for ids in prompts]
     assert result["greedy"] == want
     assert before != want  # the sync changed what vLLM generates
+
+
+def _logprob_worker(model_dir: str, tokens):
+    from megareason.config.schema import Config, OptimConfig
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Actor
+    from megareason.settings import optimizer_settings
+
+    init_parallel(1, 1, ep=2)
+    return Actor(HFCheckpoint(model_dir), optimizer_settings(Config(), OptimConfig.lr)).logprobs(tokens, 2)[0]
+
+
+def test_top_k_weights_without_renormalisation_match_transformers(tmp_path):
+    """Qwen3-MoE with norm_topk_prob=false weights each chosen expert by its softmax over all experts (not
+    renormalised over the top k): megatron-core's pre-softmax router, at EP=2."""
+    from megareason.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", "qwen3_moe", hidden_size=64, head_dim=32, intermediate_size=128,
+                                 moe_intermediate_size=32, norm_topk_prob=False, seed=5)
+    assert not ModelArch.from_pretrained(model_dir).moe_norm_topk
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokens, _ = _batch(hf.config.vocab_size)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    for got in run_workers(2, _logprob_worker, str(model_dir), tokens):
+        assert (got[:, 1:] - want).abs().max().item() < 1e-4
+    # the renormalised model (the same weights) gives other log-probs: the test can tell the two apart
+    hf.config.norm_topk_prob = True
+    for layer in hf.model.layers:
+        layer.mlp.gate.norm_topk_prob = True
+    with torch.no_grad():
+        other = torch.log_softmax(hf(tokens).logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert (other - want).abs().max().item() > 1e-2

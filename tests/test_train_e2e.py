@@ -181,9 +181,12 @@ def test_ppo_with_a_critic_runs_and_its_value_loss_falls(tiny_qwen2, tmp_path):
     ("parallel.tensor_model_parallel_size=3", "not divisible by TP=3"),
     ("model.path=/nonexistent/model", "/nonexistent/model"),
     ("trainer.prompts_per_step=3", "trainer.prompts_per_step"),
+    ("parallel.expert_model_parallel_size=2", "must divide parallel.data_parallel_size = 1"),
+    ("parallel.data_parallel_size=2 parallel.expert_model_parallel_size=2",
+     "expert_model_parallel_size=2 needs a mixture-of-experts model"),
 ])
 def test_bad_setups_fail_before_any_worker_starts(tiny_qwen2, tmp_path, override, message):
-    args = _args(tiny_qwen2, tmp_path, tmp_path / "bad", "rollout.n=3", "algorithm.mini_batches=2") + [override]
+    args = _args(tiny_qwen2, tmp_path, tmp_path / "bad", "rollout.n=3", "algorithm.mini_batches=2") + override.split()
     proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert message in proc.stderr
