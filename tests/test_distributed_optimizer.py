@@ -22,7 +22,8 @@ def _trainer(hf, *, distributed: bool, precision: str = "fp32", from_hf: bool = 
     from megareason.models.train import wrap_for_training
     from megareason.settings import optimizer_settings
 
-    compute = ComputeSettings(precision=precision, recompute="none", recompute_num_layers=0, sequence_parallel=False)
+    compute = ComputeSettings(precision=precision, recompute="none", recompute_num_layers=0, sequence_parallel=False,
+                              moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
     model = build_gpt(hf.arch, compute)
     if from_hf:
         load_hf_weights(model, hf)

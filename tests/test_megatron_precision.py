@@ -31,7 +31,8 @@ def nll_loss(logp_BT, entropy_BT, batch):
 def _compute(precision="fp32", recompute="none", layers=0, sp=False):
     from megareason.models.build import ComputeSettings
 
-    return ComputeSettings(precision=precision, recompute=recompute, recompute_num_layers=layers, sequence_parallel=sp)
+    return ComputeSettings(precision=precision, recompute=recompute, recompute_num_layers=layers, sequence_parallel=sp,
+                           moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
 
 
 def _grads_and_saved(model_dir, compute, tokens, mask, tp, lora=False):

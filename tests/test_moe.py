@@ -48,7 +48,7 @@ def _worker(model_dir: str, tokens, mask, layouts):
         assert (layout.ep, layout.dp) == (ep, 4 // (tp * pp))
         ckpt = HFCheckpoint(model_dir)
         # megatron-core trains MoE with TP only under sequence parallelism
-        model = build_gpt(ckpt.arch, ComputeSettings("fp32", "none", 0, sequence_parallel=tp > 1))
+        model = build_gpt(ckpt.arch, ComputeSettings("fp32", "none", 0, tp > 1, 0.0, 0.0))
         load_hf_weights(model, ckpt)
         head = logprob_head(ckpt.arch.vocab_size)
         # every rank: log-probs of the whole batch (EP ranks exchange tokens with each other)

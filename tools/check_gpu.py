@@ -127,7 +127,7 @@ def logprobs_bf16(model_dir):
     from megareason.models.roles import Actor
 
     ckpt = HFCheckpoint(model_dir)
-    actor = Actor(ckpt, _optim(), ComputeSettings("bf16", "none", 0, False))
+    actor = Actor(ckpt, _optim(), ComputeSettings("bf16", "none", 0, False, 0.0, 0.0))
     assert next(actor.model.parameters()).dtype == torch.bfloat16
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()

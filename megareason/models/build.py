@@ -36,8 +36,8 @@ class ComputeSettings:
     recompute_num_layers: int  # full: 0 = every layer, one per checkpoint; N = the first N of each stage
     sequence_parallel: bool
     # MoE models: the router's load-balancing loss and z-loss coefficients (0 = off; dense models ignore them)
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float
+    moe_z_loss_coeff: float
 
     @property
     def dtype(self) -> torch.dtype:
@@ -73,7 +73,8 @@ class ComputeSettings:
         return kwargs
 
 
-FP32 = ComputeSettings(precision="fp32", recompute="none", recompute_num_layers=0, sequence_parallel=False)
+FP32 = ComputeSettings(precision="fp32", recompute="none", recompute_num_layers=0, sequence_parallel=False,
+                       moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
 
 
 class RMSNorm(torch.nn.RMSNorm):
