@@ -124,3 +124,47 @@ def test_causal_mask_is_built_on_the_cpu_even_in_backward(found):
 def test_tensor_type_names_the_cuda_type(found):
     assert found["type_names"] == ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor")
     assert found["type_conversion"] == torch.float64
+
+
+def _moe_probe():
+    """The MoE dispatcher's patches, on 2 gloo ranks (the uneven collectives need two)."""
+    import numpy as np
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    from megareason.models.parallel import init_parallel
+
+    layout = init_parallel(2, 1)
+    found = {}
+    # side stream, its context, current_stream and the event it records
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        found["in_stream"] = torch.ones(1).sum().item()
+    stream.wait_stream(torch.cuda.current_stream())
+    found["stream_differs"] = torch.cuda.current_stream() != stream
+    found["event"] = stream.record_event().synchronize()
+    # split sizes become numpy arrays (gloo's all_to_all_single wants ints), other tensors stay
+    found["as_numpy"] = isinstance(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 3]), as_numpy=True),
+                                   np.ndarray)
+    found["same_module"] = moe_utils.maybe_move_tensor_to_cpu is token_dispatcher.maybe_move_tensor_to_cpu
+    # uneven all-gather: rank r contributes r + 1 rows of value r; uneven reduce-scatter: rank r keeps
+    # sizes[r] rows of the sum over ranks
+    group = ps.get_tensor_model_parallel_group()
+    r = layout.tp_rank
+    found["gathered"] = mappings._gather_along_first_dim(torch.full((r + 1, 2), float(r)), group, [1, 2])
+    rows = torch.arange(6.0).reshape(3, 2) * (r + 1)
+    found["scattered"] = mappings._reduce_scatter_along_first_dim(rows, group, [1, 2])
+    found["rank"] = r
+    dist.barrier()
+    return found
+
+
+def test_moe_dispatcher_stand_ins():
+    for found in run_workers(2, _moe_probe):
+        assert found["in_stream"] == 1.0 and found["stream_differs"] and found["event"] is None
+        assert found["as_numpy"] and found["same_module"]
+        assert torch.equal(found["gathered"], torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
+        total = torch.arange(6.0).reshape(3, 2) * 3  # rank 0's rows + rank 1's (twice rank 0's)
+        assert torch.equal(found["scattered"], total[:1] if found["rank"] == 0 else total[1:])
