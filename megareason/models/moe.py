@@ -11,7 +11,8 @@ tokens its layer sent to each expert, and the switch load-balancing loss of that
 computed from the router's own logits here, so it is logged whether or not the loss trains
 (``trainer.moe_aux_loss_coeff`` = 0). transformers' ``load_balancing_loss_func`` is k times this value.
 ``metrics()`` reduces over the ranks (pipeline stages hold different layers; data-parallel ranks different
-tokens; under sequence parallelism each TP rank routes its own slice of the sequence).
+tokens; under sequence parallelism each TP rank routes its own slice of a micro-batch, and the loss is that
+of the whole micro-batch, as megatron-core computes it over the TP group).
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ class RouterWatch:
                 module.register_forward_hook(self._hook)
 
     def _reset(self) -> None:
-        self.tokens = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-        self.aux = torch.zeros(self.num_layers, dtype=torch.float64)
-        self.passes = torch.zeros(self.num_layers, dtype=torch.float64)
+        # per layer, per forward pass: tokens per expert, summed router probabilities per expert, tokens
+        self.passes: dict[int, list[torch.Tensor]] = {}
 
     def start(self) -> None:
         """Count from now on (a training step's forward-backward)."""
@@ -52,13 +52,10 @@ class RouterWatch:
         with torch.no_grad():
             hidden = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
             routing_map = output[1].reshape(-1, self.num_experts)
-            row = router.layer_number - 1
-            counts = routing_map.sum(0).double().cpu()
             scores = torch.softmax(hidden @ router.weight.float().t(), dim=-1)
-            n = max(hidden.shape[0], 1)
-            self.tokens[row] += counts
-            self.aux[row] += (self.num_experts / self.top_k) * float((counts.float() / n * scores.mean(0).cpu()).sum())
-            self.passes[row] += 1
+            stats = torch.cat([routing_map.sum(0).double(), scores.sum(0).double(),
+                               torch.tensor([hidden.shape[0]], dtype=torch.float64, device=scores.device)])
+            self.passes.setdefault(router.layer_number - 1, []).append(stats.cpu())
 
     def metrics(self) -> dict[str, float]:
         """Stop counting; ``moe/aux_loss`` (mean over layers and micro-batches), ``moe/min_max_ratio``
@@ -68,23 +65,32 @@ class RouterWatch:
         from megatron.core import parallel_state as ps
 
         self.counting = False
-        stats = torch.cat([self.tokens.flatten(), self.aux, self.passes])
+        layers, experts = self.num_layers, self.num_experts
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        packed = stats.to(device)
-        groups = [ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()]
-        if self.sequence_parallel:
-            groups.append(ps.get_tensor_model_parallel_group())
-        for group in groups:
-            if dist.get_world_size(group) > 1:
+        # Every layer of a stage sees the same micro-batches; under sequence parallelism each TP rank routes
+        # its slice of each micro-batch, so the TP ranks' statistics of one pass add up to the micro-batch's.
+        num_passes = max((len(v) for v in self.passes.values()), default=0)
+        per_pass = torch.zeros(layers, num_passes, 2 * experts + 1, dtype=torch.float64)
+        for layer, stats in self.passes.items():
+            per_pass[layer, : len(stats)] = torch.stack(stats)
+        if self.sequence_parallel and num_passes:
+            per_pass = per_pass.to(device)
+            dist.all_reduce(per_pass, group=ps.get_tensor_model_parallel_group())
+            per_pass = per_pass.cpu()
+        tokens, probs, n = per_pass[..., :experts], per_pass[..., experts:-1], per_pass[..., -1:]
+        ran = n[..., 0] > 0
+        aux_per_pass = (self.num_experts / self.top_k) * ((tokens / n.clamp_min(1)) * (probs / n.clamp_min(1))).sum(-1)
+        packed = torch.cat([tokens.sum(1).flatten(), (aux_per_pass * ran).sum(1), ran.sum(1).double()]).to(device)
+        for group in (ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()):
+            if dist.get_world_size(group) > 1:  # stages hold different layers, DP ranks different tokens
                 dist.all_reduce(packed, group=group)
         packed = packed.cpu()
-        layers, experts = self.num_layers, self.num_experts
-        tokens = packed[: layers * experts].reshape(layers, experts)
-        aux, passes = packed[layers * experts : layers * experts + layers], packed[layers * experts + layers :]
-        out = {"moe/aux_loss": float((aux / passes.clamp_min(1)).mean())}
+        counts = packed[: layers * experts].reshape(layers, experts)
+        aux, runs = packed[layers * experts : layers * experts + layers], packed[layers * experts + layers :]
+        out = {"moe/aux_loss": float((aux / runs.clamp_min(1)).mean())}
         ratios = []
         for layer in range(layers):
-            most, least = float(tokens[layer].max()), float(tokens[layer].min())
+            most, least = float(counts[layer].max()), float(counts[layer].min())
             ratio = least / most if most else 1.0
             ratios.append(ratio)
             out[f"moe/layer_{layer}/min_max_ratio"] = ratio
