@@ -4,7 +4,8 @@ CI has no GPU, so this is what a lent GPU machine runs (see docs/architecture.md
 process groups, the model on the device, micro-batches moved to it, log-probs (padded and packed) and
 one AdamW step against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's
 offload/onload, the streaming export against the naive gather, a CUDA-IPC bucket read by another
-process (as vLLM's worker does), and a checkpoint round trip through the HF converter. Needs
+process (as vLLM's worker does), and a checkpoint round trip through the HF converter; for a dense Qwen2,
+a tied Llama and a Qwen3-MoE (megatron-core's MoE layers on the GPU). Needs
 megatron-core, transformers and safetensors (not Ray or vLLM). Prints one line per check and exits 1
 if any failed:
 
@@ -488,8 +489,10 @@ def main() -> int:
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {dist.get_backend()} "
           f"transformer_engine {transformer_engine_available()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for family, tied in (("qwen2", False), ("llama", True)):
-            model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied))
+        # qwen3_moe: megatron-core's MoE layers (router, all-to-all dispatch, per-expert MLPs) on the GPU
+        moe = dict(hidden_size=64, head_dim=32, intermediate_size=128, moe_intermediate_size=64)
+        for family, tied, kw in (("qwen2", False, {}), ("llama", True, {}), ("qwen3_moe", False, moe)):
+            model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied, **kw))
             for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
                        ipc, checkpoint, scale_memory):
                 before = set(RESULTS)
