@@ -190,6 +190,23 @@ def setup_worker() -> None:
     logging.captureWarnings(True)
 
 
+def last_worker_error(role: str, rank: int, tail_bytes: int = 65536) -> str | None:
+    """The message of the last ERROR record in ``logs/<role>_rank<R>.log`` (its last ``tail_bytes``), or None:
+    why a worker that exited by itself died. The worker writes it to its file before exiting, so unlike
+    Ray's forwarding of its console lines it is there when the driver learns of the death."""
+    if _log_dir is None:
+        return None
+    path = _log_dir / f"{role}_rank{rank}.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    errors = [line.split(": ", 1)[-1] for line in lines if " ERROR " in line]
+    return errors[-1] if errors else None
+
+
 def name_worker(role: str, rank: int) -> None:
     """A worker that knows its role and rank: its console lines read ``(role rank R) ...`` and its log
     becomes ``<role>_rank<R>.log`` (appended to across restarts). A no-op without ``setup_worker``."""

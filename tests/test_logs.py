@@ -105,3 +105,22 @@ def test_workers_get_the_log_folder_and_their_setup_hook_only_during_a_run(tmp_p
                    "worker_process_setup_hook": "megareason.logs.setup_worker"}
     assert path == tmp_path / "logs" / "driver.log" and logs.last_log() == path
     assert logs.worker_runtime_env({}) == {"env_vars": {}}
+
+
+def test_the_last_error_of_a_dead_worker_is_read_from_its_log(tmp_path, monkeypatch):
+    """The driver names why a worker died from the worker's own file (written before it exited), not from
+    Ray's asynchronous forwarding of its console."""
+    from megareason import logs
+
+    monkeypatch.setattr(logs, "_log_dir", tmp_path)
+    assert logs.last_worker_error("policy", 0) is None  # no file yet
+    (tmp_path / "policy_rank0.log").write_text(
+        "14:08:01 INFO megareason.trainer: step 1\n"
+        "14:08:02 ERROR megareason.rollout: an older error\n"
+        "(EngineCore pid=7) INFO 11-25 14:08:03 [core.py:1] something\n"
+        "14:08:04 ERROR megareason.rollout.engine: the vLLM engine core process (pid 42) of this worker "
+        "(pid 7) is gone\n")
+    assert logs.last_worker_error("policy", 0) == "the vLLM engine core process (pid 42) of this worker (pid 7) is gone"
+    assert logs.last_worker_error("policy", 1) is None
+    monkeypatch.setattr(logs, "_log_dir", None)  # no run folder: nothing to read
+    assert logs.last_worker_error("policy", 0) is None

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from megareason.config.schema import Config
+from megareason.logs import last_worker_error
 from megareason.trainer.run_dir import RunError, first_line
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ class WorkerGroup:
                 self.failed = True
                 rank = futures.index(done[0])
                 role = self.worker_cls.__name__.removesuffix("Worker").lower()
-                raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {first_line(e)} (its log: "
+                cause = last_worker_error(role, rank)  # e.g. which vLLM engine core died
+                raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {first_line(e)}"
+                                 f"{f'; its last error: {cause}' if cause else ''} (its log: "
                                  f"logs/{role}_rank{rank}.log in the run folder)") from None
             except Exception:
                 self.failed = True
