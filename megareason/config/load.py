@@ -207,9 +207,24 @@ def validate_training(cfg: Config) -> None:
     _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",
            "needs parallel.tensor_model_parallel_size > 1", par.sequence_parallel)
     world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size
-    _check(world % cfg.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
+    _check(cfg.rollout.placement == "separate" or world % cfg.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
            f"must divide the trainer's world size TP x PP x DP = {world} (each colocated vLLM engine takes that "
            "many consecutive ranks)", cfg.rollout.tensor_parallel_size)
+    ro = cfg.rollout
+    _check(ro.num_engines >= 1, "rollout.num_engines", "must be >= 1", ro.num_engines)
+    _check(ro.placement == "separate" or ro.num_engines == 1, "rollout.num_engines",
+           "applies to rollout.placement: separate (colocated engines follow the trainer's ranks)", ro.num_engines)
+    _check(t.max_staleness in (0, 1), "trainer.max_staleness",
+           "must be 0 (on-policy) or 1 (one step off-policy); larger gaps are not implemented", t.max_staleness)
+    if t.max_staleness:
+        _check(ro.placement == "separate", "rollout.placement", "must be separate with trainer.max_staleness > 0 "
+               "(colocated engines sleep while the trainer trains: nothing can overlap)", ro.placement)
+        _check(alg.name != "raro", "trainer.max_staleness", "must be 0 with algorithm.name=raro (the critic round "
+               "generates with the weights being trained)", t.max_staleness)
+        _check(cfg.env.name == "none", "trainer.max_staleness", "must be 0 with an environment (env.name: "
+               "episodes generate turn by turn)", t.max_staleness)
+        _check(not alg.dynamic_sampling, "trainer.max_staleness", "must be 0 with algorithm.dynamic_sampling "
+               "(it draws more prompts within the step)", t.max_staleness)
     _check(t.recompute_num_layers >= 0, "trainer.recompute_num_layers", "must be >= 0 (0: every layer)",
            t.recompute_num_layers)
     _check(t.steps >= 1, "trainer.steps", "must be >= 1", t.steps)

@@ -82,6 +82,13 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     # true: no CUDA graphs / compilation. Unset (null): resolve_enforce_eager's per-device default.
     enforce_eager: bool | None = None
+    # colocated: the engines share the trainer's devices (each replica's first rank holds one, or with
+    # tensor_parallel_size > 1 SPMD engines over consecutive ranks) and sleep while Megatron trains.
+    # separate: num_engines engines of tensor_parallel_size devices each, on resources of their own (a
+    # Ray placement group beside the trainer's), fed by the trainer after each update; what
+    # trainer.max_staleness > 0 needs to generate while the trainer trains.
+    placement: Literal["colocated", "separate"] = "colocated"
+    num_engines: int = 1  # placement: separate only
 
 
 def resolve_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:
@@ -376,6 +383,11 @@ class TrainerConfig:
     # Ray: empty starts a local cluster on 127.0.0.1; "auto" or host:port joins a running one.
     ray_address: str = ""
     weight_sync_bucket_mb: int = 256
+    # 0: on-policy (generate, then train, then push the weights). 1: one step off-policy: the engines
+    # generate step k+1's samples with the weights of step k-1 while the trainer trains step k (needs
+    # rollout.placement: separate); the algorithm's rollout correction (algorithm.rollout_tis_cap /
+    # rollout_mis_cap) weighs the version gap. Larger gaps are not implemented.
+    max_staleness: int = 0
 
 
 @dataclass
