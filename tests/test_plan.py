@@ -439,3 +439,129 @@ def test_the_qwen3_30b_a3b_recipe_fits_four_nodes_with_ep_8():
     with pytest.raises(PlanError, match="does not fit.*split the model over more GPUs: .*expert_model_parallel_size"):
         plan_config("configs/grpo_qwen3_30b_a3b.yaml", ["parallel.expert_model_parallel_size=1"],
                     PlanOptions(gpus_per_node=8), "qwen3-30b-a3b")
+
+
+# ----------------------------------------------------------------------------------------- separate engines, staleness
+
+ONE_NODE, TWO_NODES = PlanOptions(nodes=1, gpus_per_node=8), PlanOptions(nodes=2, gpus_per_node=4)
+BUCKET = "weight sync: a received bucket (beside vLLM's share)"
+
+
+def _trainer_tp2_dp2(*overrides: str):
+    """Megatron TP 2 x DP 2 (4 GPUs), vLLM TP 2, bf16, a reference model (kl_coef > 0)."""
+    return _cfg("parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=2",
+                "rollout.tensor_parallel_size=2", "trainer.precision=bf16", "trainer.micro_batch_tokens=1024",
+                "algorithm.kl_coef=0.1", *overrides)
+
+
+def _separate(*overrides: str):
+    """The trainer on 4 GPUs, 2 engines x vLLM TP 2 on 4 GPUs of their own (8 in all)."""
+    return _trainer_tp2_dp2("rollout.placement=separate", "rollout.num_engines=2", *overrides)
+
+
+def test_the_separate_layout_splits_the_gpus_and_their_memory():
+    cfg = _separate()
+    plan = make_plan(cfg, SMALL, ONE_NODE)
+    assert (plan.gpus, plan.trainer_gpus, plan.engine_gpus, plan.engines, plan.vllm_tp) == (8, 4, 4, 2, 2)
+    # An engine's GPU holds vLLM alone: its weights at vLLM TP 2, the reserve, the KV cache (the rest of
+    # gpu_memory_utilization x 79.6 GiB), and the weight sync's bucket in flight beside them.
+    gen = plan.memory["generation"]
+    assert set(gen) == {"vLLM weights", "vLLM activations + non-torch (reserve)", "vLLM KV cache", BUCKET}
+    assert gen["vLLM weights"] == total_params(SMALL) * 2 // 2
+    assert gen["vLLM weights"] + gen["vLLM activations + non-torch (reserve)"] + gen["vLLM KV cache"] == pytest.approx(
+        cfg.rollout.gpu_memory_utilization * 79.6 * GiB)
+    assert gen[BUCKET] == cfg.trainer.weight_sync_bucket_mb * 2**20
+    # The trainer's GPUs hold no vLLM in any phase (nothing sleeps or wakes): the same bytes as a colocated
+    # trainer of that layout, less vLLM's woken weights at the sync.
+    colocated = make_plan(_trainer_tp2_dp2(), SMALL, PlanOptions(nodes=1, gpus_per_node=4))
+    assert colocated.engines == 2 and colocated.memory["sync"]["vLLM weights"] > 0
+    for phase in ("sync", "training", "logprobs"):
+        assert not any(line.startswith("vLLM") or line == BUCKET for line in plan.memory[phase])
+        assert plan.memory[phase] == {k: v for k, v in colocated.memory[phase].items() if k != "vLLM weights"}
+    text = format_plan(plan)
+    assert "= 8 GPUs (4 trainer + 4 engine)" in text and "2 engine(s) x TP 2 on 4 GPUs of their own" in text
+
+
+def test_the_separate_layout_trains_on_its_gpus_and_refits_over_a_link():
+    sep, gpu = make_plan(_separate(), SMALL, ONE_NODE), GPUS["H100-80GB"]
+    colocated = make_plan(_trainer_tp2_dp2(), SMALL, PlanOptions(nodes=1, gpus_per_node=4))
+    # FLOPs over the 4 trainer GPUs, not the 8 of the job; the same 2 engines x TP 2 with the same KV cache.
+    for phase in ("generation", "logprobs", "training"):
+        assert sep.seconds[phase] == pytest.approx(colocated.seconds[phase])
+    # Refit: the stage's TP all-gather (half its bytes) over NVLink, every engine GPU receiving the whole
+    # model (bf16) over NVLink on one node, the network on two; one 256 MB bucket's RPC (10 ms).
+    size = total_params(SMALL) * 2
+    gather = size / 2 / (gpu.nvlink_bytes_s * 0.8)
+    assert sep.seconds["weight refit"] == pytest.approx(gather + size / (gpu.nvlink_bytes_s * 0.8) + 0.01)
+    two = make_plan(_separate(), SMALL, TWO_NODES)
+    assert two.seconds["weight refit"] == pytest.approx(gather + size / (gpu.network_bytes_s * 0.8) + 0.01)
+    assert "NCCL broadcast over the network (40 GB/s per receiving GPU)" in two.notes["weight refit"]
+
+
+def test_step_time_is_the_sum_or_refit_plus_the_max():
+    from megareason.launch.plan_records import step_seconds
+
+    seconds = {"generation": 30.0, "logprobs": 5.0, "training": 20.0, "weight refit": 2.0}
+    assert step_seconds(seconds, 0) == 30 + 5 + 20 + 2 == 57
+    assert step_seconds(seconds, 1) == 2 + max(30, 5 + 20) == 32  # generation-bound
+    seconds["generation"] = 10.0
+    assert (step_seconds(seconds, 0), step_seconds(seconds, 1)) == (37, 2 + 25)  # trainer-bound
+    off = make_plan(_separate("trainer.max_staleness=1"), SMALL, ONE_NODE)
+    s = off.seconds
+    assert off.step_seconds == off.off_policy_seconds == pytest.approx(
+        s["weight refit"] + max(s["generation"], s["logprobs"] + s["training"]))
+    assert off.sync_seconds == pytest.approx(sum(s.values()))
+    assert off.sync_seconds > off.step_seconds
+    on = make_plan(_separate(), SMALL, ONE_NODE)
+    assert on.step_seconds == on.sync_seconds and on.seconds == off.seconds
+    text = format_plan(off)
+    assert "step, one step off" in text and "<- this config (trainer.max_staleness=1)" in text
+    assert f"step = {s['weight refit']:.1f} + max({s['generation']:.1f}," in text
+
+
+def test_the_separate_layout_refusals_name_the_fields():
+    with pytest.raises(PlanError, match=r"rollout.placement=separate: parallel.tensor_model_parallel_size x "
+                                        r"pipeline_model_parallel_size x data_parallel_size = 2 x 1 x 2 = 4 trainer "
+                                        r"GPUs \+ rollout.num_engines x rollout.tensor_parallel_size = 3 x 2 = 6 "
+                                        r"engine GPUs = 10 GPUs does not equal the allocation's 1 nodes x 8 GPUs = 8"):
+        make_plan(_separate("rollout.num_engines=3"), SMALL, ONE_NODE)
+    with pytest.raises(PlanError, match=r"= 10 GPUs does not equal the allocation's 2 nodes x 8 GPUs = 16"):
+        make_plan(_separate("rollout.num_engines=3"), SMALL, PlanOptions(gpus_per_node=8))  # nodes from the layout
+    # An engine of its own may be wider than a trainer replica; a colocated one may not.
+    assert make_plan(_separate("rollout.num_engines=1", "rollout.tensor_parallel_size=4"), SMALL, ONE_NODE).vllm_tp == 4
+    with pytest.raises(PlanError, match="rollout.tensor_parallel_size=4 exceeds the 2 GPUs of a data-parallel"):
+        make_plan(_trainer_tp2_dp2("rollout.tensor_parallel_size=4"), SMALL, PlanOptions(nodes=1, gpus_per_node=4))
+    with pytest.raises(PlanError, match=r"rollout.gpu_memory_utilization=0.2 gives vLLM 15.9 GiB per GPU, less than "
+                                        r"its weights \(15.0 GiB at rollout.tensor_parallel_size=1\) \+ 2.0 GiB: no "
+                                        r"room for a KV cache; raise it or rollout.tensor_parallel_size"):
+        make_plan(_separate("rollout.tensor_parallel_size=1", "rollout.num_engines=4",
+                            "rollout.gpu_memory_utilization=0.2"), MODEL_SHAPES["llama-3.1-8b"], ONE_NODE)
+
+
+def test_llama_shapes_match_their_model_cards():
+    assert total_params(MODEL_SHAPES["llama-3.1-8b"]) == pytest.approx(8.03e9, rel=0.005)
+    assert total_params(MODEL_SHAPES["llama-3.1-70b"]) == pytest.approx(70.6e9, rel=0.005)
+
+
+def test_the_llama8b_async_recipe_plans_nemo_rl_runs_beside_their_measurements(capsys):
+    from megareason.launch.plan_published import compare, format_comparison, published_for
+
+    recipe = "configs/grpo_llama8b_async.yaml"
+    plan = plan_config(recipe, [], PlanOptions(), "llama-3.1-8b")
+    assert (plan.placement, plan.max_staleness, plan.nodes, plan.trainer_gpus, plan.engines, plan.vllm_tp) == (
+        "separate", 1, 2, 8, 8, 1)
+    assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
+    assert plan.step_seconds == plan.off_policy_seconds < plan.sync_seconds
+    rows = compare(recipe, [], PlanOptions(), "llama-3.1-8b")
+    assert [(c.run.step_s, c.plan.placement, c.plan.gpus, c.plan.max_staleness) for c in rows] == [
+        (92.8, "colocated", 16, 0), (64.8, "separate", 16, 1)]
+    assert [(c.plan.passes[0].prompt, c.plan.passes[0].response) for c in rows] == [(128, 1019), (128, 1123)]
+    assert all(c.plan.gpu.name == "H100-80GB" for c in rows)
+    assert "one step off over on-policy" in format_comparison(published_for(recipe), rows)
+    assert main(["plan", "--model-shape", "llama-3.1-8b", recipe]) == 0
+    out = capsys.readouterr().out
+    for text in ("step, synchronous", "step, one step off", "NeMo-RL v0.5", "92.8", "64.8",
+                 f"a step {plan.step_seconds:.0f} s"):  # the pre-emption lead's step is the one-step-off one
+        assert text in out
+    assert main(["plan", "--model-shape", "llama-3.1-8b", recipe, "rollout.num_engines=4"]) == 2
+    assert "rollout.num_engines x rollout.tensor_parallel_size = 4 x 1 = 4 engine GPUs" in capsys.readouterr().err

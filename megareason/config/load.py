@@ -207,7 +207,8 @@ def validate_training(cfg: Config) -> None:
     _check(not par.sequence_parallel or par.tensor_model_parallel_size > 1, "parallel.sequence_parallel",
            "needs parallel.tensor_model_parallel_size > 1", par.sequence_parallel)
     world = par.tensor_model_parallel_size * par.pipeline_model_parallel_size * par.data_parallel_size
-    _check(cfg.rollout.placement == "separate" or world % cfg.rollout.tensor_parallel_size == 0, "rollout.tensor_parallel_size",
+    _check(cfg.rollout.placement == "separate" or world % cfg.rollout.tensor_parallel_size == 0,
+           "rollout.tensor_parallel_size",
            f"must divide the trainer's world size TP x PP x DP = {world} (each colocated vLLM engine takes that "
            "many consecutive ranks)", cfg.rollout.tensor_parallel_size)
     ro = cfg.rollout

@@ -33,3 +33,7 @@ class PromptSampler:
             out += self._order[self.position:self.position + take]
             self.position += take
         return out
+
+    def peek(self, k: int) -> list[int]:
+        """What ``next(k)`` would return, without drawing it."""
+        return PromptSampler(self.size, self.seed, self.epoch, self.position).next(k)

@@ -26,13 +26,24 @@ the ACTIVE ones (a token runs its top-k experts); training and log-prob passes a
 all-to-alls; vLLM holds every expert over the rollout TP, and a decode step reads the experts its batch
 routes to.
 
+Separate engines (``rollout.placement=separate``): the job's GPUs split into the trainer's TP x PP x DP and
+``rollout.num_engines`` x ``rollout.tensor_parallel_size`` of the engines' own, which must add up to the
+allocation. The trainer's GPUs hold no vLLM (nothing sleeps or wakes), an engine's GPU holds vLLM alone
+(weights + KV cache within ``gpu_memory_utilization``, plus a weight-sync bucket in flight); generation runs
+on the engines, training and log-probs on the trainer's GPUs, and the refit broadcasts the gathered model
+to every engine GPU over the network (NVLink on one node). ``trainer.max_staleness=1`` overlaps generation
+with training: a step is refit + max(generation, log-probs + training) instead of the sum
+(``plan_records.step_seconds``); both are printed. ``plan_published`` prints a recipe made to match a
+published run (``configs/grpo_llama8b_async.yaml``: NeMo-RL's Llama-3.1-8B) beside its measurements.
+
 ``make_plan`` is pure (config + shape + allocation in, numbers out); ``format_plan`` prints it; problems
 that make a plan impossible raise :class:`PlanError` naming the config field(s) and, when one exists, the
 cheapest change of the settings above that makes the plan fit.
 
-The code: :mod:`~megareason.launch.plan_records` (GPUs, model shapes, options, the ``Plan`` record),
-:mod:`~megareason.launch.plan_memory` (bytes), :mod:`~megareason.launch.plan_time` (seconds),
-:mod:`~megareason.launch.plan_format` (the printed table); this module builds and checks a plan.
+The code: :mod:`~megareason.launch.plan_records` (GPUs, model shapes, options, the ``Plan`` record, the step
+time), :mod:`~megareason.launch.plan_memory` (bytes), :mod:`~megareason.launch.plan_time` (seconds),
+:mod:`~megareason.launch.plan_format` (the printed table), :mod:`~megareason.launch.plan_published` (published
+runs beside their plans); this module builds and checks a plan.
 """
 
 from __future__ import annotations
@@ -113,15 +124,9 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
         raise PlanError(f"--gpu {opt.gpu!r} is not known; known: {', '.join(GPUS)}")
     gpu = GPUS[opt.gpu]
     p, r, t = cfg.parallel, cfg.rollout, cfg.trainer
-    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
-    ep = p.expert_model_parallel_size
-    world = tp * pp * dp
-    nodes = opt.nodes or max(1, math.ceil(world / opt.gpus_per_node))
-    if world != nodes * opt.gpus_per_node:
-        raise PlanError(
-            f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size x data_parallel_size = "
-            f"{tp} x {pp} x {dp} = {world} GPUs does not equal the allocation's {nodes} nodes x "
-            f"{opt.gpus_per_node} GPUs = {nodes * opt.gpus_per_node}")
+    tp, pp, ep, vtp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+                       r.tensor_parallel_size)
+    nodes = _check_gpus(cfg, opt)
     arch.check_parallelism(tp, pp, ep)
     _check_moe(cfg, arch)
     if p.sequence_parallel and tp == 1:
@@ -129,8 +134,7 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
     if t.recompute == "full" and t.recompute_num_layers > arch.num_layers // pp:
         raise PlanError(f"trainer.recompute_num_layers={t.recompute_num_layers} is more than the "
                         f"{arch.num_layers // pp} layers of a pipeline stage")
-    vtp = r.tensor_parallel_size
-    if vtp > tp * pp:
+    if r.placement == "colocated" and vtp > tp * pp:
         raise PlanError(f"rollout.tensor_parallel_size={vtp} exceeds the {tp * pp} GPUs of a data-parallel "
                         f"replica (parallel.tensor_model_parallel_size x pipeline_model_parallel_size), which "
                         f"its colocated vLLM engine runs on")
@@ -150,7 +154,28 @@ def make_plan(cfg: Config, arch: ModelArch, opt: PlanOptions, *, config_name: st
     changes, fitted = fix
     peak = max(sum(lines.values()) for lines in fitted.memory.values())
     raise PlanError(f"{message}; set {as_overrides(changes)} to make it fit (then {peak / GiB:.1f} GiB per GPU at the "
-                    f"peak, {sum(fitted.seconds.values()):.0f} s per step)")
+                    f"peak, {fitted.step_seconds:.0f} s per step)")
+
+
+def _check_gpus(cfg: Config, opt: PlanOptions) -> int:
+    """The allocation's nodes, once the layout's GPUs are checked against it: colocated, the trainer's
+    TP x PP x DP GPUs (vLLM shares them); separate, those plus rollout.num_engines x
+    rollout.tensor_parallel_size GPUs of the engines' own. Without --nodes, as many nodes as that needs."""
+    p, r = cfg.parallel, cfg.rollout
+    tp, pp, dp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size
+    trainer = tp * pp * dp
+    engines = r.num_engines * r.tensor_parallel_size if r.placement == "separate" else 0
+    nodes = opt.nodes or max(1, math.ceil((trainer + engines) / opt.gpus_per_node))
+    allocation = (f"the allocation's {nodes} nodes x {opt.gpus_per_node} GPUs = {nodes * opt.gpus_per_node}")
+    layout = (f"parallel.tensor_model_parallel_size x pipeline_model_parallel_size x data_parallel_size = "
+              f"{tp} x {pp} x {dp} = {trainer}")
+    if engines == 0 and trainer != nodes * opt.gpus_per_node:
+        raise PlanError(f"{layout} GPUs does not equal {allocation}")
+    if engines and trainer + engines != nodes * opt.gpus_per_node:
+        raise PlanError(f"rollout.placement=separate: {layout} trainer GPUs + rollout.num_engines x "
+                        f"rollout.tensor_parallel_size = {r.num_engines} x {r.tensor_parallel_size} = {engines} "
+                        f"engine GPUs = {trainer + engines} GPUs does not equal {allocation}")
+    return nodes
 
 
 def _check_moe(cfg: Config, arch: ModelArch) -> None:
@@ -199,7 +224,7 @@ def _cheapest_fix(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU,
         plan = _plan(changed, arch, opt, gpu, nodes, "", "")
         if _problem(plan, changed) is None:
             add_seconds(plan, changed)
-            cost = (round(sum(plan.seconds.values()), 6), len(changes))
+            cost = (round(plan.step_seconds, 6), len(changes))
             if best is None or cost < best[0]:
                 best = (cost, changes, plan)
     return None if best is None else (best[1], best[2])
@@ -214,6 +239,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     ep = p.expert_model_parallel_size
     critic, lora, act = alg.name == "ppo", cfg.lora.enabled, BYTES[t.precision]
     spec = layer_spec(cfg)
+    separate = r.placement == "separate"
 
     # Micro-batches per DP rank and mini-batch; stage s holds min(PP - s, that many) under 1F1B.
     passes = workload(cfg, opt)
@@ -253,12 +279,14 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
             working += tok * arch.padded_vocab_size(tp) // tp * (act + 12)
         # The weight sync: vLLM's weights woken (KV cache still asleep), every rank gathering whole HF
         # tensors in the engine's dtype (the largest, the embedding, plus a bucket in flight).
-        largest = arch.padded_vocab_size(1) * arch.hidden_size * dbytes
-        sync = {"vLLM weights": vllm_weights,
-                "weight sync: largest gathered tensor + bucket": largest + t.weight_sync_bucket_mb * 2**20}
+        # Separate engines: the GPUs that gather send, vLLM's GPUs (nothing else on them) receive a bucket at a
+        # time beside vLLM's share, their KV cache kept.
+        largest, bucket = arch.padded_vocab_size(1) * arch.hidden_size * dbytes, t.weight_sync_bucket_mb * 2**20
+        sync = {"weight sync: largest gathered tensor + bucket": largest + bucket}
+        engine = {**vllm, "weight sync: a received bucket (beside vLLM's share)": bucket}
         phases = {
-            "generation": {**lines, **vllm},
-            "sync": {**lines, **sync},
+            "generation": engine if separate else {**lines, **vllm},
+            "sync": {**lines, **sync} if separate else {**lines, "vLLM weights": vllm_weights, **sync},
             "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
                          training_activations(cfg, stage)},
             "logprobs": {**lines, "forward working set": working},
@@ -273,7 +301,8 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         by_recompute[name] = max(training_activations(c, s) for s in range(pp))
     return Plan(config_name=config_name, arch=arch, arch_source=arch_source, gpu=gpu, nodes=nodes,
                 gpus_per_node=opt.gpus_per_node, tp=tp, pp=pp, dp=dp, ep=ep,
-                engines=rollout_engines(tp * pp * dp, vtp, dp), vllm_tp=vtp, settings=settings_of(cfg), spec=spec,
+                engines=r.num_engines if separate else rollout_engines(tp * pp * dp, vtp, dp), vllm_tp=vtp,
+                placement=r.placement, max_staleness=t.max_staleness, settings=settings_of(cfg), spec=spec,
                 options=opt, params_per_gpu=params_per_gpu(arch, tp, pp, ep), total_params=total_params(arch),
                 active_params=active_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
                 stages=stages, activations_by_recompute=by_recompute,
@@ -305,7 +334,8 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
                 f"{cfg.rollout.gpu_memory_utilization * plan.gpu.memory_gib:.1f} GiB per GPU, less than its weights "
                 f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
-                f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache", "raise it")
+                f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache",
+                "raise it" + (" or rollout.tensor_parallel_size" if plan.placement == "separate" else ""))
     if plan.kv_tokens_per_engine < cfg.rollout.max_model_len:
         return (f"rollout.max_model_len={cfg.rollout.max_model_len} does not fit the KV cache of "
                 f"{plan.kv_tokens_per_engine} tokens (rollout.gpu_memory_utilization="
@@ -365,9 +395,13 @@ and memory bandwidth. The trainer's memory settings come from the config (traine
 trainer.recompute, trainer.recompute_num_layers, optim.use_distributed_optimizer,
 parallel.sequence_parallel). Mixtures of experts: weights, gradients and optimizer states count every
 expert (each GPU holds num_experts / parallel.expert_model_parallel_size of them), activations and FLOPs
-the top-k experts a token runs. Refuses (exit code 2, naming the field) a layout whose TP x PP x DP is not
-the allocation's GPU count, or a config that does not fit, saying which settings would make it fit. The
-model's shape comes from model.path's config.json, or from --model-shape to plan without the weights.
+the top-k experts a token runs. rollout.placement=separate: the trainer on TP x PP x DP GPUs, the vLLM
+engines (rollout.num_engines x rollout.tensor_parallel_size GPUs) on GPUs of their own; the synchronous
+step and the one-step-off one (trainer.max_staleness=1: refit + max(generation, log-probs + training)) are
+both printed. Refuses (exit code 2, naming the field) a layout whose GPUs (TP x PP x DP, plus the engines'
+when separate) are not the allocation's GPU count, or a config that does not fit, saying which settings
+would make it fit. The model's shape comes from model.path's config.json, or from --model-shape to plan
+without the weights. A recipe made to match a published run is printed beside its measurements.
 See docs/planner.md.
 
 examples:
@@ -375,6 +409,7 @@ examples:
   megareason plan --model-shape llama-3.1-70b configs/raro_70b.yaml trainer.recompute=none   # refused
   megareason plan --gpus-per-node 1 --gpu A100-80GB grpo_smollm2_cpu
   megareason plan --model-shape qwen3-30b-a3b configs/grpo_qwen3_30b_a3b.yaml
+  megareason plan --model-shape llama-3.1-8b configs/grpo_llama8b_async.yaml   # separate, one step off
 """
 
 
@@ -397,8 +432,13 @@ def add_arguments(p) -> None:
 
 
 def run_cli(args) -> int:
+    from megareason.launch.plan_published import compare, format_comparison, published_for
+
     opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
                       prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction,
                       response_tokens=args.response_tokens)
     print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
+    published = published_for(args.config)
+    if published is not None:  # a recipe made to match a published run: the plan of each of its runs beside it
+        print("\n" + format_comparison(published, compare(args.config, args.overrides, opt, args.model_shape)))
     return 0

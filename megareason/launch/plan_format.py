@@ -44,16 +44,22 @@ def format_plan(plan: Plan) -> str:
     label = max([60] + [len(line) + 1 for phase in plan.memory.values() for line in phase])  # column width
     lengths = ", ".join(f"{ps.name} {ps.prompt:.0f} + {ps.response:.0f} (longest {ps.max_response})"
                         for ps in plan.passes)
+    separate = plan.placement == "separate"
+    split = f" ({plan.trainer_gpus} trainer + {plan.engine_gpus} engine)" if separate else ""
+    if separate:
+        engines = (f"{plan.engines} engine(s) x TP {plan.vllm_tp} on {plan.engine_gpus} GPUs of their own "
+                   f"(rollout.placement=separate), the trainer on {plan.trainer_gpus}")
+    else:
+        engines = (f"{plan.engines} engine(s) "
+                   f"({'SPMD, colocated on consecutive ranks' if plan.vllm_tp > 1 else 'one per DP replica'}) x TP "
+                   f"{plan.vllm_tp} = {plan.engine_gpus} of {plan.gpus} GPUs generate")
     out = [
-        f"plan: {plan.config_name} on {plan.nodes} node(s) x {plan.gpus_per_node} {g.name} = {plan.gpus} GPUs "
+        f"plan: {plan.config_name} on {plan.nodes} node(s) x {plan.gpus_per_node} {g.name} = {plan.gpus} GPUs{split} "
         f"({g.memory_gib} GiB, {g.bf16_flops / 1e12:.0f} TFLOP/s bf16, {g.hbm_bytes_s / 1e12:.2f} TB/s HBM each)",
         f"model: {plan.arch_source}: {a.num_layers} layers, hidden {a.hidden_size}, ffn {a.ffn_hidden_size}, "
         f"{a.num_heads} heads / {a.num_kv_heads} kv heads x {a.head_dim}, vocab {a.vocab_size}; "
         f"{_params(plan)}, {plan.params_per_gpu / 1e9:.3f}B on the most loaded GPU",
-        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{_experts(plan)} ({spec}); vLLM: "
-        f"{plan.engines} engine(s) "
-        f"({'SPMD, colocated on consecutive ranks' if plan.vllm_tp > 1 else 'one per DP replica'}) x TP "
-        f"{plan.vllm_tp} = {plan.engines * plan.vllm_tp} of {plan.gpus} GPUs generate",
+        f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{_experts(plan)} ({spec}); vLLM: {engines}",
         f"settings (from the config): {as_overrides(plan.settings)}",
         f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
@@ -61,6 +67,8 @@ def format_plan(plan: Plan) -> str:
     ]
     phases = ("generation", "sync", "training", "logprobs")
     widths = (11, 10, 10, 10)
+    if separate:  # the generation column is an engine's GPU, the others the trainer's
+        out.append(f"  {'(on the GPUs of)':<{label}}{'an engine':>11}" + "".join(f"{'trainer':>10}" for _ in range(3)))
     lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
     for line in lines:
         cells = [plan.memory[ph].get(line) for ph in phases]
@@ -70,26 +78,61 @@ def format_plan(plan: Plan) -> str:
     out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<{label}}" + "".join(f"{x:>{w}.1f}" for x, w in
                                                                            zip(totals, widths, strict=True)))
     act = plan.activations_by_recompute
+    stages = ["-" if separate and ph == "generation" else plan.stages[ph] for ph in phases]
     out += [
-        f"  {'pipeline stage':<{label}}" + "".join(f"{plan.stages[ph]:>{w}}" for ph, w in zip(phases, widths,
-                                                                                         strict=True)),
+        f"  {'pipeline stage':<{label}}" + "".join(f"{s:>{w}}" for s, w in zip(stages, widths, strict=True)),
         f"  training activations by trainer.recompute: none {act['none'] / GiB:.1f}, selective "
         f"{act['selective'] / GiB:.1f}, full (every layer) {act['full'] / GiB:.1f} GiB",
         f"  KV cache: {plan.kv_tokens_per_engine:,} tokens per engine ({plan.kv_bytes_per_token / 1024:.0f} KiB per "
         f"token per GPU)",
-        # vLLM starts after the actor and refuses to unless free memory >= gpu_memory_utilization x total
-        # (vllm/v1/worker/gpu_worker.py); the generation column is that sum, so it fits iff vLLM starts.
-        f"  vLLM start-up: {g.memory_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
-        f"{_trainer_resident(plan) / GiB:.1f} GiB, needs rollout.gpu_memory_utilization x total = "
-        f"{_vllm_share(plan) / GiB:.1f} GiB",
+        _vllm_start(plan),
         "",
         f"{'time per step (estimate)':<26}{'seconds':>8}   basis",
     ]
     for phase, s in plan.seconds.items():
         out.append(f"  {phase:<24}{s:>8.1f}   {plan.notes[phase]}")
-    out.append(f"  {'total':<24}{sum(plan.seconds.values()):>8.1f}")
-    if plan.engines * plan.vllm_tp < plan.gpus:
-        out.append(f"  (generation with an engine on every GPU, {plan.gpus // plan.vllm_tp} engines: "
-                   f"{plan.generation_all_gpus:.1f} s)")
-    return "\n".join(out)
+    if not separate:
+        out.append(f"  {'total':<24}{plan.sync_seconds:>8.1f}")
+        if plan.engine_gpus < plan.gpus:
+            out.append(f"  (generation with an engine on every GPU, {plan.gpus // plan.vllm_tp} engines: "
+                       f"{plan.generation_all_gpus:.1f} s)")
+        return "\n".join(out)
+    return "\n".join(out + _step_lines(plan))
+
+
+def _vllm_start(plan: Plan) -> str:
+    """vLLM starts after the actor and refuses to unless free memory >= gpu_memory_utilization x total
+    (vllm/v1/worker/gpu_worker.py); colocated, the generation column is that sum, so it fits iff vLLM starts."""
+    if plan.placement == "separate":
+        return (f"  vLLM start-up: an engine's GPU holds vLLM alone, rollout.gpu_memory_utilization x total = "
+                f"{_vllm_share(plan) / GiB:.1f} GiB of {plan.gpu.memory_gib}; the trainer's GPUs hold no vLLM")
+    return (f"  vLLM start-up: {plan.gpu.memory_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
+            f"{_trainer_resident(plan) / GiB:.1f} GiB, needs rollout.gpu_memory_utilization x total = "
+            f"{_vllm_share(plan) / GiB:.1f} GiB")
+
+
+def _step_lines(plan: Plan) -> list[str]:
+    """Separate engines: the synchronous and the one-step-off step, and what waits for what in the latter."""
+    sec = plan.seconds
+    gen, refit, train = sec["generation"], sec["weight refit"], sec["logprobs"] + sec["training"]
+    this = f"   <- this config (trainer.max_staleness={plan.max_staleness})"
+    mark = (this, "") if plan.max_staleness == 0 else ("", this)
+    idle = (f"the trainer waits {gen - train:.1f} s a step for generation" if gen > train else
+            f"the engines idle {train - gen:.1f} s a step")
+    return [
+        f"  {'step, synchronous':<24}{plan.sync_seconds:>8.1f}   generation + log-probs + training + refit, one "
+        f"after another{mark[0]}",
+        f"  {'step, one step off':<24}{plan.off_policy_seconds:>8.1f}   refit + max(generation, log-probs + "
+        f"training){mark[1]}",
+        "",
+        "one step off (trainer.max_staleness=1), step k in steady state:",
+        "  1. wait for batch k, whose generation was launched during step k-1",
+        f"  2. weight refit {refit:.1f} s: the weights of step k-1 into the engines, idle meanwhile (vLLM cannot "
+        f"generate while its weights are replaced)",
+        f"  3. launch batch k+1: the engines generate it ({gen:.1f} s) with those weights, one step stale, while the "
+        f"trainer scores batch k (not modelled) and runs its log-probs ({sec['logprobs']:.1f} s) and training step k "
+        f"({sec['training']:.1f} s) = {train:.1f} s",
+        f"  step = {refit:.1f} + max({gen:.1f}, {train:.1f}) = {plan.off_policy_seconds:.1f} s, "
+        f"{plan.sync_seconds / plan.off_policy_seconds:.2f}x the synchronous step; {idle}",
+    ]
 

@@ -126,10 +126,51 @@ class Plan:
     seconds: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # phase -> how its seconds were computed
     generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
+    placement: str = "colocated"  # rollout.placement: colocated (vLLM on the trainer's GPUs) or separate
+    max_staleness: int = 0  # trainer.max_staleness: 0 synchronous, 1 one step off-policy (separate only)
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def trainer_gpus(self) -> int:
+        """GPUs of the Megatron roles, TP x PP x DP: every GPU when colocated, the rest but the engines' when
+        separate."""
+        return self.tp * self.pp * self.dp
+
+    @property
+    def engine_gpus(self) -> int:
+        """GPUs that generate: engines x vLLM TP (colocated: shared with the trainer; separate: their own)."""
+        return self.engines * self.vllm_tp
+
+    @property
+    def sync_seconds(self) -> float:
+        """A synchronous step (trainer.max_staleness 0): every phase in turn."""
+        return step_seconds(self.seconds, 0)
+
+    @property
+    def off_policy_seconds(self) -> float:
+        """A one-step-off step (trainer.max_staleness 1, separate engines): see ``step_seconds``."""
+        return step_seconds(self.seconds, 1)
+
+    @property
+    def step_seconds(self) -> float:
+        """The step the config runs: synchronous, or one step off-policy at trainer.max_staleness 1."""
+        return step_seconds(self.seconds, self.max_staleness)
+
+
+def step_seconds(seconds: dict[str, float], max_staleness: int) -> float:
+    """Seconds of a step from its phases' (``generation``, ``logprobs``, ``training``, ``weight refit``).
+
+    Synchronous (0): generate, score, log-probs, train, refit, one after another: the sum. One step off (1),
+    the runtime's steady state: wait for batch k (launched during step k-1), refit the engines (idle: an
+    engine cannot generate while its weights are replaced), launch batch k+1, then log-probs and training of
+    step k while the engines generate: refit + max(generation, log-probs + training)."""
+    assert max_staleness in (0, 1), max_staleness
+    if max_staleness == 0:
+        return sum(seconds.values())
+    return seconds["weight refit"] + max(seconds["generation"], seconds["logprobs"] + seconds["training"])
 
 
 

@@ -1,6 +1,8 @@
 """``megareason plan``'s time per step: FLOPs at an assumed MFU for the training and log-prob passes,
 HBM bandwidth (or compute, for large batches) per decode step for generation, link bandwidth plus a
-per-bucket RPC for the weight refit. Every assumption is a named constant below."""
+per-bucket RPC for the weight refit. Separate engines (rollout.placement=separate): training and log-prob
+FLOPs over the trainer's GPUs only, generation on the engines, the refit an NCCL broadcast to every engine
+GPU (``separate_refit_seconds``). Every assumption is a named constant below."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ def add_seconds(plan: Plan, cfg: Config) -> None:
     passes = plan.passes
     gen, gen_note = generation_seconds(plan, cfg, passes, plan.engines)
     plan.seconds["generation"], plan.notes["generation"] = gen, gen_note
-    plan.generation_all_gpus = generation_seconds(plan, cfg, passes, plan.gpus // plan.vllm_tp)[0]
-    flops_rate = plan.gpus * plan.gpu.flops(t.precision) * plan.options.mfu
+    if plan.placement == "colocated":
+        plan.generation_all_gpus = generation_seconds(plan, cfg, passes, plan.gpus // plan.vllm_tp)[0]
+    flops_rate = plan.trainer_gpus * plan.gpu.flops(t.precision) * plan.options.mfu  # separate: not the engines'
+
     rows_tokens = sum(ps.tokens for ps in passes)
     micro = max(1, math.ceil(rows_tokens / (plan.dp * alg.mini_batches) / t.micro_batch_tokens))
     # 1F1B idles (PP - 1) micro-batch slots per pass: the log-prob forward runs every micro-batch at once,
@@ -157,6 +161,8 @@ def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
     One engine per replica (rollout TP 1): the consumer gathers the same way, and the engine's ranks
     read every bucket over NVLink (CUDA IPC), one RPC per bucket. At EP > 1 the experts held by the
     other EP ranks are gathered too (``expert_gather_seconds``)."""
+    if plan.placement == "separate":
+        return separate_refit_seconds(plan, cfg)
     gpu = plan.gpu
     size = plan.total_params * element_bytes(cfg.rollout.dtype)
     stages_per_node = max(1, plan.gpus_per_node // plan.tp)
@@ -175,3 +181,27 @@ def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
     return network + nvlink + rpc + experts, (f"{size / 1e9:.0f} GB per engine: {network:.1f} s network (PP), "
                                              f"{nvlink:.1f} s NVLink (TP gather + {plan.vllm_tp} vLLM ranks){ep}, "
                                              f"{buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC")
+
+
+def separate_refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
+    """Engines on GPUs of their own (rollout.placement=separate): each pipeline stage all-gathers its tensors
+    over Megatron TP (NVLink) and broadcasts them, bucket by bucket, to every engine rank (NCCL, one group of
+    the trainer's senders and the engines' ranks); every engine GPU receives the whole model in the engine's
+    dtype and loads its vLLM TP shard of each tensor. A pipelined broadcast runs at its slowest link, the
+    receivers' own: NVLink when the job is one node, else the network (InfiniBand, one NIC per GPU; the
+    engines are taken to be on other nodes than the trainer's GPUs). Plus one RPC per bucket (the engines
+    are told what comes next) and, at EP > 1, the expert gather. Not modelled: vLLM's per-tensor load."""
+    gpu = plan.gpu
+    size = plan.total_params * element_bytes(cfg.rollout.dtype)
+    gather = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    one_node = plan.nodes == 1
+    link = gpu.nvlink_bytes_s if one_node else gpu.network_bytes_s
+    broadcast = size / (link * NET_EFFICIENCY)
+    buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
+    experts = expert_gather_seconds(plan, cfg)
+    ep = f", {experts:.1f} s EP {plan.ep} expert gather" if plan.ep > 1 else ""
+    return gather + broadcast + buckets * REFIT_RPC_S + experts, (
+        f"{size / 1e9:.0f} GB to each of {plan.engines} engine(s) x {plan.vllm_tp} GPU(s): {gather:.1f} s NVLink (TP "
+        f"all-gather of a stage), {broadcast:.1f} s NCCL broadcast over {'NVLink' if one_node else 'the network'} "
+        f"({link * NET_EFFICIENCY / 1e9:.0f} GB/s per receiving GPU){ep}, {buckets} buckets x "
+        f"{REFIT_RPC_S * 1e3:.0f} ms RPC")

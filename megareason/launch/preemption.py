@@ -81,7 +81,7 @@ def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
     trainable = plan.total_params
     if cfg.lora.enabled:  # the adapters of the whole model (TP = PP = 1)
         trainable = lora_params_per_gpu(plan.arch, 1, 1, cfg.lora.rank, cfg.lora.targets)
-    return preemption_lead(sum(plan.seconds.values()), checkpoint_bytes(cfg, plan.total_params, trainable),
+    return preemption_lead(plan.step_seconds, checkpoint_bytes(cfg, plan.total_params, trainable),
                            plan.nodes, options)
 
 

@@ -14,14 +14,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from megareason.rollout.buckets import new_bucket
+from megareason.rollout.buckets import SharedBucket, new_bucket
 from megareason.utils import alive, process_table
 
 log = logging.getLogger(__name__)
@@ -204,36 +204,15 @@ class VLLMEngine:
     @_exits_if_the_core_died
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        bucket_bytes: int = 256 * 1024**2) -> WeightUpdate:
-        """Load HF-named tensors into the running engine in place, in buckets of ``bucket_bytes`` (a
-        larger tensor gets a bucket of its own; see ``rollout.buckets``), then drop the prefix cache
-        (cached prefixes were computed with the old weights). Tensors travel in the engine's dtype
-        (cast while copied into the bucket: an fp32 trainer ships half the bytes to a bf16 engine).
+        """Load HF-named tensors into the running engine in place (``push_weights`` into this engine)."""
+        return push_weights([self.rpc], named_tensors, bucket_bytes, self.dtype)
 
-        Every tensor is checked against the served model (name, shape) before it loads. If an update
-        fails part-way the engine holds a mix of old and new weights: sync again before generating.
-        """
-        start = time.perf_counter()
-        loads: list[tuple[int, float]] = []  # (bytes, seconds in vLLM) per bucket
-        begin = self.llm.collective_rpc("mr_begin_weight_update")[0]
-        try:
-            with new_bucket(bucket_bytes) as bucket:
-                for name, tensor in named_tensors:
-                    if not bucket.add(name, tensor, self.dtype):  # full: ship it, then start the next
-                        loads.append(self._load_bucket(bucket))
-                        bucket.add(name, tensor, self.dtype)
-                if bucket.specs:
-                    loads.append(self._load_bucket(bucket))
-        except BaseException:
-            with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
-                self.llm.collective_rpc("mr_finish_weight_update")
-            self.llm.reset_prefix_cache()
-            raise
-        finish = self.llm.collective_rpc("mr_finish_weight_update")[0]
-        self.llm.reset_prefix_cache()
-        return WeightUpdate(
-            bytes=sum(b for b, _ in loads), buckets=len(loads), largest_bucket=max((b for b, _ in loads), default=0),
-            seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
-        )
+    def rpc(self, method: str, *args):
+        """Run a ``WeightUpdateExtension`` method on the engine's workers (the first worker's result);
+        ``"reset_prefix_cache"`` drops the cached prefixes instead."""
+        if method == "reset_prefix_cache":
+            return self.llm.reset_prefix_cache()
+        return self.llm.collective_rpc(method, args=args)[0]
 
     @_exits_if_the_core_died
     def sleep(self, level: int) -> None:
@@ -250,11 +229,6 @@ class VLLMEngine:
         if not self.on_cpu:
             self.llm.wake_up(tags)
 
-    def _load_bucket(self, bucket) -> tuple[int, float]:
-        result = self.llm.collective_rpc("mr_load_bucket", args=(bucket.transport(), bucket.specs))[0]
-        bucket.clear()
-        return result
-
     def shutdown(self) -> None:
         """Shut down vLLM's engine core (its child process) and drop the ``vllm.LLM``; safe to call twice."""
         llm, self.llm = getattr(self, "llm", None), None
@@ -266,6 +240,66 @@ class VLLMEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm
+
+
+# (method, *args) -> the result of that method on an engine's workers (``VLLMEngine.rpc``, or the same
+# call into an engine in another process: ``rollout.pool``)
+EngineRpc = Callable[..., object]
+
+
+def push_weights(engines: Sequence[EngineRpc], named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int, dtype: torch.dtype, shared_memory: bool = False) -> WeightUpdate:
+    """Load HF-named tensors into running engines in place, in buckets of ``bucket_bytes`` (a larger
+    tensor gets a bucket of its own; see ``rollout.buckets``), then drop their prefix caches (cached
+    prefixes were computed with the old weights). Tensors travel in the engines' ``dtype`` (cast while
+    copied into the bucket: an fp32 trainer ships half the bytes to a bf16 engine). Each bucket is filled
+    once and loaded by every engine (``engines``: their RPCs; the calls of one bucket may run at once
+    when they return futures: see ``rollout.pool.RemoteEngines``). ``shared_memory``: a tmpfs bucket even
+    on GPU (engines in other processes on other devices cannot map a CUDA IPC buffer).
+
+    Every tensor is checked against the served model (name, shape) before it loads. If an update fails
+    part-way the engines hold a mix of old and new weights: sync again before generating.
+    """
+    start = time.perf_counter()
+    loads: list[tuple[int, float]] = []  # (bytes, seconds in vLLM) per bucket, the slowest engine's
+
+    def each(method: str, *args) -> list:
+        return _resolve([rpc(method, *args) for rpc in engines])
+
+    def load(bucket) -> None:
+        results = each("mr_load_bucket", bucket.transport(), bucket.specs)
+        loads.append((results[0][0], max(s for _, s in results)))
+        bucket.clear()
+
+    begin = max(each("mr_begin_weight_update"))
+    try:
+        with (SharedBucket(bucket_bytes) if shared_memory else new_bucket(bucket_bytes)) as bucket:
+            for name, tensor in named_tensors:
+                if not bucket.add(name, tensor, dtype):  # full: ship it, then start the next
+                    load(bucket)
+                    bucket.add(name, tensor, dtype)
+            if bucket.specs:
+                load(bucket)
+    except BaseException:
+        with contextlib.suppress(Exception):  # close the reload; the first error is the one to report
+            each("mr_finish_weight_update")
+        each("reset_prefix_cache")
+        raise
+    finish = max(each("mr_finish_weight_update"))
+    each("reset_prefix_cache")
+    return WeightUpdate(
+        bytes=sum(b for b, _ in loads), buckets=len(loads), largest_bucket=max((b for b, _ in loads), default=0),
+        seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
+    )
+
+
+def _resolve(results: list) -> list:
+    """The values of RPC results that are Ray futures (engines in other processes), else as they are."""
+    if results and type(results[0]).__name__ == "ObjectRef":
+        import ray
+
+        return ray.get(results)
+    return results
 
 
 class _EngineWatch:

@@ -87,6 +87,10 @@ class Driver:
                  validate: Callable[[int], dict[str, float]] | None, stop: StopRequest | None = None):
         self.cfg, self.run, self.roles, self.num_prompts, self.desc = cfg, run, roles, num_prompts, desc
         self.validate, self.stop = validate, stop
+        self.resumed_from: Path | None = None  # the checkpoint ``start`` resumed from
+        # Called with the checkpoint's temporary folder before it is committed: state that is not the
+        # roles' models or trainer_state.json (one step off-policy's batch in flight).
+        self.save_hooks: list[Callable[[Path], None]] = []
 
     def start(self) -> TrainerState:
         """Resume or start; returns the state of the checkpoint resumed from (step 0: a fresh run)."""
@@ -94,7 +98,7 @@ class Driver:
         self.state = TrainerState()
         latest = self.run.latest() if t.resume_mode == "auto" else None
         if latest is not None:
-            self.state = self.run.read_state(latest)
+            self.state, self.resumed_from = self.run.read_state(latest), latest
             log.info("resuming from %s (step %d)", latest, self.state.step)
             for role in self.roles:
                 role.load(str(latest / role.name))
@@ -143,6 +147,8 @@ class Driver:
             tmp = self.run.begin_checkpoint(step)
             for role in self.roles:
                 role.save(str(tmp / role.name), {"step": step})
+            for hook in self.save_hooks:
+                hook(tmp)
             self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
         except RunError:
             raise

@@ -83,14 +83,22 @@ def rank_placement(world: int, gpus: bool):
     key = (ray.get_runtime_context().get_job_id(), world, gpus)
     if key not in _placements:
         pg = placement_group([{"GPU": 1} if gpus else {"CPU": 1}] * world, strategy="PACK")
-        try:
-            ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(pg)
-            raise RuntimeError(f"Ray could not place {world} ranks of 1 {'GPU' if gpus else 'CPU'} each within "
-                               f"{_PLACEMENT_TIMEOUT_S:g} s; cluster resources: {ray.cluster_resources()}") from None
-        _placements[key] = pg
+        _placements[key] = placement_ready(pg, f"{world} ranks of 1 {'GPU' if gpus else 'CPU'} each")
     return _placements[key]
+
+
+def placement_ready(pg, what: str):
+    """``pg`` once Ray has reserved it; raises ``RuntimeError`` (and removes it) when the cluster cannot
+    hold ``what`` within the time limit."""
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=_PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"Ray could not place {what} within {_PLACEMENT_TIMEOUT_S:g} s; cluster resources: "
+                           f"{ray.cluster_resources()}") from None
+    return pg
 
 
 def _node_of(_actor) -> tuple[str, str]:

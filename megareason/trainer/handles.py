@@ -18,6 +18,7 @@ import torch
 from megareason.config import Config, ConfigError
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.engine import Completion, Sampling, WeightUpdate
+from megareason.rollout.pool import RolloutPool, check_pool
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, cluster_size
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
@@ -50,12 +51,21 @@ class RoleHandle:
 
 
 class PolicyHandle(RoleHandle):
-    """The actor (+ reference) ranks and their rollout engines."""
+    """The actor (+ reference) ranks and their rollout engines: colocated on the ranks, or a separate
+    ``RolloutPool`` (``pool``; its engines take the weights from the group's first rank)."""
+
+    def __init__(self, group: WorkerGroup, pool: RolloutPool | None = None):
+        super().__init__(group)
+        self.pool = pool
+        if pool is not None:
+            self._call(PolicyWorker.attach_engines, pool.remote_engines())
 
     def generate(self, prompts: list[TokenizedPrompt], sampling: Sampling) -> list[list[Completion]]:
-        """Split the prompts over the rollout engines (one per data-parallel replica, or the colocated SPMD
-        engines of rollout.tensor_parallel_size ranks each); completions in prompt order. Prompt i of the
-        batch is sampled with seed + i, whichever engine serves it."""
+        """Split the prompts over the rollout engines (one per data-parallel replica, the colocated SPMD
+        engines of rollout.tensor_parallel_size ranks each, or the separate pool's); completions in prompt
+        order. Prompt i of the batch is sampled with seed + i, whichever engine serves it."""
+        if self.pool is not None:
+            return self.pool.generate([p.token_ids for p in prompts], sampling)
         leaders = self.group.engine_leaders()
         bounds = [round(i * len(prompts) / len(leaders)) for i in range(len(leaders) + 1)]
         parts = [[p.token_ids for p in prompts[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
@@ -110,6 +120,8 @@ def check_cluster(cfg: Config) -> None:
     """Refuse a layout the Ray cluster cannot hold, before any worker starts."""
     world = _world(cfg)
     cpus, gpus = cluster_size()
+    if cfg.rollout.placement == "separate":
+        check_pool(cfg, cpus, gpus, world, on_gpu=torch.cuda.is_available() or gpus > 0)
     if torch.cuda.is_available() or gpus:
         if world > gpus:
             raise ConfigError(f"parallel: TP x PP x DP = {world} ranks but the Ray cluster has {gpus} GPUs")
@@ -125,7 +137,17 @@ def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
     # Colocated: the roles share each GPU; on CPU the ranks share the cores (the roles take turns).
     gpus = 1.0 / len(roles) if torch.cuda.is_available() else 0
     threads = max(1, (os.cpu_count() or 1) // _world(cfg))
+    if cfg.rollout.placement == "separate" and not gpus:  # the separate engines' cores are theirs
+        threads = max(1, ((os.cpu_count() or 1) - cfg.rollout.num_engines) // _world(cfg))
     return [WorkerGroup(cls, cfg, name, gpus, threads) for cls, name in roles]
+
+
+def start_rollouts(cfg: Config) -> RolloutPool | None:
+    """rollout.placement: separate: the rollout engines' pool (``rollout.pool``); colocated: None (the
+    policy's ranks hold the engines)."""
+    if cfg.rollout.placement != "separate":
+        return None
+    return RolloutPool(cfg, on_gpu=torch.cuda.is_available(), trainer_cores=_world(cfg))
 
 
 def _world(cfg: Config) -> int:

@@ -35,11 +35,13 @@ from megareason.data.records import TokenizedPrompt
 from megareason.envs.runner import check_env_data, env_enabled, run_env
 from megareason.raro.prompts import policy_data
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
+from megareason.rollout.pool import RolloutPool
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
-from megareason.trainer.handles import CriticHandle, PolicyHandle, start_workers
+from megareason.trainer.handles import CriticHandle, PolicyHandle, start_rollouts, start_workers
 from megareason.trainer.metrics import UpdateStats, step_metrics
+from megareason.trainer.offpolicy import OneStepOff, with_settle
 from megareason.trainer.run_dir import RunDir, hold_run_lock
 from megareason.trainer.steps import ScoreFn, StepRows, rollout_step
 from megareason.utils import atomic_write
@@ -58,39 +60,45 @@ def train(cfg: Config) -> Path:
     if env_enabled(cfg):
         check_env_data(cfg, [p.record for p in prompts + val_prompts])
     with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
-        groups = start_workers(cfg, with_critic=cfg.algorithm.name == "ppo")
+        groups, engines = start_workers(cfg, with_critic=cfg.algorithm.name == "ppo"), None
         try:
+            engines = start_rollouts(cfg)
             score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv)
-            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer, stop)
+            _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer, stop, engines)
         finally:
-            for g in groups:
+            for g in groups + ([engines] if engines else []):
                 g.shutdown()
     return run.root
 
 
 def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: list[TokenizedPrompt],
                 val_prompts: list[TokenizedPrompt], score_fn: ScoreFn, tokenizer=None,
-                stop: StopRequest | None = None) -> None:
+                stop: StopRequest | None = None, engines: RolloutPool | None = None) -> None:
     t, alg = cfg.trainer, cfg.algorithm
-    actors = PolicyHandle(groups[0])
+    actors = PolicyHandle(groups[0], engines)
     critic = CriticHandle(groups[1]) if len(groups) > 1 else None
     # One update per rollout and no KL in the reward: the update's own forward pass gives the old
     # log-probs (detached) and the train/generation mismatch, so no separate pass is needed.
     on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1 and not (alg.kl_in_reward and alg.kl_coef > 0)
     val = partial(validate, actors, val_prompts, cfg, score_fn, tokenizer, run.root) if val_prompts else None
-    driver = Driver(cfg, run, [actors] + ([critic] if critic else []), len(prompts), "training", val, stop)
+    rollout = None  # validation first settles a one-step-off rollout (``offpolicy.with_settle``)
+    driver = Driver(cfg, run, [actors] + ([critic] if critic else []), len(prompts), "training",
+                    with_settle(val, lambda: rollout), stop)
     state = driver.start()
     rollout = rollout_step(cfg, actors, score_fn, tokenizer, state.extra,
                            more=lambda: [prompts[i] for i in driver.sampler.next(t.prompts_per_step)])
+    if t.max_staleness:
+        rollout = OneStepOff(cfg, rollout, actors, prompts, driver)
 
     for step, indices in driver.steps():
         timer: dict[str, float] = {}
         rows = rollout(step, [prompts[i] for i in indices], timer)
         exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
         if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
-            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer)
+            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer, sync=not t.max_staleness)
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
+        update.sync = update.sync or rows.sync  # one step off-policy: pushed before the step's generation
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, rows, update, timer)
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
@@ -109,9 +117,11 @@ def mini_batch_rows(cfg: Config, rows: StepRows) -> list[torch.Tensor]:
 
 
 def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle | None, rows: StepRows,
-            parts: list[torch.Tensor], on_policy: bool, timer: dict[str, float]) -> tuple[Experience, UpdateStats]:
+            parts: list[torch.Tensor], on_policy: bool, timer: dict[str, float], sync: bool = True
+            ) -> tuple[Experience, UpdateStats]:
     """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x len(parts) updates (``parts``:
-    ``mini_batch_rows``) -> weight sync. Returns the completed experience and what the workers reported."""
+    ``mini_batch_rows``) -> weight sync (``sync``; one step off-policy pushes the weights when the engines
+    are idle: ``offpolicy``). Returns the completed experience and what the workers reported."""
     alg, exp, update = cfg.algorithm, rows.exp, UpdateStats()
     # The rollout engines free the devices while Megatron computes; the sync at the end wakes them.
     actors.sleep_engine()
@@ -132,8 +142,9 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
                 update.actor.append(actors.train(mini, learning_rate(cfg.optim.lr, cfg, step), on_policy))
                 if critic is not None:
                     update.critic.append(critic.train(mini, learning_rate(cfg.optim.critic_lr, cfg, step)))
-    with timed(timer, "sync"):
-        update.sync = actors.sync_weights()
+    if sync:
+        with timed(timer, "sync"):
+            update.sync = actors.sync_weights()
     return exp, update
 
 

@@ -90,6 +90,8 @@ def sft(cfg: Config) -> Path:
                           f"{len(train_set[0])} demonstrations")
     scorer = scorer_from(cfg, [p.record for p in train_set[0] + (val_set[0] if val_set else [])])
     run = RunDir(t.output_dir)
+    # Validation's few greedy answers come from a colocated engine; a separate pool is for RL's rollouts.
+    cfg = replace(cfg, rollout=replace(cfg.rollout, placement="colocated", num_engines=1))
     with scoring_pool(cfg, scorer) as pool, ray_session(t.ray_address), stop_signals() as stop:
         (actors,) = start_workers(cfg, with_critic=False)
         try:

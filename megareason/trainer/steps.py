@@ -26,7 +26,7 @@ from megareason.envs.runner import env_enabled, run_env
 from megareason.raro.critic import critic_round
 from megareason.raro.replay import ReplayBuffer
 from megareason.rewards.scoring import SampleResult
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.engine import Completion, Sampling, WeightUpdate
 from megareason.settings import sampling_from
 from megareason.trainer.driver import timed
 from megareason.trainer.experience import Experience, build_experience
@@ -49,6 +49,7 @@ class StepRows:
     scored: list[SampleResult]  # the policy's samples, scored (RARO: rewarded by the critic), for metrics
     metrics: dict[str, float] = field(default_factory=dict)  # the variant's own (RARO's raro/*)
     judgements: list[dict] = field(default_factory=list)  # RARO: rows of rollouts/step_N_critic.jsonl
+    sync: list[WeightUpdate] = field(default_factory=list)  # one step off-policy: the step's weight push
 
 
 def sampling(cfg: Config, step: int, first_prompt: int = 0) -> Sampling:

@@ -33,7 +33,7 @@ def share(n: int, dp: int, dp_rank: int) -> slice:
 
 def colocated_rollout(cfg: Config) -> bool:
     """Whether the policy's engines are SPMD engines spread over the trainer's ranks (vLLM TP > 1)."""
-    return cfg.rollout.tensor_parallel_size > 1
+    return cfg.rollout.placement == "colocated" and cfg.rollout.tensor_parallel_size > 1
 
 
 class _Worker:
@@ -146,7 +146,10 @@ class PolicyWorker(_Worker):
                           if cfg.algorithm.kl_coef > 0 and not lora else None)
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
-        if colocated_rollout(cfg):  # every rank holds one vLLM TP rank of engine rank // TP
+        self.remote = None  # rollout.placement: separate: the pool's engines (``attach_engines``)
+        if cfg.rollout.placement == "separate":  # the engines live in their own processes (rollout.pool)
+            self.engine, self.engine_index, self.engine_leader = None, None, False
+        elif colocated_rollout(cfg):  # every rank holds one vLLM TP rank of engine rank // TP
             self.engine = ColocatedEngine(engine_settings(cfg))
             self.engine_index = self.engine.layout.engine
             self.engine_leader = self.engine.layout.leader
@@ -155,6 +158,15 @@ class PolicyWorker(_Worker):
             self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
             self.engine = EngineStateMachine(self.engine)
+
+    def attach_engines(self, remote) -> None:
+        """rollout.placement: separate: the first rank that receives the weights (replica 0's consumer)
+        pushes them into the pool's engines (``rollout.pool.RemoteEngines``); the other ranks only gather."""
+        from megareason.rollout.weight_sync import is_consumer
+
+        if self.layout.dp_rank == 0 and is_consumer():
+            remote.check_node()
+            self.remote = remote
 
     def rollout_engine(self) -> int | None:
         """The index of the engine whose outputs this rank returns (its first rank), else None."""
@@ -221,6 +233,8 @@ class PolicyWorker(_Worker):
     def sync_weights(self) -> WeightUpdate | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
         stream = self._hf_weights()
+        if self.remote is not None:
+            return self.remote.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
         if self.engine is None:
             for _ in stream:  # this rank gathers and sends; the consumer loads
                 pass
