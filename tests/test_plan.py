@@ -482,20 +482,26 @@ def test_the_separate_layout_splits_the_gpus_and_their_memory():
     assert "= 8 GPUs (4 trainer + 4 engine)" in text and "2 engine(s) x TP 2 on 4 GPUs of their own" in text
 
 
-def test_the_separate_layout_trains_on_its_gpus_and_refits_over_a_link():
+def test_the_separate_layout_trains_on_its_gpus_and_refits_through_host_memory_or_the_network():
     sep, gpu = make_plan(_separate(), SMALL, ONE_NODE), GPUS["H100-80GB"]
     colocated = make_plan(_trainer_tp2_dp2(), SMALL, PlanOptions(nodes=1, gpus_per_node=4))
     # FLOPs over the 4 trainer GPUs, not the 8 of the job; the same 2 engines x TP 2 with the same KV cache.
     for phase in ("generation", "logprobs", "training"):
         assert sep.seconds[phase] == pytest.approx(colocated.seconds[phase])
-    # Refit: the stage's TP all-gather (half its bytes) over NVLink, every engine GPU receiving the whole
-    # model (bf16) over NVLink on one node, the network on two; one 256 MB bucket's RPC (10 ms).
+    # One node, as the runtime does it: the first rank gathers the other TP rank's half over NVLink, copies
+    # the bucket (the whole bf16 model: one 256 MB bucket, 10 ms of RPC) into shared memory at 20 GB/s, and each of
+    # the 4 engine GPUs copies it out at 20 GB/s (4 reads x size < 200 GB/s of host memory).
     size = total_params(SMALL) * 2
-    gather = size / 2 / (gpu.nvlink_bytes_s * 0.8)
-    assert sep.seconds["weight refit"] == pytest.approx(gather + size / (gpu.nvlink_bytes_s * 0.8) + 0.01)
+    assert sep.seconds["weight refit"] == pytest.approx(size / 2 / (gpu.nvlink_bytes_s * 0.8) + 2 * size / 20e9
+                                                        + 0.01)
+    assert "through shared memory" in sep.notes["weight refit"] and not format_plan(sep).count("note: the runtime")
+    # Two nodes (engines on the other one): the TP all-gather of the stage's tensors, then an NCCL broadcast
+    # at each receiving GPU's NIC (50 GB/s at 80%); the plan says the runtime cannot run it yet.
     two = make_plan(_separate(), SMALL, TWO_NODES)
-    assert two.seconds["weight refit"] == pytest.approx(gather + size / (gpu.network_bytes_s * 0.8) + 0.01)
-    assert "NCCL broadcast over the network (40 GB/s per receiving GPU)" in two.notes["weight refit"]
+    assert two.seconds["weight refit"] == pytest.approx(size / 2 / (gpu.nvlink_bytes_s * 0.8)
+                                                        + size / (gpu.network_bytes_s * 0.8) + 0.01)
+    assert "NCCL broadcast over the network (40 GB/s per receiving GPU; not built yet)" in two.notes["weight refit"]
+    assert "refuses engines on another node (rollout/pool.py)" in format_plan(two)
 
 
 def test_step_time_is_the_sum_or_refit_plus_the_max():

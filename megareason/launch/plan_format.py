@@ -60,6 +60,7 @@ def format_plan(plan: Plan) -> str:
         f"{a.num_heads} heads / {a.num_kv_heads} kv heads x {a.head_dim}, vocab {a.vocab_size}; "
         f"{_params(plan)}, {plan.params_per_gpu / 1e9:.3f}B on the most loaded GPU",
         f"layout: Megatron TP {plan.tp} x PP {plan.pp} x DP {plan.dp}{_experts(plan)} ({spec}); vLLM: {engines}",
+        *_runtime_note(plan),
         f"settings (from the config): {as_overrides(plan.settings)}",
         f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
@@ -98,6 +99,15 @@ def format_plan(plan: Plan) -> str:
                        f"{plan.generation_all_gpus:.1f} s)")
         return "\n".join(out)
     return "\n".join(out + _step_lines(plan))
+
+
+def _runtime_note(plan: Plan) -> list[str]:
+    """What the runtime cannot run yet: separate engines on another node than the trainer's first rank."""
+    if plan.placement != "separate" or plan.nodes == 1:
+        return []
+    return ["note: the runtime pushes the weights through shared memory on the node of the trainer's first rank and "
+            "refuses engines on another node (rollout/pool.py); this layout needs vLLM's NCCL weight transfer, not "
+            "built yet: the refit below plans that"]
 
 
 def _vllm_start(plan: Plan) -> str:

@@ -1,5 +1,6 @@
 """The records of ``megareason plan`` (``launch/plan.py``): the GPUs and model shapes it knows, the options
-a plan is made under, the step's generation passes (``workload``) and the ``Plan`` itself."""
+a plan is made under, the step's generation passes (``workload``), the ``Plan`` itself and a step's seconds from its
+phases (``step_seconds``: synchronous, or one step off-policy)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """``megareason plan``'s time per step: FLOPs at an assumed MFU for the training and log-prob passes,
 HBM bandwidth (or compute, for large batches) per decode step for generation, link bandwidth plus a
 per-bucket RPC for the weight refit. Separate engines (rollout.placement=separate): training and log-prob
-FLOPs over the trainer's GPUs only, generation on the engines, the refit an NCCL broadcast to every engine
-GPU (``separate_refit_seconds``). Every assumption is a named constant below."""
+FLOPs over the trainer's GPUs only, generation on the engines, the refit through host memory on one node
+or an NCCL broadcast across nodes (``separate_refit_seconds``). Every assumption is a named constant below."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ STEP_OVERHEAD_S = 2e-3  # per decode step: scheduling, sampling, detokenization
 ALLREDUCE_S = 10e-6  # per TP all-reduce (two per layer) in a decode step
 EAGER_LAUNCH_S_PER_LAYER = 50e-6  # rollout.enforce_eager=true: kernels launched one by one, no CUDA graphs
 REFIT_RPC_S = 0.01  # per weight bucket: collective_rpc round trip + opening the CUDA IPC handle
+# Separate engines on the trainer's node: buckets through shared memory (tmpfs; rollout/pool.py).
+HOST_COPY_BYTES_S = 20e9  # a GPU's copy to or from pageable host memory: ~1/3 of PCIe Gen5 x16's 64 GB/s
+HOST_MEMORY_BYTES_S = 200e9  # a node's host memory bandwidth, shared by the engines' concurrent reads
 
 
 def add_seconds(plan: Plan, cfg: Config) -> None:
@@ -184,24 +187,36 @@ def refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
 
 
 def separate_refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
-    """Engines on GPUs of their own (rollout.placement=separate): each pipeline stage all-gathers its tensors
-    over Megatron TP (NVLink) and broadcasts them, bucket by bucket, to every engine rank (NCCL, one group of
-    the trainer's senders and the engines' ranks); every engine GPU receives the whole model in the engine's
-    dtype and loads its vLLM TP shard of each tensor. A pipelined broadcast runs at its slowest link, the
-    receivers' own: NVLink when the job is one node, else the network (InfiniBand, one NIC per GPU; the
-    engines are taken to be on other nodes than the trainer's GPUs). Plus one RPC per bucket (the engines
-    are told what comes next) and, at EP > 1, the expert gather. Not modelled: vLLM's per-tensor load."""
+    """Engines on GPUs of their own (rollout.placement=separate); every engine GPU receives the whole model
+    in the engine's dtype (vLLM loads its TP shard of each full tensor), bucket by bucket, one RPC each.
+
+    On one node, as the runtime does it (``rollout/pool.py``): the trainer's first rank gathers the whole
+    model (NVLink: TP all-gather, PP broadcast), copies each bucket once into shared memory (tmpfs) and
+    every engine GPU copies it from there: two pageable host copies (``HOST_COPY_BYTES_S`` each), the engines' reads
+    sharing the node's memory bandwidth (``HOST_MEMORY_BYTES_S``), bucket after bucket (no overlap).
+    Across nodes (engines on other nodes than the trainer's first rank, which the runtime refuses until
+    vLLM's NCCL weight transfer is built): each stage all-gathers its tensors over TP (NVLink) and
+    broadcasts them to every engine rank over NCCL, a pipelined broadcast at the receivers' link, the
+    network (InfiniBand, one NIC per GPU). At EP > 1 the expert gather too. Not modelled: vLLM's
+    per-tensor load."""
     gpu = plan.gpu
     size = plan.total_params * element_bytes(cfg.rollout.dtype)
-    gather = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
-    one_node = plan.nodes == 1
-    link = gpu.nvlink_bytes_s if one_node else gpu.network_bytes_s
-    broadcast = size / (link * NET_EFFICIENCY)
     buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
-    experts = expert_gather_seconds(plan, cfg)
+    rpc, experts = buckets * REFIT_RPC_S, expert_gather_seconds(plan, cfg)
     ep = f", {experts:.1f} s EP {plan.ep} expert gather" if plan.ep > 1 else ""
-    return gather + broadcast + buckets * REFIT_RPC_S + experts, (
-        f"{size / 1e9:.0f} GB to each of {plan.engines} engine(s) x {plan.vllm_tp} GPU(s): {gather:.1f} s NVLink (TP "
-        f"all-gather of a stage), {broadcast:.1f} s NCCL broadcast over {'NVLink' if one_node else 'the network'} "
-        f"({link * NET_EFFICIENCY / 1e9:.0f} GB/s per receiving GPU){ep}, {buckets} buckets x "
-        f"{REFIT_RPC_S * 1e3:.0f} ms RPC")
+    tail = f"{ep}, {buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC"
+    if plan.nodes == 1:
+        gather = size * (1 - 1 / (plan.tp * plan.pp)) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+        out = size / HOST_COPY_BYTES_S
+        into = max(size / HOST_COPY_BYTES_S, plan.engine_gpus * size / HOST_MEMORY_BYTES_S)
+        return gather + out + into + rpc + experts, (
+            f"{size / 1e9:.0f} GB to each of {plan.engine_gpus} engine GPU(s) through shared memory: {gather:.1f} s "
+            f"NVLink (gather to the first rank), {out:.1f} s into host memory, {into:.1f} s into the engines "
+            f"({HOST_COPY_BYTES_S / 1e9:.0f} GB/s pageable copies){tail}")
+    gather = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    link = gpu.network_bytes_s * NET_EFFICIENCY
+    broadcast = size / link
+    return gather + broadcast + rpc + experts, (
+        f"{size / 1e9:.0f} GB to each of {plan.engine_gpus} engine GPU(s): {gather:.1f} s NVLink (TP all-gather of "
+        f"a stage), {broadcast:.1f} s NCCL broadcast over the network ({link / 1e9:.0f} GB/s per receiving GPU; "
+        f"not built yet){tail}")
