@@ -120,3 +120,39 @@ def test_ints_accepted_for_floats_but_bools_not_for_ints():
 def test_lora_settings_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         validate_training(load_config("grpo_smollm2_cpu", ["lora.enabled=true", override]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.max_staleness=2"], r"trainer.max_staleness must be 0 \(on-policy\) or 1"),
+    (["trainer.max_staleness=1"], "rollout.placement must be separate with trainer.max_staleness > 0"),
+    (["rollout.num_engines=2"], "rollout.num_engines applies to rollout.placement: separate"),
+    (["rollout.placement=separate", "rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
+    (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.name=raro"],
+     "trainer.max_staleness must be 0 with algorithm.name=raro"),
+    (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.dynamic_sampling=true"],
+     "trainer.max_staleness must be 0 with algorithm.dynamic_sampling"),
+    (["rollout.placement=separate", "trainer.max_staleness=1", "env.name=retrieval_qa"],
+     "trainer.max_staleness must be 0 with an environment"),
+])
+def test_placement_and_staleness_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_training(load_config("grpo_smollm2_cpu", overrides))
+    # the same run without the offending value is valid
+    validate_training(load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "trainer.max_staleness=1"]))
+
+
+def test_a_separate_pool_must_fit_beside_the_trainer():
+    from megareason.rollout.pool import _engine_cores, check_pool
+
+    cfg = load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "rollout.num_engines=2",
+                                           "rollout.tensor_parallel_size=4"])
+    check_pool(cfg, cpus=0, gpus=16, world=8, on_gpu=True)  # 8 + 2 x 4 = 16 GPUs
+    with pytest.raises(ConfigError, match=r"8 GPUs \+ rollout.num_engines 2 x rollout.tensor_parallel_size 4 = 16 "
+                                          "GPUs, but the Ray cluster has 15"):
+        check_pool(cfg, cpus=0, gpus=15, world=8, on_gpu=True)
+    check_pool(cfg, cpus=3, gpus=0, world=1, on_gpu=False)  # one CPU per engine on CPU
+    with pytest.raises(ConfigError, match="need 3 CPUs"):
+        check_pool(cfg, cpus=2, gpus=0, world=1, on_gpu=False)
+    # engines take the last cores, the trainer the first ones
+    assert _engine_cores([0, 1, 2, 3], 0, 1) == [3] and _engine_cores([0, 1, 2, 3], 1, 1) == [2]
+    assert _engine_cores([0, 1, 2, 3, 4, 5], 0, 2) == [4, 5]

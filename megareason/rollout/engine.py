@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from megareason.rollout.buckets import SharedBucket, new_bucket
+from megareason.rollout.buckets import new_bucket
 from megareason.utils import alive, process_table
 
 log = logging.getLogger(__name__)
@@ -242,20 +242,18 @@ class VLLMEngine:
             del llm
 
 
-# (method, *args) -> the result of that method on an engine's workers (``VLLMEngine.rpc``, or the same
-# call into an engine in another process: ``rollout.pool``)
+# (method, *args) -> the result of that method on an engine's workers (``VLLMEngine.rpc``)
 EngineRpc = Callable[..., object]
 
 
 def push_weights(engines: Sequence[EngineRpc], named_tensors: Iterable[tuple[str, torch.Tensor]],
-                 bucket_bytes: int, dtype: torch.dtype, shared_memory: bool = False) -> WeightUpdate:
+                 bucket_bytes: int, dtype: torch.dtype) -> WeightUpdate:
     """Load HF-named tensors into running engines in place, in buckets of ``bucket_bytes`` (a larger
     tensor gets a bucket of its own; see ``rollout.buckets``), then drop their prefix caches (cached
     prefixes were computed with the old weights). Tensors travel in the engines' ``dtype`` (cast while
     copied into the bucket: an fp32 trainer ships half the bytes to a bf16 engine). Each bucket is filled
-    once and loaded by every engine (``engines``: their RPCs; the calls of one bucket may run at once
-    when they return futures: see ``rollout.pool.RemoteEngines``). ``shared_memory``: a tmpfs bucket even
-    on GPU (engines in other processes on other devices cannot map a CUDA IPC buffer).
+    once and loaded by every engine (``engines``: their RPCs). Engines in processes of their own take
+    their weights through vLLM's weight-transfer API instead (``rollout.transfer``).
 
     Every tensor is checked against the served model (name, shape) before it loads. If an update fails
     part-way the engines hold a mix of old and new weights: sync again before generating.
@@ -264,7 +262,7 @@ def push_weights(engines: Sequence[EngineRpc], named_tensors: Iterable[tuple[str
     loads: list[tuple[int, float]] = []  # (bytes, seconds in vLLM) per bucket, the slowest engine's
 
     def each(method: str, *args) -> list:
-        return _resolve([rpc(method, *args) for rpc in engines])
+        return [rpc(method, *args) for rpc in engines]
 
     def load(bucket) -> None:
         results = each("mr_load_bucket", bucket.transport(), bucket.specs)
@@ -273,7 +271,7 @@ def push_weights(engines: Sequence[EngineRpc], named_tensors: Iterable[tuple[str
 
     begin = max(each("mr_begin_weight_update"))
     try:
-        with (SharedBucket(bucket_bytes) if shared_memory else new_bucket(bucket_bytes)) as bucket:
+        with new_bucket(bucket_bytes) as bucket:
             for name, tensor in named_tensors:
                 if not bucket.add(name, tensor, dtype):  # full: ship it, then start the next
                     load(bucket)
@@ -291,15 +289,6 @@ def push_weights(engines: Sequence[EngineRpc], named_tensors: Iterable[tuple[str
         bytes=sum(b for b, _ in loads), buckets=len(loads), largest_bucket=max((b for b, _ in loads), default=0),
         seconds=time.perf_counter() - start, vllm_seconds=begin + finish + sum(s for _, s in loads),
     )
-
-
-def _resolve(results: list) -> list:
-    """The values of RPC results that are Ray futures (engines in other processes), else as they are."""
-    if results and type(results[0]).__name__ == "ObjectRef":
-        import ray
-
-        return ray.get(results)
-    return results
 
 
 class _EngineWatch:

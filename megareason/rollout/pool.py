@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, replace
 
 from megareason.config import Config, ConfigError
-from megareason.rollout.engine import Completion, Sampling, WeightUpdate, push_weights
+from megareason.rollout.engine import Completion, Sampling, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,12 @@ class RolloutWorker:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
             os.sched_setaffinity(0, cores)
         from megareason.rollout.engine import VLLMEngine
+        from megareason.rollout.vllm_worker import SHM_BACKEND
         from megareason.settings import engine_settings
 
-        self.index, self.engine = index, VLLMEngine(engine_settings(cfg))
+        settings = engine_settings(cfg)  # the weights arrive through vLLM's weight-transfer API
+        settings.extra = {**settings.extra, "weight_transfer_config": {"backend": SHM_BACKEND}}
+        self.index, self.engine = index, VLLMEngine(settings)
 
     def node(self) -> str:
         import ray
@@ -54,8 +57,21 @@ class RolloutWorker:
         out = self.engine.generate(prompts_token_ids, sampling, use_tqdm=False)
         return out, time.perf_counter() - start
 
-    def rpc(self, method: str, *args):
-        return self.engine.rpc(method, *args)
+    # vLLM's weight-sync control plane (``VLLMWeightSyncClient``'s methods; ``rollout.transfer.PoolClient``)
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.engine.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def start_weight_update(self) -> None:
+        self.engine.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.engine.llm.collective_rpc("update_weights", args=(update_info,))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Close the update; cached prefixes were computed with the old weights: dropped."""
+        self.engine.llm.collective_rpc("finish_weight_update")
+        self.engine.llm.reset_prefix_cache()
+        self.version = weight_version
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -145,10 +161,11 @@ class RolloutPool:
 
 
 class RemoteEngines:
-    """The pool's engines as the trainer's first rank sees them (``PolicyWorker.sync_weights``)."""
+    """The pool's engines as the trainer's first rank sees them (``PolicyWorker.sync_weights``): vLLM's
+    trainer-side weight transfer (``rollout.transfer``), built on the first push."""
 
     def __init__(self, workers: list, dtype):
-        self.workers, self.dtype = workers, dtype
+        self.workers, self.dtype, self.sender, self.pushes = workers, dtype, None, 0
 
     def check_node(self) -> None:
         """Refuse engines on another node: the tmpfs buckets are this node's memory."""
@@ -162,9 +179,18 @@ class RemoteEngines:
                               "weight transfer across nodes is not built yet): give the job one node, or use "
                               "rollout.placement: colocated")
 
-    def update_weights(self, named_tensors, bucket_bytes: int) -> WeightUpdate:
-        rpcs = [w.rpc.remote for w in self.workers]
-        return push_weights(rpcs, named_tensors, bucket_bytes, self.dtype, shared_memory=True)
+    def update_weights(self, stream, shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> WeightUpdate:
+        """Push the weights ``stream()`` yields (a fresh pass of the actor's HF tensors) into every engine."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from megareason.rollout.transfer import HFWeightSource, PoolClient, ShmTrainerInitInfo
+
+        if self.sender is None:
+            self.sender = WeightTransferTrainerFactory.trainer_init(
+                ShmTrainerInitInfo(rank=0, bucket_bytes=bucket_bytes), client=PoolClient(self.workers),
+                source=HFWeightSource(stream, shapes, self.dtype))
+        self.pushes += 1
+        return self.sender.send_weights(weight_version=str(self.pushes))
 
 
 def _engine_cores(cores: list[int], i: int, per: int) -> list[int]:

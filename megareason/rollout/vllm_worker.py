@@ -61,89 +61,121 @@ def _repack_cpu_experts(model) -> int:
     return repacked
 
 
-class WeightUpdateExtension:
-    """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
+class _Reload:
+    """One weight update into a served model through vLLM's layerwise reload, every tensor checked
+    against the served model's own HF config (``vllm_config``) first. The worker extension's ``mr_*``
+    methods and ``ShmWeightTransferEngine`` (vLLM's weight-transfer API) both drive one."""
 
-    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+    def __init__(self, model, vllm_config, runner=None):
         from megareason.models.arch import ModelArch
         from megareason.models.weight_map import hf_shapes
 
-        hf_config = self.vllm_config.model_config.hf_config.to_dict()
-        return hf_shapes(ModelArch.from_hf_config(hf_config, source="the served model"))
+        self.model, self.vllm_config, self.runner = model, vllm_config, runner
+        hf_config = vllm_config.model_config.hf_config.to_dict()
+        self.expected = hf_shapes(ModelArch.from_hf_config(hf_config, source="the served model"))
+        self.received: set[str] = set()
+        self.pending: dict[str, set[str]] = {}  # unit -> its names not received yet
+        for name in self.expected:
+            self.pending.setdefault(_unit(name), set()).add(name)
 
-    def mr_begin_weight_update(self) -> float:
+    def begin(self) -> float:
         """Open vLLM's layerwise reload; returns its seconds."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         start = time.perf_counter()
-        self._mr_expected = self._expected_shapes()
-        self._mr_received: set[str] = set()
-        self._mr_pending: dict[str, set[str]] = {}  # unit -> its names not received yet
-        for name in self._mr_expected:
-            self._mr_pending.setdefault(_unit(name), set()).add(name)
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+            initialize_layerwise_reload(self.model)
         return time.perf_counter() - start
 
-    def mr_load_bucket(self, transport: Transport, specs: list[Spec]) -> tuple[int, float]:
+    def load_bucket(self, transport: Transport, specs: list[Spec]) -> tuple[int, float]:
         """Load one bucket (see ``rollout.buckets``): ``specs`` lists (name, dtype, shape, byte offset).
         Returns the bucket's size in bytes and the seconds spent in vLLM's ``load_weights``."""
         names, views = read_bucket(transport, specs)
-        self._mr_check(names, views)
+        self.check(names, views)
         # vLLM's layerwise loader holds a tensor until its layer is complete; the trainer refills the
         # bucket next. A layer completed by this bucket is processed (copied into vLLM's own storage)
         # inside load_weights, so its tensors load straight from the bucket; only those of a layer
         # that continues in the next bucket are copied out first.
-        tensors = [v.clone() if self._mr_pending[_unit(n)] else v for n, v in zip(names, views, strict=True)]
-        return self._mr_load(names, tensors)
+        tensors = [v.clone() if self.pending[_unit(n)] else v for n, v in zip(names, views, strict=True)]
+        return self.load(names, tensors)
 
-    def mr_load_tensors(self, names: list[str], tensors: list) -> tuple[int, float]:
-        """In-process callers (``rollout.colocated``, where ``collective_rpc`` is a plain call): load
-        these HF-named tensors as they are. The caller must not modify them until the update finishes
-        (vLLM may hold a tensor until its layer is complete). Returns (bytes, seconds in vLLM)."""
-        self._mr_check(names, tensors)
-        return self._mr_load(names, tensors)
-
-    def _mr_check(self, names: list[str], tensors: list) -> None:
+    def check(self, names: list[str], tensors: list) -> None:
         for name, t in zip(names, tensors, strict=True):
-            want = self._mr_expected.get(name)
+            want = self.expected.get(name)
             if want is None:
                 raise ValueError(f"weight sync: unknown tensor '{name}' (not a weight of the served model)")
             if tuple(t.shape) != want:
                 raise ValueError(f"weight sync: tensor '{name}' has shape {tuple(t.shape)}, the served "
                                  f"model expects {want}")
-            if name in self._mr_received:
+            if name in self.received:
                 raise ValueError(f"weight sync: tensor '{name}' sent twice")
-            self._mr_received.add(name)
-            self._mr_pending[_unit(name)].discard(name)
+            self.received.add(name)
+            self.pending[_unit(name)].discard(name)
 
-    def _mr_load(self, names: list[str], tensors: list) -> tuple[int, float]:
+    def load(self, names: list[str], tensors: list) -> tuple[int, float]:
         from vllm.config import set_current_vllm_config
 
         start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(zip(names, tensors, strict=True))
+            self.model.load_weights(zip(names, tensors, strict=True))
         return sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - start
 
-    def mr_finish_weight_update(self) -> float:
+    def finish(self) -> float:
         """Close the reload (processes layers not processed yet); returns its seconds."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         start = time.perf_counter()
-        missing = sorted(set(self._mr_expected) - self._mr_received)
-        runner = self.model_runner
+        missing = sorted(set(self.expected) - self.received)
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(runner.get_model(), self.vllm_config.model_config)
-            _retie_embeddings(runner.get_model(), self.vllm_config.model_config.hf_config)
-            _repack_cpu_experts(runner.get_model())
+            finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+            _retie_embeddings(self.model, self.vllm_config.model_config.hf_config)
+            _repack_cpu_experts(self.model)
         release_imports()  # the trainer's CUDA-IPC bucket, mapped once for the whole update
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(runner, reset):
-                getattr(runner, reset)()
+            if self.runner is not None and hasattr(self.runner, reset):
+                getattr(self.runner, reset)()
         if missing:
             more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
             raise ValueError(f"weight sync: {len(missing)} tensors were not sent: {', '.join(missing[:5])}{more}; "
                              f"the layers they belong to kept their old weights")
         return time.perf_counter() - start
+
+
+class WeightUpdateExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker (``model_runner``, ``vllm_config``)."""
+
+    def mr_begin_weight_update(self) -> float:
+        """Open vLLM's layerwise reload; returns its seconds."""
+        self._mr = _Reload(self.model_runner.get_model(), self.vllm_config, self.model_runner)
+        return self._mr.begin()
+
+    def mr_load_bucket(self, transport: Transport, specs: list[Spec]) -> tuple[int, float]:
+        """Load one bucket; returns (bytes, seconds in vLLM's ``load_weights``)."""
+        return self._mr.load_bucket(transport, specs)
+
+    def mr_load_tensors(self, names: list[str], tensors: list) -> tuple[int, float]:
+        """In-process callers (``rollout.colocated``, where ``collective_rpc`` is a plain call): load
+        these HF-named tensors as they are. The caller must not modify them until the update finishes
+        (vLLM may hold a tensor until its layer is complete). Returns (bytes, seconds in vLLM)."""
+        self._mr.check(names, tensors)
+        return self._mr.load(names, tensors)
+
+    def mr_finish_weight_update(self) -> float:
+        """Close the reload (processes layers not processed yet); returns its seconds."""
+        return self._mr.finish()
+
+
+def _register_shm_backend() -> None:
+    """``megareason_shm`` in vLLM's weight-transfer registry (this module is imported in every vLLM
+    worker process, as ``worker_extension_cls``, before the worker builds its transfer engine)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if SHM_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(SHM_BACKEND, "megareason.rollout.transfer",
+                                                    "ShmWeightTransferEngine")
+
+
+SHM_BACKEND = "megareason_shm"
+_register_shm_backend()

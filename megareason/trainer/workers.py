@@ -232,9 +232,12 @@ class PolicyWorker(_Worker):
 
     def sync_weights(self) -> WeightUpdate | None:
         """Stream the actor's weights into this replica's engine (every rank takes part)."""
+        if self.remote is not None:  # vLLM's weight-transfer API into the separate engines
+            from megareason.models.weight_map import hf_shapes
+
+            return self.remote.update_weights(self._hf_weights, hf_shapes(self.actor.arch),
+                                              self.cfg.trainer.weight_sync_bucket_mb << 20)
         stream = self._hf_weights()
-        if self.remote is not None:
-            return self.remote.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
         if self.engine is None:
             for _ in stream:  # this rank gathers and sends; the consumer loads
                 pass
