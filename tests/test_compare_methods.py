@@ -81,3 +81,19 @@ def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
     for name in ("compare_methods.md", "compare_methods_heldout.png", "compare_methods_raro_critic.png"):
         assert (results / name).stat().st_size > 0
     assert "| raro |" in (results / "compare_methods.md").read_text()
+
+
+def test_tuning_runs_score_on_their_own_split_never_the_held_out_one(tmp_path):
+    cm = _tool()
+    variants = cm.tune_commands(tmp_path, steps=10, prompts=8, val=100, seed=777,
+                                variants=["lr=raro:optim.lr=3e-5,raro.tau_pol=0.5", "plain=grpo:"],
+                                extra=["model.path=/m"])
+    arm, cmd = variants["lr"]
+    assert arm == "raro" and cmd[0] == "train" and "algorithm.name=raro" in cmd
+    assert cmd[-2:] == ["optim.lr=3e-5", "raro.tau_pol=0.5"]  # the variant's overrides come last: they win
+    assert "data.val_sources.0.seed=777" in cmd and "data.val_sources.0.size=100" in cmd
+    assert [c for c in cmd if c.startswith("trainer.output_dir=")] == [f"trainer.output_dir={tmp_path / 'lr'}"]
+    assert "trainer.val_before_train=true" in cmd  # the base model's score on the split, step 0
+    assert variants["plain"][0] == "grpo" and variants["plain"][1][-1] == "trainer.val_before_train=true"
+    with pytest.raises(SystemExit, match="expected NAME=ARM"):
+        cm.tune_commands(tmp_path, 10, 8, 100, 777, ["x=ppo:optim.lr=1"], [])

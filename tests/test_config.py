@@ -142,7 +142,7 @@ def test_placement_and_staleness_are_checked(overrides, message):
 
 
 def test_a_separate_pool_must_fit_beside_the_trainer():
-    from megareason.rollout.pool import _engine_cores, check_pool
+    from megareason.trainer.pool import _engine_cores, check_pool
 
     cfg = load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "rollout.num_engines=2",
                                            "rollout.tensor_parallel_size=4"])

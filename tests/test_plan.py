@@ -501,7 +501,7 @@ def test_the_separate_layout_trains_on_its_gpus_and_refits_through_host_memory_o
     assert two.seconds["weight refit"] == pytest.approx(size / 2 / (gpu.nvlink_bytes_s * 0.8)
                                                         + size / (gpu.network_bytes_s * 0.8) + 0.01)
     assert "NCCL broadcast over the network (40 GB/s per receiving GPU; not built yet)" in two.notes["weight refit"]
-    assert "refuses engines on another node (rollout/pool.py)" in format_plan(two)
+    assert "refuses engines on another node (trainer/pool.py)" in format_plan(two)
 
 
 def test_step_time_is_the_sum_or_refit_plus_the_max():
@@ -558,7 +558,7 @@ def test_the_llama8b_async_recipe_plans_nemo_rl_runs_beside_their_measurements(c
         "separate", 1, 2, 8, 8, 1)
     assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
     assert plan.step_seconds == plan.off_policy_seconds < plan.sync_seconds
-    rows = compare(recipe, [], PlanOptions(), "llama-3.1-8b")
+    rows = compare(recipe, [], PlanOptions(), plan_config, "llama-3.1-8b")
     assert [(c.run.step_s, c.plan.placement, c.plan.gpus, c.plan.max_staleness) for c in rows] == [
         (92.8, "colocated", 16, 0), (64.8, "separate", 16, 1)]
     assert [(c.plan.passes[0].prompt, c.plan.passes[0].response) for c in rows] == [(128, 1019), (128, 1123)]

@@ -9,6 +9,14 @@ every ``trainer.val_every`` steps by the trainer itself (``rollouts/val_step_N.j
     .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --runs /tmp/cmp --results /tmp/cmp
       --rerank-prompts 8 model.path=/path/to/tiny                # (one line) a smoke run
 
+Tuning never looks at the held-out prompts: ``--tune NAME=ARM:key=value,...`` (repeatable) trains each
+variant on the same training prompts and scores it on a separate validation split (``--tune-seed``,
+``--tune-prompts`` prompts of the same task), beside the base model's score on that split; the runs are
+listed in ``compare_methods_tuning.md``. Choose settings there, then run the comparison with them.
+
+    .venv/bin/python tools/compare_methods.py --steps 10 --tune raro_lr3e-5=raro:optim.lr=3e-5 \\
+      --tune raro_tau=raro:raro.tau_pol=0.5
+
 Interrupted, it picks up where it stopped: a finished arm is not rerun, an unfinished one resumes from its
 last checkpoint (the trainer's own resume). Writes, under ``--results``: ``compare_methods.md`` (the table:
 accuracy with its 95% bootstrap interval, the paired difference vs base with its interval and McNemar's
@@ -46,6 +54,55 @@ def arm_commands(runs: Path, steps: int, prompts: int, heldout: int, extra: list
         "raro": ["train", *common, f"trainer.output_dir={runs / 'raro'}", "trainer.val_before_train=false",
                  "algorithm.name=raro", "algorithm.kl_coef=0.001"],
     }
+
+
+TUNE_SEED = 777  # the tuning split's reasoning-gym seed (the held-out set's is 20261123, training's 1)
+
+
+def tune_commands(runs: Path, steps: int, prompts: int, val: int, seed: int, variants: list[str],
+                  extra: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """{variant: (arm, command)}: ``arm_commands`` with the validation split in place of the held-out set
+    (``data.val_sources.0.seed``) and each variant's overrides; ``variants`` are ``NAME=ARM:k=v,k=v``."""
+    base = arm_commands(runs, steps, prompts, val, [f"data.val_sources.0.seed={seed}", *extra])
+    out = {}
+    for spec in variants:
+        name, _, rest = spec.partition("=")
+        arm, _, overrides = rest.partition(":")
+        if not name or arm not in base:
+            raise SystemExit(f"--tune {spec!r}: expected NAME=ARM:key=value,... with ARM one of {sorted(base)}")
+        cmd = [c for c in base[arm] if not c.startswith("trainer.output_dir=")]
+        out[name] = (arm, [*cmd, f"trainer.output_dir={runs / name}", "trainer.val_before_train=true",
+                           *[o for o in overrides.split(",") if o]])
+    return out
+
+
+def tune(a) -> None:
+    """Run the ``--tune`` variants and list them (module docstring)."""
+    runs = a.runs / "tuning"
+    variants = tune_commands(runs, a.steps, a.prompts, a.tune_prompts, a.tune_seed, a.tune, a.overrides)
+    rng = np.random.default_rng(0)
+    lines = [f"Tuning split: {a.tune_prompts} basic_arithmetic prompts, reasoning-gym seed {a.tune_seed} (never the "
+             f"held-out set); {a.steps} steps x {a.prompts} training prompts per run; greedy.", "",
+             "| run | arm | overrides | base on the split | final accuracy (95% CI) | paired diff vs base (95% CI) "
+             "| critic accuracy, first / last 5 steps | wall time |", "|---|---|---|---|---|---|---|---|"]
+    for name, (arm, cmd) in variants.items():
+        wall = run_arm(name, cmd, runs / name, a.steps)
+        curve = held_out(runs / name)
+        base, final = curve[0], curve[a.steps]
+        lo, hi = bootstrap_mean(final, rng)
+        d = paired(final, base, rng)
+        critic = "—"
+        if arm == "raro":
+            acc = [v for _, v in critic_curves(runs / name)["raro/critic_accuracy"]]
+            critic = f"{np.mean(acc[:5]):.2f} / {np.mean(acc[-5:]):.2f}"
+        overrides = " ".join(cmd[cmd.index("trainer.val_before_train=true") + 1:]) or "(the recipe's)"
+        lines.append(f"| {name} | {arm} | `{overrides}` | {base.mean():.3f} | {final.mean():.3f} ({lo:.3f}–{hi:.3f}) "
+                     f"| {d['diff']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) | {critic} | {wall / 60:.0f} min |")
+    lines += ["", "Commands (from the repository root):", ""]
+    lines += [f"    .venv/bin/megareason {' '.join(c)}".replace(f"{ROOT}/", "") for _, c in variants.values()]
+    a.results.mkdir(parents=True, exist_ok=True)
+    _write(a.results / "compare_methods_tuning.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def megareason() -> list[str]:
@@ -212,10 +269,18 @@ def main() -> None:
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "compare_methods")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
     ap.add_argument("--arms", default="grpo,sft,raro", help="training arms to run, in order (base comes with grpo)")
+    ap.add_argument("--tune", action="append", default=[], metavar="NAME=ARM:k=v,...",
+                    help="tune instead: train this variant, score it on the tuning split (repeatable)")
+    ap.add_argument("--tune-prompts", type=int, default=100, help="prompts of the tuning split")
+    ap.add_argument("--tune-seed", type=int, default=TUNE_SEED, help="the tuning split's reasoning-gym seed")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every arm (e.g. model.path=...)")
     a = ap.parse_args()
     if a.heldout < 2:
         ap.error("--heldout must be >= 2")
+    if a.tune:
+        if a.tune_seed == 20261123:
+            ap.error("--tune-seed must differ from the held-out set's seed (20261123)")
+        return tune(a)
     commands = arm_commands(a.runs, a.steps, a.prompts, a.heldout, a.overrides)
     wanted = [x for x in a.arms.split(",") if x]
     if unknown := set(wanted) - set(commands):

@@ -440,5 +440,6 @@ def run_cli(args) -> int:
     print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
     published = published_for(args.config)
     if published is not None:  # a recipe made to match a published run: the plan of each of its runs beside it
-        print("\n" + format_comparison(published, compare(args.config, args.overrides, opt, args.model_shape)))
+        print("\n" + format_comparison(published, compare(args.config, args.overrides, opt, plan_config,
+                                                              args.model_shape)))
     return 0

@@ -106,7 +106,7 @@ def _runtime_note(plan: Plan) -> list[str]:
     if plan.placement != "separate" or plan.nodes == 1:
         return []
     return ["note: the runtime pushes the weights through shared memory on the node of the trainer's first rank and "
-            "refuses engines on another node (rollout/pool.py); this layout needs vLLM's NCCL weight transfer, not "
+            "refuses engines on another node (trainer/pool.py); this layout needs vLLM's NCCL weight transfer, not "
             "built yet: the refit below plans that"]
 
 

@@ -66,12 +66,12 @@ def published_for(config: str) -> Published | None:
     return PUBLISHED.get(Path(config).stem)
 
 
-def compare(config: str, overrides: list[str], opt: PlanOptions, model_shape: str = "") -> list[Compared]:
+def compare(config: str, overrides: list[str], opt: PlanOptions, plan_config, model_shape: str = "") -> list[Compared]:
     """Plan ``config`` (with ``overrides``) in each published run's layout, on the run's GPU, 8 to a node, at
-    its mean prompt and response lengths (the other options, MFU among them, are ``opt``'s). [] when no
-    run was published for it."""
+    its mean prompt and response lengths (the other options, MFU among them, are ``opt``'s), with
+    ``plan_config`` (``launch.plan``'s, passed in: that module prints these). [] when no run was published
+    for it."""
     from megareason.config import load_config
-    from megareason.launch.plan import plan_config
 
     published = published_for(config)
     if published is None:

@@ -21,7 +21,7 @@ STEP_OVERHEAD_S = 2e-3  # per decode step: scheduling, sampling, detokenization
 ALLREDUCE_S = 10e-6  # per TP all-reduce (two per layer) in a decode step
 EAGER_LAUNCH_S_PER_LAYER = 50e-6  # rollout.enforce_eager=true: kernels launched one by one, no CUDA graphs
 REFIT_RPC_S = 0.01  # per weight bucket: collective_rpc round trip + opening the CUDA IPC handle
-# Separate engines on the trainer's node: buckets through shared memory (tmpfs; rollout/pool.py).
+# Separate engines on the trainer's node: buckets through shared memory (tmpfs; trainer/pool.py).
 HOST_COPY_BYTES_S = 20e9  # a GPU's copy to or from pageable host memory: ~1/3 of PCIe Gen5 x16's 64 GB/s
 HOST_MEMORY_BYTES_S = 200e9  # a node's host memory bandwidth, shared by the engines' concurrent reads
 
@@ -190,7 +190,7 @@ def separate_refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
     """Engines on GPUs of their own (rollout.placement=separate); every engine GPU receives the whole model
     in the engine's dtype (vLLM loads its TP shard of each full tensor), bucket by bucket, one RPC each.
 
-    On one node, as the runtime does it (``rollout/pool.py``): the trainer's first rank gathers the whole
+    On one node, as the runtime does it (``trainer/pool.py``): the trainer's first rank gathers the whole
     model (NVLink: TP all-gather, PP broadcast), copies each bucket once into shared memory (tmpfs) and
     every engine GPU copies it from there: two pageable host copies (``HOST_COPY_BYTES_S`` each), the engines' reads
     sharing the node's memory bandwidth (``HOST_MEMORY_BYTES_S``), bucket after bucket (no overlap).

@@ -18,8 +18,9 @@ megareason plugs into it:
   fills a tmpfs bucket (``rollout.buckets``) and sends its transport and specs as the chunk's update info;
   ``ShmWeightTransferEngine``, registered in vLLM's factory by ``rollout.vllm_worker``, loads it through
   the same checked layerwise reload as the colocated path (``vllm_worker._Reload``).
-* ``nccl`` (GPU, engines on other nodes): vLLM's ``NCCLTrainerWeightTransferEngine`` with the same client
-  and source (``nccl_init_info``). Not run: these machines have no GPU and the lent GPU image has no vLLM.
+* not built: ``nccl`` for engines on other nodes (vLLM's ``NCCLTrainerWeightTransferEngine`` would take
+  the same client and source, with a rendezvous of one sender and engines x TP receivers); nothing here
+  could run it (no GPU, and the lent GPU image has no vLLM), so ``RemoteEngines`` refuses such engines.
 """
 
 from __future__ import annotations
@@ -190,11 +191,3 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
 if SHM_BACKEND not in WeightTransferTrainerFactory._registry:
     WeightTransferTrainerFactory.register_engine(SHM_BACKEND, ShmTrainerWeightTransferEngine)
 
-
-def nccl_init_info(master_address: str, master_port: int, engines: int, engine_tp: int):
-    """vLLM's NCCL trainer init info for one sender and ``engines`` x ``engine_tp`` receiving workers
-    (GPU, engines anywhere on the cluster). Not run on these machines (module docstring)."""
-    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-    return NCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
-                               world_size=1 + engines * engine_tp, rank=0)

@@ -18,9 +18,9 @@ import torch
 from megareason.config import Config, ConfigError
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.engine import Completion, Sampling, WeightUpdate
-from megareason.rollout.pool import RolloutPool, check_pool
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, cluster_size
+from megareason.trainer.pool import RolloutPool, check_pool
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
 
@@ -143,7 +143,7 @@ def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
 
 
 def start_rollouts(cfg: Config) -> RolloutPool | None:
-    """rollout.placement: separate: the rollout engines' pool (``rollout.pool``); colocated: None (the
+    """rollout.placement: separate: the rollout engines' pool (``trainer.pool``); colocated: None (the
     policy's ranks hold the engines)."""
     if cfg.rollout.placement != "separate":
         return None

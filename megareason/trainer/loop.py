@@ -35,13 +35,13 @@ from megareason.data.records import TokenizedPrompt
 from megareason.envs.runner import check_env_data, env_enabled, run_env
 from megareason.raro.prompts import policy_data
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
-from megareason.rollout.pool import RolloutPool
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
 from megareason.trainer.handles import CriticHandle, PolicyHandle, start_rollouts, start_workers
 from megareason.trainer.metrics import UpdateStats, step_metrics
 from megareason.trainer.offpolicy import OneStepOff, with_settle
+from megareason.trainer.pool import RolloutPool
 from megareason.trainer.run_dir import RunDir, hold_run_lock
 from megareason.trainer.steps import ScoreFn, StepRows, rollout_step
 from megareason.utils import atomic_write

@@ -46,7 +46,9 @@ def step_metrics(cfg: Config, step: int, exp: Experience, rows: StepRows, update
       ``critic/returns_var`` of the values the advantages used (before this step's critic update);
     * environments: ``env/{turns,searches,tool_errors,em,f1,retrieval_recall,citation_precision}``;
     * ``sync/{bytes,seconds}`` of the weight sync, ``time/<phase>`` (seconds; ``time/step`` their sum),
-      ``throughput/tokens_per_s``; and the variant's own (RARO: ``raro/*``, ``raro.critic``).
+      ``throughput/tokens_per_s``; and the variant's own (RARO: ``raro/*``, ``raro.critic``; one step
+      off-policy: ``rollout/policy_version`` and ``rollout/staleness`` of the batch, ``time/generate_wait``
+      in the sum, ``time/engine_generate``, the engines' own seconds on it, not in the sum).
     """
     scored = rows.scored
     m = {**_sample_metrics(scored), **rows.metrics}

@@ -1,4 +1,4 @@
-"""One step off-policy rollouts (``trainer.max_staleness: 1``, on a separate pool: ``rollout.pool``).
+"""One step off-policy rollouts (``trainer.max_staleness: 1``, on a separate pool: ``trainer.pool``).
 
 Step k of the loop, with ``OneStepOff`` as its rollout variant::
 
@@ -32,9 +32,9 @@ import torch
 from megareason.config import Config
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.engine import Completion
-from megareason.rollout.pool import PendingGeneration
 from megareason.trainer.driver import Driver, timed
 from megareason.trainer.handles import PolicyHandle
+from megareason.trainer.pool import PendingGeneration
 from megareason.trainer.steps import SingleTurn, StepRows, sampling
 
 INFLIGHT = "rollout_inflight.pt"

@@ -124,6 +124,8 @@ class PolicyWorker(_Worker):
     """One rank of the policy: the actor, the reference (a frozen copy, or the LoRA actor with its adapters
     off) and this rank's share of the rollout engines (module docstring)."""
 
+    remote = None  # rollout.placement: separate: the pool's engines, on the rank that pushes to them
+
     def _build(self) -> None:
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
@@ -146,8 +148,7 @@ class PolicyWorker(_Worker):
                           if cfg.algorithm.kl_coef > 0 and not lora else None)
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
-        self.remote = None  # rollout.placement: separate: the pool's engines (``attach_engines``)
-        if cfg.rollout.placement == "separate":  # the engines live in their own processes (rollout.pool)
+        if cfg.rollout.placement == "separate":  # the engines live in their own processes (trainer.pool)
             self.engine, self.engine_index, self.engine_leader = None, None, False
         elif colocated_rollout(cfg):  # every rank holds one vLLM TP rank of engine rank // TP
             self.engine = ColocatedEngine(engine_settings(cfg))
@@ -161,7 +162,7 @@ class PolicyWorker(_Worker):
 
     def attach_engines(self, remote) -> None:
         """rollout.placement: separate: the first rank that receives the weights (replica 0's consumer)
-        pushes them into the pool's engines (``rollout.pool.RemoteEngines``); the other ranks only gather."""
+        pushes them into the pool's engines (``trainer.pool.RemoteEngines``); the other ranks only gather."""
         from megareason.rollout.weight_sync import is_consumer
 
         if self.layout.dp_rank == 0 and is_consumer():
