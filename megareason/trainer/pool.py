@@ -71,7 +71,6 @@ class RolloutWorker:
         """Close the update; cached prefixes were computed with the old weights: dropped."""
         self.engine.llm.collective_rpc("finish_weight_update")
         self.engine.llm.reset_prefix_cache()
-        self.version = weight_version
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -83,7 +82,6 @@ class PendingGeneration:
 
     futures: list
     pool: RolloutPool
-    started: float
 
     def result(self) -> tuple[list[list[Completion]], float]:
         """(completions in prompt order, the slowest engine's generation seconds)."""
@@ -122,7 +120,7 @@ class RolloutPool:
         futures = [w.generate.remote(prompts_token_ids[a:b],
                                      sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a))
                    for w, a, b in zip(self.workers, bounds[:-1], bounds[1:], strict=True)]
-        return PendingGeneration(futures, self, time.perf_counter())
+        return PendingGeneration(futures, self)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         return self.generate_async(prompts_token_ids, sampling).result()[0]
