@@ -38,10 +38,21 @@ def curve(metrics: dict[int, dict]) -> list[dict]:
             for s in sorted(metrics)]
 
 
+def recording() -> bool:
+    """Whether this run re-records the golden curves (``tools/regen_golden.sh``) instead of checking them."""
+    return os.environ.get("MEGAREASON_WRITE_GOLDEN") == "1"
+
+
+def golden(name: str) -> dict[int, dict]:
+    """``tests/golden/<name>.jsonl`` as step -> row (the comparable metrics of the recorded run)."""
+    rows = [json.loads(line) for line in (GOLDEN / f"{name}.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
 def check_golden(name: str, metrics: dict[int, dict]) -> None:
     """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` exactly (or record it)."""
     rows, path = curve(metrics), GOLDEN / f"{name}.jsonl"
-    if os.environ.get("MEGAREASON_WRITE_GOLDEN") == "1":
+    if recording():
         GOLDEN.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return

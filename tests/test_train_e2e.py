@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from golden_curves import check_golden
+from golden_curves import check_golden, recording
 
 pytestmark = pytest.mark.slow
 
@@ -122,15 +122,13 @@ AT_SCALE = ("trainer.precision=bf16", "optim.use_distributed_optimizer=true", "p
 
 
 def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path):
-    straight = tmp_path / "straight"
-    _run(_args(tiny_qwen2, tmp_path, straight, *AT_SCALE))
-    reference = _metrics(straight)
-    check_golden("grpo", reference)
-    # bf16 training against fp32 generation: the mismatch is reported, > 1 and still small.
-    assert all(1.0 < reference[s]["rollout/token_mult_prob_error"] < 1.5 for s in reference)
-    assert set(reference) == {1, 2, 3, 4}
-    # On-policy, equal-length responses make the loss value ~0; its gradient is what must be nonzero.
-    assert all(reference[s]["actor/grad_norm"] > 1e-3 for s in (3, 4)), "gradients must be nonzero to compare"
+    """The run killed with SIGKILL after its step-2 checkpoint and run again ends with the uninterrupted run's
+    metrics, every one of every step: the golden "grpo" curve, recorded from the uninterrupted run (this test
+    runs it only when re-recording, tools/regen_golden.sh; test_faults.py compares to the same curve)."""
+    if recording():
+        straight = tmp_path / "straight"
+        _run(_args(tiny_qwen2, tmp_path, straight, *AT_SCALE))
+        check_golden("grpo", _metrics(straight))
 
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(_args(tiny_qwen2, tmp_path, crashed, *AT_SCALE), env=_env(),
@@ -151,10 +149,13 @@ def test_sigkill_mid_run_then_resume_gives_the_same_losses(tiny_qwen2, tmp_path)
     assert "resuming from" in proc.stderr and "step_00000002" in proc.stderr
     resumed = _metrics(crashed)
     assert sorted(resumed) == [1, 2, 3, 4]  # each step once, the interrupted run's partial step dropped
-    for step in (3, 4):
-        for key in ("actor/loss", "actor/grad_norm", "reward/mean", "response_length/mean", "actor/entropy"):
-            assert resumed[step][key] == reference[step][key], (step, key, resumed[step][key], reference[step][key])
-    assert resumed[4]["val/accuracy"] == reference[4]["val/accuracy"]
+    # On-policy, equal-length responses make the loss value ~0; its gradient is what must be nonzero.
+    assert all(resumed[s]["actor/grad_norm"] > 1e-3 for s in (3, 4)), "gradients must be nonzero to compare"
+    # bf16 training against fp32 generation: the mismatch is reported, > 1 and still small.
+    assert all(1.0 < resumed[s]["rollout/token_mult_prob_error"] < 1.5 for s in resumed)
+    assert "val/accuracy" in resumed[4]
+    if not recording():
+        check_golden("grpo", resumed)
 
 
 def test_ppo_with_a_critic_runs_and_its_value_loss_falls(tiny_qwen2, tmp_path):

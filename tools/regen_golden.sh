@@ -9,5 +9,6 @@ MEGAREASON_WRITE_GOLDEN=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
   "tests/test_train_e2e.py::test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer" \
   "tests/test_train_e2e.py::test_grpo_on_the_retrieval_qa_environment" \
   "tests/test_sft.py::test_sft_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve" \
-  "tests/test_compare_methods.py::test_the_recipe_first_steps_on_the_tiny_model" "$@"
+  "tests/test_compare_methods.py::test_the_recipe_first_steps_on_the_tiny_model" \
+  "tests/test_async_rollouts.py" "$@"
 git status --short tests/golden
