@@ -14,22 +14,22 @@ from pathlib import Path
 GOLDEN = Path(__file__).parent / "golden"
 # Wall-clock measurements differ from run to run; everything else must not, except:
 VOLATILE_PREFIXES = ("time/", "throughput/", "sync/seconds")
-# vLLM's log-probs of the sampled tokens (``rollout_logp_BT``) vary in the last float32 bits with the
-# engine's batch composition, which depends on when the requests reach the engine core (the tokens, seeded
-# per request, do not): the train/generation mismatch they give is compared to a relative 1e-5. Nothing
-# else reads them (the losses use the trainer's own log-probs).
-ROLLOUT_LOGPROB_METRICS = ("rollout/token_mult_prob_error", "rollout/max_abs_logp_diff")
-ROLLOUT_LOGPROB_REL = 1e-5
-# The KL term's value compares two forward passes over the same tokens (the actor's in the update, the
-# reference's in its own pass): at step 1 the weights are equal and it is 0, up to float noise seen once in
-# CI (2.7e-9 for compare_raro, step 1; 0.0 in every other run). Compared to an absolute 1e-8.
-KL_METRICS = ("actor/kl",)
-KL_ABS = 1e-8
-# The entropy metric is a sum over every response token of every row of the batch (never in a loss unless
-# ``entropy_coef`` > 0, so nothing else moves with it); CI saw it differ once in the 7th digit in the RARO
-# e2e (2.93426760 vs golden 2.93426897, every loss, norm and reward equal). Compared to a relative 1e-5.
-ENTROPY_METRICS = ("actor/entropy",)
-ENTROPY_REL = 1e-5
+# Metrics compared within a tolerance, |this run - golden| <= abs + rel * |golden| (metric: (abs, rel)):
+TOLERANCE = {
+    # vLLM's log-probs of the sampled tokens (``rollout_logp_BT``) vary in the last float32 bits with the
+    # engine's batch composition, which depends on when the requests reach the engine core (the tokens,
+    # seeded per request, do not). Nothing else reads them (the losses use the trainer's own log-probs).
+    "rollout/token_mult_prob_error": (0.0, 1e-5),
+    "rollout/max_abs_logp_diff": (0.0, 1e-5),
+    # The KL term's value compares two forward passes over the same tokens (the actor's in the update, the
+    # reference's in its own pass): at step 1 the weights are equal and it is 0, up to float noise seen once
+    # in CI (2.7e-9 for compare_raro, step 1; 0.0 in every other run).
+    "actor/kl": (1e-8, 0.0),
+    # A sum over every response token of every row of the batch (in no loss unless ``entropy_coef`` > 0, so
+    # nothing else moves with it); CI saw it differ once in the 7th digit in the RARO e2e (2.93426760 vs
+    # golden 2.93426897, every loss, norm and reward equal).
+    "actor/entropy": (0.0, 1e-5),
+}
 
 
 def curve(metrics: dict[int, dict]) -> list[dict]:
@@ -65,10 +65,7 @@ def check_golden(name: str, metrics: dict[int, dict]) -> None:
 
 
 def _same(key: str, got, want) -> bool:
-    if key in ROLLOUT_LOGPROB_METRICS and got is not None and want is not None:
-        return abs(got - want) <= ROLLOUT_LOGPROB_REL * abs(want)
-    if key in KL_METRICS and got is not None and want is not None:
-        return abs(got - want) <= KL_ABS
-    if key in ENTROPY_METRICS and got is not None and want is not None:
-        return abs(got - want) <= ENTROPY_REL * abs(want)
+    if key in TOLERANCE and got is not None and want is not None:
+        atol, rtol = TOLERANCE[key]
+        return abs(got - want) <= atol + rtol * abs(want)
     return got == want
