@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megareason.config import DataConfig, DataSourceConfig
-from megareason.data import DataError, PromptRecord, load_file, load_records, tokenize_prompts
+from megareason.data import DataError, PromptRecord, arithmetic, load_file, load_records, tokenize_prompts
 from megareason.models.tiny import build_tokenizer
 
 VERL_ROW = {
@@ -104,6 +104,64 @@ def test_reasoning_gym_countdown_carries_numbers_and_target():
         assert rec.extra_info["numbers"] == item["metadata"]["numbers"]
         assert rec.extra_info["index"] == i
         assert rec.prompt == [{"role": "user", "content": item["question"]}]
+
+
+_TWO_TERMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+              "allow_negation": False, "allow_parentheses": False}
+
+
+@pytest.mark.parametrize(("expression", "answer", "ok"), [
+    ("57 * 47", "2679", True), ("10 / 5", "2", True), ("-(3 + 4) * 2", "-14", True), ("1 - 5", "-4", True),
+    ("4 / 1", "2", False),  # reasoning-gym's answer to 'Calculate 4 / 1.' (seed 1, item 8)
+    ("7 / 2", "3", False),  # floor division is not what the question asks
+    ("3 / 0", "18", False), ("2 ** 3", "8", False), ("57 * 47", "about 2679", False),
+])
+def test_an_arithmetic_answer_is_checked_against_its_expression(expression, answer, ok):
+    assert arithmetic.answer_matches(expression, answer) is ok
+
+
+def test_worked_solutions_by_hand_and_every_step_equals_the_answer():
+    assert arithmetic.worked_solution("57 * 47", "2679") == "57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679"
+    assert arithmetic.worked_solution("88 + 94", "182") == "88 + 94 = 88 + 90 + 4 = 178 + 4 = 182"
+    assert arithmetic.worked_solution("57 - 65", "-8") == "57 - 65 = 57 - 60 - 5 = -3 - 5 = -8"
+    assert arithmetic.worked_solution("6 * 10", "60") == "6 * 10 = 60"  # nothing to split
+    assert arithmetic.worked_solution("12 / 4", "3") == "12 / 4 = 3"
+    for a in range(0, 100, 7):
+        for b in range(0, 100, 3):
+            for op in "+-*":
+                truth = str(eval(f"{a} {op} {b}"))  # Python's own arithmetic, not the module's
+                steps = arithmetic.worked_solution(f"{a} {op} {b}", truth).split(" = ")
+                assert steps[-1] == truth
+                assert all(eval(step) == int(truth) for step in steps), steps
+
+
+def test_basic_arithmetic_keeps_only_items_whose_answer_is_their_question(caplog):
+    import reasoning_gym
+
+    raw = reasoning_gym.create_dataset("basic_arithmetic", size=200, seed=1, **_TWO_TERMS)
+    # Python's true division on the question's expression, independently of megareason.data.arithmetic
+    def right(item):
+        try:
+            return eval(item["metadata"]["expression"]) == int(item["answer"])
+        except ZeroDivisionError:  # 'Calculate 3 / 0.' exists, with an answer
+            return False
+
+    good = [item for item in raw if right(item)]
+    bad = len(raw) - len(good)
+    assert 20 < bad < 100  # the generator's '/' answers: about a quarter of the items
+    with caplog.at_level(logging.WARNING):
+        recs = load_records(DataConfig(system_prompt="", sources=[
+            DataSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=len(good), seed=1,
+                             options=_TWO_TERMS)]))
+    assert [(r.prompt[0]["content"], r.ground_truth) for r in recs] == [
+        (item["question"], item["answer"]) for item in good]
+    assert f"skipped {bad} items" in caplog.text
+    assert recs[1].extra_info["solution"] == "88 + 94 = 88 + 90 + 4 = 178 + 4 = 182"
+    # A source that can not give `size` right items says so instead of training on wrong answers.
+    with pytest.raises(DataError, match=r"basic_arithmetic.*seed 1.*only \d+ of the first 864.*operators"):
+        load_records(DataConfig(sources=[DataSourceConfig(
+            kind="reasoning_gym", name="basic_arithmetic", size=200, seed=1,
+            options={**_TWO_TERMS, "operators": ["/"]})]))
 
 
 def test_reasoning_gym_unknown_generator():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megareason.config.schema import DataConfig, DataSourceConfig
+from megareason.data import arithmetic
 from megareason.data.musique import load_musique
 from megareason.data.records import DataError, PromptRecord
 from megareason.data.rows import check, field, json_object, shown
@@ -185,15 +186,25 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
 
 
 def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
-    """``source.size`` items of a reasoning-gym generator, built offline from ``source.seed``."""
+    """``source.size`` items of a reasoning-gym generator, built offline from ``source.seed``.
+
+    ``basic_arithmetic`` items whose answer is not their question's value (reasoning-gym's ``/`` bug, see
+    :mod:`megareason.data.arithmetic`) are skipped and later items drawn instead, so ``size`` items are
+    kept, the same ones for the same seed; each gets a worked solution as its demonstration."""
     import reasoning_gym
 
+    checked = source.name == "basic_arithmetic"
+    # Items depend on seed + index only, so a longer dataset starts with the same items.
+    size = 4 * source.size + 64 if checked else source.size
     try:
-        ds = reasoning_gym.create_dataset(source.name, size=source.size, seed=source.seed, **source.options)
+        ds = reasoning_gym.create_dataset(source.name, size=size, seed=source.seed, **source.options)
     except (KeyError, ValueError, TypeError, AssertionError) as e:
         raise DataError(f"reasoning_gym source '{source.name}' with options {source.options}: {e}") from e
-    records = []
-    for i, item in enumerate(ds):
+    records, skipped = [], 0
+    for i in range(size):
+        if len(records) == source.size:
+            break
+        item = ds[i]
         meta = item.get("metadata") or {}
         extra: dict[str, Any] = {"question": item["question"], "generator": source.name, "generator_index": i}
         if "answer_cot" in meta:
@@ -205,12 +216,26 @@ def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
             truth = str(meta["target"])
             extra["expert_answer"] = item["answer"]
             extra.setdefault("solution", f"{item['answer']} = {truth}")
+        if checked:
+            if not arithmetic.answer_matches(meta["expression"], truth):
+                skipped += 1
+                continue
+            extra.setdefault("solution", arithmetic.worked_solution(meta["expression"], truth))
         records.append(PromptRecord(
             prompt=[{"role": "user", "content": item["question"]}],
             data_source=source.data_source or source.name,
             ground_truth=truth,
             extra_info=extra,
         ))
+    if len(records) < source.size:
+        raise DataError(f"reasoning_gym source '{source.name}' (seed {source.seed}, options {source.options}): "
+                        f"only {len(records)} of the first {size} items have the answer their question asks "
+                        f"for, {source.size} wanted (division questions are answered wrongly by reasoning-gym; "
+                        f"options.operators without '/' avoids them)")
+    if skipped:
+        log.warning("reasoning_gym '%s' (seed %d): skipped %d items whose answer is not their question's value "
+                    "(reasoning-gym writes '/' questions with one divisor and answers them with another); "
+                    "%d kept", source.name, source.seed, skipped, len(records))
     return records
 
 
