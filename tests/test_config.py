@@ -141,6 +141,15 @@ def test_placement_and_staleness_are_checked(overrides, message):
     validate_training(load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "trainer.max_staleness=1"]))
 
 
+@pytest.mark.parametrize("cap", ["rollout_tis_cap", "rollout_mis_cap"])
+def test_a_rollout_correction_is_refused_with_a_constrained_critic_verdict(cap):
+    with pytest.raises(ConfigError, match=f"algorithm.{cap} must be 0 with raro.constrain_verdict_chars > 0"):
+        validate_training(load_config("compare_smollm2_cpu", ["algorithm.name=raro", f"algorithm.{cap}=2.0"]))
+    validate_training(load_config("compare_smollm2_cpu", ["algorithm.name=raro", f"algorithm.{cap}=2.0",
+                                                          "raro.constrain_verdict_chars=0"]))
+    validate_training(load_config("raro_70b"))  # the GPU recipe corrects and lets its critic write freely
+
+
 def test_a_separate_pool_must_fit_beside_the_trainer():
     from megareason.trainer.pool import _engine_cores, check_pool
 

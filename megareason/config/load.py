@@ -298,6 +298,13 @@ def _validate_raro(cfg: Config) -> None:
     _check(r.constrain_verdict_chars == 0 or r.critic_max_tokens >= r.constrain_verdict_chars + 8,
            "raro.critic_max_tokens", f"must be >= raro.constrain_verdict_chars + 8 = {r.constrain_verdict_chars + 8} "
            "(room for the reasoning and the verdict line)", r.critic_max_tokens)
+    # vLLM's processed log-probs of a constrained verdict are the grammar-masked distribution's (a forced
+    # token has log-prob 0 there), not the model's: a rollout correction would weigh those tokens by ~0.
+    for name in ("rollout_tis_cap", "rollout_mis_cap"):
+        _check(r.constrain_verdict_chars == 0 or getattr(cfg.algorithm, name) == 0, f"algorithm.{name}",
+               "must be 0 with raro.constrain_verdict_chars > 0 (the engine's log-probs of a verdict constrained "
+               "by a regex are the masked distribution's, not the model's, so the correction would weigh the "
+               "critic's verdict tokens by ~0)", getattr(cfg.algorithm, name))
     _check(r.max_response_length >= 0, "raro.max_response_length", "must be >= 0", r.max_response_length)
     _check(0 <= r.replay_buffer_ratio < 1, "raro.replay_buffer_ratio", "must be in [0, 1)", r.replay_buffer_ratio)
     _check(r.replay_buffer_size >= 1, "raro.replay_buffer_size", "must be >= 1", r.replay_buffer_size)

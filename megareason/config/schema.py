@@ -270,8 +270,10 @@ class RaroConfig:
     critic_max_tokens: int = 256
     # > 0: constrain each critic reply (vLLM structured outputs) to at most this many characters of
     # reasoning, then a line "Verdict: A|B|Tie", so no judgement is lost to format errors (small
-    # models). The constraint steers sampling, so expect a larger train/generation mismatch on
-    # the critic's rows. 0: free text, unparseable replies are masked.
+    # models). The engine's log-probs of those rows are the grammar-masked distribution's (a forced
+    # token has log-prob 0), so rollout/token_mult_prob_error reads 1e5-1e8 with it (measured on
+    # SmolLM2-135M; GRPO without it: 1.00001) and algorithm.rollout_tis_cap / rollout_mis_cap are
+    # refused beside it. 0: free text, unparseable replies are masked.
     constrain_verdict_chars: int = 0
     # Empty: the expert's answer the critic sees is the row's extra_info expert_answer, else its ground
     # truth. Else the demonstration this template makes of the row ({solution}, {answer}: as
