@@ -61,7 +61,7 @@ def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
     golden one, and the table against the validation dumps it was computed from."""
     runs, results = tmp_path / "runs", tmp_path / "results"
     tiny = [f"model.path={tiny_qwen2}", "rollout.max_tokens=16", "rollout.max_model_len=1024",
-            "data.max_prompt_length=512", "rollout.stop=[e]", "raro.constrain_verdict_chars=12",
+            "data.max_prompt_length=512", "rollout.stop=[e]",
             "trainer.val_every=1", "trainer.save_every=2", "optim.lr=1e-3"]
     proc = subprocess.run([sys.executable, str(TOOL), "--steps", "2", "--prompts", "4", "--heldout", "6",
                            "--rerank-prompts", "2", "--arms", "grpo,raro", "--runs", str(runs),
