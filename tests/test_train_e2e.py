@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -260,11 +261,16 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
     state = state["extra"]["raro_replay"]
     assert state["seen"] == reference[1]["raro/critic_fresh"] + reference[2]["raro/critic_fresh"]
 
-    # Stop after step 2, resume for step 3: the same step 3, replay buffer included.
+    # The run as it stood after its step-2 checkpoint (step 3's checkpoint removed; its metrics, rollouts and
+    # curves are what an interrupted run leaves behind), resumed for step 3: the same step 3, replay buffer
+    # included, and step 3 logged once.
     resumed = tmp_path / "resumed"
-    _run(_raro_args(tiny_qwen2, tmp_path, resumed, "trainer.steps=2", "trainer.save_every=2"))
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000003")
     proc = _run(_raro_args(tiny_qwen2, tmp_path, resumed, "trainer.steps=3", "trainer.save_every=2"))
-    assert "resuming from" in proc.stderr
+    assert "resuming from" in proc.stderr and "step_00000002" in proc.stderr
+    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows if "raro/critic_accuracy" in r] == [1, 2, 3]
     again = _metrics(resumed)
     for key in ("actor/loss", "actor/grad_norm", "reward/mean", "raro/critic_accuracy", "raro/tie_rate",
                 "raro/critic_historical", "raro/buffer_size"):
@@ -343,23 +349,28 @@ def test_grpo_with_lora_syncs_merged_weights_into_vllm(tiny_qwen2, tmp_path):
 @pytest.mark.parametrize("algorithm", ["ppo", "raro"])
 def test_lora_runs_and_resumes_in_ppo_and_raro(tiny_qwen2, tmp_path, algorithm):
     """LoRA on the actor (and PPO's critic trunk): the runs train, the rollouts of step 2 come from the
-    merged sync of step 1 (PPO: the mismatch stays ~1), and a rerun resumes from the LoRA checkpoints."""
+    merged sync of step 1 (PPO: the mismatch stays ~1), and the PPO run resumes from its LoRA checkpoints
+    (actor and critic; RARO's own resume is test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer's,
+    so its LoRA run is not run twice)."""
     out = tmp_path / algorithm
     make = _raro_args if algorithm == "raro" else _args
     extra = ["--use-lora", "lora.rank=4", "optim.lr=3e-2", "trainer.save_every=1"]
     if algorithm == "ppo":
         extra += ["algorithm.name=ppo", "optim.critic_lr=1e-3"]
     _run(make(tiny_qwen2, tmp_path, out, *extra, "trainer.steps=2"))
-    proc = _run(make(tiny_qwen2, tmp_path, out, *extra, "trainer.steps=3"))
-    assert "resuming from" in proc.stderr and "step_00000002" in proc.stderr
+    last = 2
+    if algorithm == "ppo":
+        proc = _run(make(tiny_qwen2, tmp_path, out, *extra, "trainer.steps=3"))
+        assert "resuming from" in proc.stderr and "step_00000002" in proc.stderr
+        last = 3
     m = _metrics(out)
-    assert sorted(m) == [1, 2, 3]
+    assert sorted(m) == list(range(1, last + 1))
     if algorithm == "ppo":  # RARO's constrained verdicts make vLLM's log-probs those of the masked distribution
         assert all(m[s]["rollout/token_mult_prob_error"] < 1.001 for s in (2, 3))
     assert m[2]["actor/grad_norm"] > 0
     roles = ["actor", "critic"] if algorithm == "ppo" else ["actor"]
     for role in roles:
-        meta = json.loads((out / "checkpoints" / "step_00000003" / role / "megareason.json").read_text())
+        meta = json.loads((out / "checkpoints" / f"step_{last:08d}" / role / "megareason.json").read_text())
         assert meta["lora"]["rank"] == 4
     if algorithm == "ppo":
         assert m[3]["critic/grad_norm"] > 0
