@@ -97,3 +97,32 @@ def test_tuning_runs_score_on_their_own_split_never_the_held_out_one(tmp_path):
     assert variants["plain"][0] == "grpo" and variants["plain"][1][-1] == "trainer.val_before_train=true"
     with pytest.raises(SystemExit, match="expected NAME=ARM"):
         cm.tune_commands(tmp_path, 10, 8, 100, 777, ["x=ppo:optim.lr=1"], [])
+
+
+def test_critic_votes_and_the_policy_reward_gap_by_hand(tmp_path, capsys, monkeypatch):
+    """tools/raro_critic_votes.py on dumps written by hand: every share, the non-tie accuracy, the groups
+    whose rewards differ, and the policy's correct-minus-wrong reward (a masked answer left out)."""
+    spec = importlib.util.spec_from_file_location("raro_critic_votes", TOOL.parent / "raro_critic_votes.py")
+    votes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(votes)
+    dumps = tmp_path / "run" / "rollouts"
+    dumps.mkdir(parents=True)
+    policy = [(True, 1.0), (True, 0.5), (False, 0.0), (False, 0.5), (False, None)]
+    (dumps / "step_00000001.jsonl").write_text(
+        "".join(json.dumps({"correct": c, "reward": r}) + "\n" for c, r in policy))
+    critic = [("p1", "Verdict: A", "A", 1.0), ("p1", "Let me see.\nVerdict: Tie", "B", 0.5),  # rewards differ
+              ("p2", "Verdict: A", "B", 0.0), ("p2", "Verdict: A", "A", 0.0)]  # the same reward: no signal
+    (dumps / "step_00000001_critic.jsonl").write_text("".join(
+        json.dumps({"critic_prompt": p, "judgement": j, "expert_shown_as": e, "critic_reward": r}) + "\n"
+        for p, j, e, r in critic))
+    v = votes.step_votes(dumps / "step_00000001_critic.jsonl", critic_n=2)
+    assert v == {"says_A": 0.75, "says_B": 0.0, "says_tie": 0.25, "accuracy": pytest.approx(2 / 3),
+                 "groups_with_signal": 0.5}
+    g = votes.policy_reward_gap(dumps / "step_00000001.jsonl")
+    assert g == {"answers": 4, "correct": 2, "reward_gap": 0.75 - 0.25}
+    with pytest.raises(SystemExit, match="groups of 3"):
+        votes.step_votes(dumps / "step_00000001_critic.jsonl", critic_n=3)
+    monkeypatch.setattr(sys, "argv", ["raro_critic_votes.py", str(tmp_path / "run")])
+    votes.main()
+    out = capsys.readouterr().out
+    assert "     1        4        2      +0.500    0.75    0.00      0.25      0.67" in out

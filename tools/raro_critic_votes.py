@@ -4,9 +4,13 @@ For each step: the share of judgements that name position A, B or Tie (whatever 
 were shown in), the share naming the expert among the decided ones (``raro/critic_accuracy``), and the
 share of judgement groups (the ``raro.critic_n`` judgements of one triplet, consecutive in the dump) whose
 rewards differ: a group whose judgements all earn the same reward has zero group-relative advantage, so
-it teaches the critic nothing.
+it teaches the critic nothing. And, from ``rollouts/step_N.jsonl``, what the policy's reward says about
+its own answers: the mean reward of its correct answers minus that of its wrong ones (the task's verifier
+only monitors them in RARO). A verifier's reward separates them by ~1; a reward that cannot tell them
+apart (gap ~0) gives the policy nothing to learn correctness from. Runs without a critic (GRPO) show
+the gap alone, for comparison.
 
-    .venv/bin/python tools/raro_critic_votes.py outputs/compare_methods/tuning/raro --critic-n 2
+    .venv/bin/python tools/raro_critic_votes.py outputs/compare_methods/raro outputs/compare_methods/grpo
 """
 
 from __future__ import annotations
@@ -35,19 +39,39 @@ def step_votes(path: Path, critic_n: int) -> dict[str, float]:
             "groups_with_signal": sum(len({r["critic_reward"] for r in g}) > 1 for g in groups) / len(groups)}
 
 
+def policy_reward_gap(*paths: Path) -> dict[str, float]:
+    """The policy's answers in these dumps (one step's, or every step's pooled): how many, how many correct,
+    and the mean reward of the correct ones minus that of the wrong ones (nan when either set is empty;
+    masked answers, reward None, left out)."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
+    scored = [r for r in rows if r["reward"] is not None]
+    right = [r["reward"] for r in scored if r["correct"]]
+    wrong = [r["reward"] for r in scored if not r["correct"]]
+    gap = sum(right) / len(right) - sum(wrong) / len(wrong) if right and wrong else float("nan")
+    return {"answers": len(scored), "correct": len(right), "reward_gap": gap}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run folders (trainer.output_dir)")
     ap.add_argument("--critic-n", type=int, default=2, help="the run's raro.critic_n")
     a = ap.parse_args()
     for run in a.runs:
-        print(f"{run}\n  step  says_A  says_B  says_tie  accuracy  groups_with_signal")
-        for path in sorted((run / "rollouts").glob("step_*_critic.jsonl")):
-            v = step_votes(path, a.critic_n)
-            step = int(path.name.split("_")[1])
-            print(f"  {step:4d}  {v['says_A']:6.2f}  {v['says_B']:6.2f}  {v['says_tie']:8.2f}  {v['accuracy']:8.2f}"
-                  f"  {v['groups_with_signal']:18.2f}")
-
+        print(f"{run}\n  step  answers  correct  reward_gap  says_A  says_B  says_tie  accuracy  groups_with_signal")
+        dumps = [p for p in sorted((run / "rollouts").glob("step_*.jsonl")) if not p.name.endswith("_critic.jsonl")]
+        for path in dumps:
+            step = int(path.stem.split("_")[1])
+            g = policy_reward_gap(path)
+            line = f"  {step:4d}  {g['answers']:7d}  {g['correct']:7d}  {g['reward_gap']:+10.3f}"
+            critic = path.with_name(f"{path.stem}_critic.jsonl")
+            if critic.is_file():
+                v = step_votes(critic, a.critic_n)
+                line += (f"  {v['says_A']:6.2f}  {v['says_B']:6.2f}  {v['says_tie']:8.2f}  {v['accuracy']:8.2f}"
+                         f"  {v['groups_with_signal']:18.2f}")
+            print(line)
+        if dumps:
+            g = policy_reward_gap(*dumps)
+            print(f"  all   {g['answers']:7d}  {g['correct']:7d}  {g['reward_gap']:+10.3f}  (all steps pooled)")
 
 if __name__ == "__main__":
     main()
