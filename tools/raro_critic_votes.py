@@ -73,5 +73,6 @@ def main() -> None:
             g = policy_reward_gap(*dumps)
             print(f"  all   {g['answers']:7d}  {g['correct']:7d}  {g['reward_gap']:+10.3f}  (all steps pooled)")
 
+
 if __name__ == "__main__":
     main()
