@@ -58,20 +58,3 @@ def slurm(tmp_path_factory):
         yield cluster
     finally:
         slurm_cluster.stop(cluster)
-
-
-@pytest.fixture(scope="session")
-def slurm_reference(slurm, tiny_qwen2, tmp_path_factory):
-    """The tiny 70B RARO recipe for 2 steps on both nodes, uninterrupted (`sbatch slurm/raro_70b.sbatch`):
-    (exit code, job log text, run folder). The interrupted runs must reproduce its losses."""
-    import slurm_cluster
-
-    tmp = tmp_path_factory.mktemp("slurm_reference")
-    out = tmp / "raro"
-    job, log, proc = slurm_cluster.sbatch(slurm, "reference", *slurm_cluster.tiny_raro(tiny_qwen2, tmp, out))
-    try:
-        rc = proc.wait(timeout=1500)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return rc, slurm_cluster.read_log(log) + proc.stderr.read(), out

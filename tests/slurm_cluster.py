@@ -200,10 +200,6 @@ def assert_cleaned_up(cluster: Cluster) -> None:
 
 # --------------------------------------------------------------------------- the tiny 70B recipe on it
 
-# What the interrupted runs must reproduce from the uninterrupted one.
-SAME_KEYS = ("actor/loss", "actor/grad_norm", "reward/mean", "response_length/mean", "raro/critic_accuracy")
-
-
 def tiny_raro(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
     """Overrides that cut configs/raro_70b.yaml down to the tiny model on CPU: the e2e RARO test's settings,
     2 DP ranks (one per node), fp32 without the 70B recipe's memory settings and without its importance
@@ -249,13 +245,14 @@ def metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def wait_for_loop(out: Path, proc: subprocess.Popen | None, log: Path, timeout: float = 900) -> None:
-    """Until step 1 is under way: the Tracker creates metrics.jsonl just before the loop, whose first
-    iteration stops at once on a signal that came before it ("before step 1: stopped", no checkpoint: seen
-    once in CI); 2 s later step 1 is generating (a tiny RARO step takes 5 s or more here: two generate
-    passes, log-probs, an update and a sync through Ray), so the stop comes after it, with a checkpoint."""
+def wait_for_loop(out: Path, proc: subprocess.Popen | None, log: Path, runs: int = 1, timeout: float = 900) -> None:
+    """Until the loop of the job's ``runs``-th run (1: the first, 2: the first requeued one) is in its first
+    step. The Tracker opens a new tensorboard event file just before the loop, whose first iteration stops at
+    once on a signal that came before it ("before step N: stopped", no checkpoint: seen once in CI); 2 s
+    later the step is generating (a tiny RARO step takes 5 s or more here: two generate passes, log-probs,
+    an update and a sync through Ray), so the stop comes after it, with a checkpoint."""
     deadline = time.time() + timeout
-    while not (out / "metrics.jsonl").exists():
+    while len(list((out / "tensorboard").glob("events.*"))) < runs:
         assert proc is None or proc.poll() is None, read_log(log)[-6000:]
         assert time.time() < deadline, read_log(log)[-6000:]
         time.sleep(0.2)

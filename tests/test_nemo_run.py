@@ -1,5 +1,5 @@
 """`megareason launch`: NeMo-Run's Slurm path (the job script it renders, and a real job on the loopback
-Slurm cluster: 2 steps, SIGUSR1, requeue, resume) and its local executor (a real run).
+Slurm cluster: 3 steps, SIGUSR1, requeue, SIGTERM, requeue, resume) and its local executor (a real PPO run).
 
 NeMo-Run cannot be installed beside vLLM, so these tests create the launcher's own venv (.venv-launch,
 `megareason.launch.launch_env`, about 1.5 minutes the first time, reused while pyproject's pins are the same)
@@ -8,7 +8,6 @@ and run `megareason launch` from the main environment, which hands over to that 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -17,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import slurm_cluster
-from slurm_cluster import SAME_KEYS, metrics, tiny_raro, wait_for_loop
+from golden_curves import check_golden, recording
+from slurm_cluster import metrics, tiny_raro, wait_for_loop
 
 from megareason.launch import launch_env
 from megareason.launch.nemo_run import LaunchSpec, driver_command, job_body, sbatch_directives, slurm_directives
@@ -91,59 +91,93 @@ def test_launch_refuses_bad_input_naming_it(launch_venv, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_slurm_job_trains_2_steps_requeues_on_usr1_and_resumes(launch_venv, slurm, slurm_reference, tiny_qwen2,
-                                                               tmp_path):
-    """`megareason launch --executor slurm` submits to the loopback cluster (NeMo-Run renders and submits the
-    job); SIGUSR1 to the job script, as `--signal=B:USR1@LEAD` sends it, during step 1: checkpoint, requeue,
-    resume, the reference run's losses."""
+@pytest.mark.timeout(2400)
+def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_the_golden_curve(
+        launch_venv, slurm, tiny_qwen2, tmp_path):
+    """The tiny 70B RARO recipe (`slurm_cluster.tiny_raro`, 3 steps, one data-parallel rank per node) as
+    `megareason launch --executor slurm` submits it (NeMo-Run renders the job around slurm/ray_cluster.sh,
+    as `sbatch slurm/raro_70b.sbatch` runs it), interrupted twice, the two ways a job is told to stop:
+    during step 1, SIGUSR1 to the job script (what `--signal=B:USR1@LEAD` sends before the time limit);
+    during step 2 of the requeued run, SIGTERM to every process of every job step at once (what a
+    pre-emption sends: the driver, the reward workers, `ray start`, the GCS, the raylets, the actors, vLLM).
+    Each time: a checkpoint after the step, a requeue, a resume; the three runs together give the
+    uninterrupted run's metrics, every one of every step (golden "slurm_raro")."""
     out = tmp_path / "run"
+    overrides = tiny_raro(tiny_qwen2, tmp_path, out, "trainer.steps=3")
+    if recording():  # the uninterrupted run, for tools/regen_golden.sh
+        straight = tmp_path / "straight"
+        _, log, proc = slurm_cluster.sbatch(slurm, "straight", *tiny_raro(tiny_qwen2, tmp_path, straight,
+                                                                          "trainer.steps=3"))
+        assert proc.wait(timeout=1500) == 0, slurm_cluster.read_log(log)[-6000:]
+        check_golden("slurm_raro", metrics(straight))
     proc = _launch("--executor", "slurm", "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1",
-                   "--time", "90", "--job-dir", str(tmp_path / "jobs"), "raro_70b",
-                   *tiny_raro(tiny_qwen2, tmp_path, out), env=slurm.env, timeout=600)
+                   "--time", "90", "--job-dir", str(tmp_path / "jobs"), "raro_70b", *overrides, env=slurm.env,
+                   timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = re.search(r"submitted raro_70b: Slurm job (\d+); run folder (\S+); job log (\S+);", proc.stdout)
     assert found and found.group(2) == str(out), proc.stdout[-3000:]
     job, log = found.group(1), Path(found.group(3))
-    wait_for_loop(out, None, log)
-    assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
-    state = slurm.wait_for_job(job, timeout=1500)
-    text = log.read_text()
-    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", (state, text[-6000:])
-    assert "SIGUSR1 (time limit or pre-emption ahead)" in text and "SIGUSR1: stopped after step 1" in text
-    assert f"requeueing job {job}" in text and "restart 1" in text and "resuming from" in text
     script = next((tmp_path / "jobs" / "experiments").rglob("*_sbatch.sh")).read_text()
     assert "#SBATCH --signal=B:USR1@1800" in script and "#SBATCH --mem=0" in script  # the recipe's
-    resumed, reference = metrics(out), metrics(slurm_reference[2])
-    assert sorted(resumed) == [1, 2]
-    for step in (1, 2):
-        for key in SAME_KEYS:
-            assert resumed[step][key] == reference[step][key], (step, key)
-    assert list((out / "ray_logs" / "restart_1" / "n1").glob("raylet*.out"))
+
+    wait_for_loop(out, None, log, runs=1)
+    assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
+    wait_for_loop(out, None, log, runs=2)  # the requeued run's loop
+    assert slurm.run("scancel", "--signal=TERM", job).returncode == 0
+    state = slurm.wait_for_job(job, timeout=1500)
+    text = log.read_text()
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "2", (state, text[-6000:])
+
+    # The first run: the node check on each node before Ray, Ray on both, the ranks placed on both.
+    first = text[:text.index("restart 1")]
+    for node in ("n1", "n2"):
+        assert re.search(rf"node-check {node}: gloo: \w+ [\d.]+ \(", first), first[:4000]
+        assert f"node-check {node}: NCCL sockets: " in first and f"node-check {node}: ephemeral ports: " in first
+    assert "Ray is up: 2 nodes" in first
+    placed = re.search(r"actor: ranks on (\d) Ray node\(s\): (.*)", first)
+    assert placed and placed.group(1) == "2", first[-6000:]
+    assert len(set(re.findall(r"rank \d -> \S+ \((\w+)\)", placed.group(2)))) == 2
+    # SIGUSR1 in step 1, then SIGTERM in step 2 of the second run: a checkpoint and a requeue each time.
+    assert "SIGUSR1 (time limit or pre-emption ahead)" in text and "SIGUSR1: stopped after step 1" in text
+    second = text[text.index("restart 1"):]
+    assert "megareason-ray-node n1: SIGTERM" in second and "megareason-ray-node n2: SIGTERM" in second
+    assert "SIGTERM: stopped after step 2 with a checkpoint" in second, second[-6000:]
+    assert text.count(f"requeueing job {job}") == 2 and "resuming from" in second
+    assert "resuming from" in text[text.index("restart 2"):]
+    assert "driver exited with 0" in text and "Ray stopped" in text
+
+    m = metrics(out)
+    assert sorted(m) == [1, 2, 3] and "raro/critic_accuracy" in m[3] and m[3]["actor/grad_norm"] > 0
+    if not recording():
+        check_golden("slurm_raro", m)
+    for restart in (0, 1, 2):  # each node's Ray logs, kept per run of the job
+        for node in ("n1", "n2"):
+            assert list((out / "ray_logs" / f"restart_{restart}" / node).glob("raylet*.out")), (restart, node)
+    assert (out / "ray_logs" / "restart_0" / "n1" / "gcs_server.out").is_file()  # the head's
     slurm_cluster.assert_cleaned_up(slurm)
 
 
-REWARD = """\
-def vowels(data_source, response, ground_truth, extra_info):
-    return sum(ch in "aeiou" for ch in response) / max(len(response), 1)
-"""
-
-
 @pytest.mark.slow
-def test_local_executor_runs_a_one_step_recipe(launch_venv, tiny_qwen2, tmp_path):
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    out = tmp_path / "run"
-    proc = _launch(
-        "--executor", "local", "--python", sys.executable, "--job-dir", str(tmp_path / "jobs"), "grpo_smollm2_cpu",
-        f"model.path={tiny_qwen2}", f"trainer.output_dir={out}", f"reward.custom={reward}:vowels",
-        "trainer.steps=1", "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_tokens=16",
-        "rollout.max_model_len=256", "data.max_prompt_length=128", "trainer.micro_batch_tokens=256",
-        "trainer.val_before_train=false", "data.sources=[{kind: reasoning_gym, name: basic_arithmetic, size: 8}]",
-        "data.val_sources=[]", timeout=800, NEMORUN_HOME=str(tmp_path / "nemo_run"), VLLM_CPU_KVCACHE_SPACE="1",
-        PYTHONUNBUFFERED="1")
+def test_local_executor_runs_ppo_with_a_critic_whose_value_loss_falls(launch_venv, tiny_qwen2, tmp_path):
+    """`megareason launch --executor local` runs the recipe through NeMo-Run's local executor: here PPO (a
+    critic, the KL in the reward, two mini-batches) for 6 steps, whose curve is the golden "ppo" one."""
+    from test_train_e2e import _args
+
+    out = tmp_path / "ppo"
+    overrides = _args(tiny_qwen2, tmp_path, out, "algorithm.name=ppo", "trainer.steps=6", "optim.critic_lr=1e-3",
+                      "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true", "algorithm.mini_batches=2",
+                      "trainer.save_every=0")[4:]
+    proc = _launch("--executor", "local", "--python", sys.executable, "--job-dir", str(tmp_path / "jobs"),
+                   "grpo_smollm2_cpu", *overrides, timeout=800, NEMORUN_HOME=str(tmp_path / "nemo_run"),
+                   VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "grpo_smollm2_cpu: SUCCEEDED" in proc.stdout
-    m = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in m if "actor/grad_norm" in r] == [1]
-    assert (out / "checkpoints").is_dir()
+    m = metrics(out)
+    check_golden("ppo", m)
+    losses = [m[s]["critic/vf_loss"] for s in range(1, 7)]
+    assert sum(losses[-2:]) / 2 < 0.5 * sum(losses[:2]) / 2, losses
+    assert (out / "checkpoints" / "step_00000006" / "critic").is_dir()
+    assert all(m[s]["rollout/token_mult_prob_error"] < 1.001 for s in range(1, 7))
+    assert "actor/kl" not in m[1] and m[1]["critic/grad_norm"] > 0
+    assert all("critic/explained_variance" in m[s] for s in range(1, 7))
+    assert (out / "plots" / "critic.png").stat().st_size > 1000  # the run's own curves
