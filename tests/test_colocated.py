@@ -14,7 +14,7 @@ from test_weight_sync import MAX_TOKENS, QUESTIONS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config import ConfigError, load_config, validate_training
-from megareason.rollout.colocated import rollout_layout
+from megareason.rollout.colocated import colocated_engine_args, rollout_layout
 
 
 def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field():
@@ -29,6 +29,36 @@ def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field()
         validate_training(load_config("grpo_smollm2_cpu", ["parallel.data_parallel_size=3",
                                                            "parallel.tensor_model_parallel_size=2",
                                                            "rollout.tensor_parallel_size=4"]))
+
+
+def test_custom_all_reduce_cannot_map_a_peer_in_a_one_gpu_rank(monkeypatch):
+    """Why the colocated GPU engine turns custom all-reduce off: vLLM's P2P check (``_can_p2p``, run by
+    ``CustomAllreduce`` on every TP rank) maps each peer's local rank through the visible devices, and a
+    trainer rank (a Ray actor with one GPU) sees one. Reproduced with vLLM's own functions and a platform
+    that reads CUDA_VISIBLE_DEVICES as vLLM's CUDA platform does (vllm.platforms.cuda needs CUDA to import)."""
+    import vllm.distributed.device_communicators.custom_all_reduce as car
+    from vllm.platforms.interface import Platform, get_assigned_physical_gpu_ids
+
+    class CudaLike(Platform):
+        device_control_env_var = "CUDA_VISIBLE_DEVICES"  # CudaPlatformBase's; the mapping is Platform's
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # what Ray gives a one-GPU actor
+    monkeypatch.setattr(car, "current_platform", CudaLike)
+    assert get_assigned_physical_gpu_ids() is None  # no explicit mapping: the env var decides
+    assert CudaLike.logical_device_id_to_visible_device_id(0) == 0
+    with pytest.raises(IndexError):
+        CudaLike.logical_device_id_to_visible_device_id(1)
+    for rank in (0, 1):  # each rank maps its peer: both of a TP 2 engine fail
+        with pytest.raises(IndexError):
+            car._can_p2p(rank, 2)
+
+
+def test_the_colocated_engine_turns_off_the_all_reduces_that_need_every_gpu_visible():
+    """The engine arguments a colocated rank builds for vLLM (on GPU as on CPU)."""
+    extra, env = colocated_engine_args({"worker_extension_cls": "x.Y"})
+    assert extra == {"worker_extension_cls": "x.Y", "distributed_executor_backend": "external_launcher",
+                     "disable_custom_all_reduce": True}
+    assert env == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
 
 
 def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):

