@@ -127,6 +127,8 @@ def test_lora_settings_are_checked(override, message):
     (["trainer.max_staleness=1"], "rollout.placement must be separate with trainer.max_staleness > 0"),
     (["rollout.num_engines=2"], "rollout.num_engines applies to rollout.placement: separate"),
     (["rollout.placement=separate", "rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
+    (["rollout.placement=separate", "rollout.tensor_parallel_size=2"],
+     r"rollout.tensor_parallel_size must be 1 with rollout.placement: separate .* vllm/v1/executor/ray_utils.py"),
     (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.name=raro"],
      "trainer.max_staleness must be 0 with algorithm.name=raro"),
     (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.dynamic_sampling=true"],
@@ -153,12 +155,11 @@ def test_a_rollout_correction_is_refused_with_a_constrained_critic_verdict(cap):
 def test_a_separate_pool_must_fit_beside_the_trainer():
     from megareason.trainer.pool import _engine_cores, check_pool
 
-    cfg = load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "rollout.num_engines=2",
-                                           "rollout.tensor_parallel_size=4"])
-    check_pool(cfg, cpus=0, gpus=16, world=8, on_gpu=True)  # 8 + 2 x 4 = 16 GPUs
-    with pytest.raises(ConfigError, match=r"8 GPUs \+ rollout.num_engines 2 x rollout.tensor_parallel_size 4 = 16 "
-                                          "GPUs, but the Ray cluster has 15"):
-        check_pool(cfg, cpus=0, gpus=15, world=8, on_gpu=True)
+    cfg = load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "rollout.num_engines=2"])
+    check_pool(cfg, cpus=0, gpus=10, world=8, on_gpu=True)  # 8 + 2 x 1 = 10 GPUs
+    with pytest.raises(ConfigError, match=r"8 GPUs \+ rollout.num_engines 2 x rollout.tensor_parallel_size 1 = 10 "
+                                          "GPUs, but the Ray cluster has 9"):
+        check_pool(cfg, cpus=0, gpus=9, world=8, on_gpu=True)
     check_pool(cfg, cpus=3, gpus=0, world=1, on_gpu=False)  # one CPU per engine on CPU
     with pytest.raises(ConfigError, match="need 3 CPUs"):
         check_pool(cfg, cpus=2, gpus=0, world=1, on_gpu=False)

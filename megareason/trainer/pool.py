@@ -1,9 +1,11 @@
 """Rollout engines on resources of their own (``rollout.placement: separate``).
 
 ``RolloutPool`` (driver side) starts ``rollout.num_engines`` Ray actors, ``RolloutWorker``, in a placement
-group beside the trainer's: each holds a whole ``VLLMEngine`` of ``rollout.tensor_parallel_size`` devices
-(on CPU, one core of its own). The engines never sleep: they generate while the trainer trains
-(``trainer.max_staleness``), so ``generate_async`` returns at once with a ``PendingGeneration``.
+group beside the trainer's: each holds a whole ``VLLMEngine`` of one device (on CPU, one core of its own):
+``validate_training`` refuses ``rollout.tensor_parallel_size`` > 1 here, since vLLM would start its Ray
+executor in this placement group, which refuses bundles of more than one GPU (vllm/v1/executor/ray_utils.py).
+The engines never sleep: they generate while the trainer trains (``trainer.max_staleness``), so
+``generate_async`` returns at once with a ``PendingGeneration``.
 
 Weights reach them from the trainer's first rank (``RemoteEngines``, handed to it once the pool is up):
 the rank fills each bucket once in tmpfs, every engine loads it through an RPC into its actor
