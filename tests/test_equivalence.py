@@ -24,6 +24,7 @@ from megareason.rewards.equivalence_forms import (
     mixed_number,
     percent_to_fraction,
     split_quantity,
+    written_unit,
 )
 from megareason.rewards.equivalence_sets import real_set, sets_equal
 from megareason.rewards.math import math_equal
@@ -65,6 +66,54 @@ def test_math_reward_on_pair(kind, expected, reference, answer):
     assert math_equal(answer, reference) is expected
 
 
+# Answers a competition grader marks wrong (a partial solution set, a different unit, a percentage
+# read the other way, a two-digit decimal for an irrational value), each beside its correct form.
+GRADER_PAIRS = [
+    # a multi-solution reference needs every solution, in any order or list style
+    ("solutions", r"5 \text{ or } 7", "5", False),
+    ("solutions", r"-2 \text{ or } 2", "-2", False),
+    ("solutions", r"3 \text{ but not } 5", "3", False),
+    ("solutions", r"5 \text{ and } 7", "5", False),
+    ("solutions", r"5 \text{ or more}", "5", False),
+    ("solutions", r"5 \text{ or } 7", r"5 \text{ or } 7", True),
+    ("solutions", r"5 \text{ or } 7", "7 or 5", True),
+    ("solutions", r"5 \text{ or } 7", "5, 7", True),
+    ("solutions", r"5 \text{ or } 7", r"7 \text{ and } 5", True),
+    ("solutions", r"-2 \text{ or } 2", r"\pm 2", True),
+    # units are compared whatever their length; a unit written on one side only is not compared
+    ("units", r"5 \text{ ms}", "5 s", False),
+    ("units", "5 m", "5 km", False),
+    ("units", "5 g", r"5 \text{ kg}", False),
+    ("units", "5 m", "5km", False),
+    ("units", r"5 \text{ meters}", "5 m", True),
+    ("units", r"5 \text{ seconds}", "5 s", True),
+    ("units", "5", r"5 \text{ m}", True),
+    # a percentage is its value, p% = p/100, on either side
+    ("percent", "0.5", r"0.5\%", False),
+    ("percent", r"50\%", "50", False),
+    ("percent", "50", r"50\%", False),
+    ("percent", "0.5", r"50\%", True),
+    ("percent", r"50\%", r"\frac{1}{2}", True),
+    # a decimal for a non-terminating value needs three significant digits
+    ("rounding", r"\pi", "3.1", False),
+    ("rounding", r"\frac{\sqrt{3}}{2}", "0.87", False),
+    ("rounding", r"\frac{1}{3}", r"33\%", False),
+    ("rounding", r"\frac{1}{8}", "0.13", False),
+    ("rounding", r"\pi", "3.14", True),
+    ("rounding", r"\frac{\sqrt{3}}{2}", "0.866", True),
+    ("rounding", r"\frac{1}{3}", r"33.3\%", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "reference", "answer", "expected"), GRADER_PAIRS, ids=[f"{p[0]}-{i}" for i, p in enumerate(GRADER_PAIRS)]
+)
+def test_grader_pairs(rule, reference, answer, expected):
+    out = compute_score("math", rf"so the answer is $\boxed{{{answer}}}$.", reference)
+    assert out.correct is expected, f"{rule}: {answer!r} vs reference {reference!r}"
+    assert math_equal(answer, reference) is expected
+
+
 # --- the layer's steps on their own -------------------------------------------------------------
 
 
@@ -74,8 +123,13 @@ def test_math_reward_on_pair(kind, expected, reference, answer):
         ("12.86", r"\frac{90}{7}", True),  # 12.857142...
         ("12.87", r"\frac{90}{7}", False),  # off in the last digit
         ("12.85", r"\frac{90}{7}", False),  # truncated, not rounded
-        ("0.13", r"\frac{1}{8}", True),  # 0.125: a tie rounds either way
-        ("0.3", r"\frac{1}{3}", False),  # one significant digit is no rounded answer
+        ("0.333", r"\frac{1}{3}", True),
+        ("0.33", r"\frac{1}{3}", False),  # two significant digits are no rounded answer
+        ("0.3", r"\frac{1}{3}", False),
+        ("0.125", r"\frac{1}{8}", False),  # equal, not rounded: math-verify compares exact values
+        ("0.13", r"\frac{1}{8}", False),  # 1/8 has an exact decimal: a rounding of it is no answer
+        ("1.667", r"\frac{5}{3}", True),
+        ("1.666", r"\frac{5}{3}", False),  # truncated, not rounded
         ("13", r"\frac{90}{7}", False),  # an integer is not a rounding
         ("1.41", "1.414", False),  # both plain numbers: math-verify's business
         ("3.14", r"\pi", True),
@@ -104,6 +158,12 @@ def test_written_forms():
     assert split_quantity("1,234", from_text=False) is None  # may be a list
     assert split_quantity("2 x", from_text=False) is None  # a product
     assert split_quantity("100 m", from_text=True) == ("100", "m")
+    assert split_quantity("5 or 7", from_text=True) is None  # two solutions, not 5 of the unit "or 7"
+    assert split_quantity("5 or more", from_text=True) is None
+    assert split_quantity("18 cm ^2", from_text=True) == ("18", "cm ^2")  # an exponent is part of a unit
+    assert written_unit("5 s", from_text=False) == "second"  # any length, for refusing different units
+    assert written_unit("5km", from_text=False) == "kilometer"  # a unit written straight after the number
+    assert written_unit("3t", from_text=False) == ""  # a product
     assert expand_pm(r"(\pm 1, 2)") == ["(1, 2)", "(-1, 2)"]
     assert expand_pm(r"a \pm b \mp c") == ["a +b -c", "a -b +c"]  # tied signs
     assert len(expand_pm(r"(\pm 1, \pm 2)")) == 4  # independent signs
@@ -131,6 +191,10 @@ def test_real_sets():
 def test_contradicts_only_what_math_verify_overlooks():
     assert contradicts("9,4", "p=4, q=9")  # math-verify compares the lists as sets
     assert contradicts(r"42.5\text{ kg}", r"42.5\text{ g}")  # and drops the unit words
+    assert contradicts("5 s", r"5 \text{ ms}")  # of any length
+    assert contradicts("5", r"5 \text{ or more}")  # and reads the first of several solutions
+    assert contradicts(r"0.5\%", "0.5")  # and drops the percent sign
+    assert not contradicts(r"50\%", "0.5")
     assert not contradicts("4,9", "p=4, q=9")
     assert not contradicts("q=9, p=4", "p=4, q=9")  # matched by label
     assert not contradicts(r"\frac{1}{2}", "0.5")  # no labels, no words: nothing to say

@@ -3,16 +3,29 @@
 Contract: ``equivalent(pred, gold)`` is True when the two answers are the same answer written in
 forms math-verify does not relate; the math reward asks it only after math-verify said "not equal".
 ``contradicts(pred, gold)`` is True when the answers differ in a way math-verify overlooks (it
-compares bare lists as sets and drops unit words); the math reward asks it BEFORE math-verify, so a
-labelled list in the wrong order or a quantity in the wrong unit is never paid.  Both are pure and
-never raise.
+compares bare lists as sets, drops unit words and percent signs); the math reward asks it BEFORE
+math-verify, so none of these is ever paid: a labelled list in the wrong order, a quantity in the
+wrong unit, a percentage of another value, one solution of several.  Both are pure and never raise.
+
+Refused, as competition graders mark them wrong (each rule is one check in ``contradicts`` or
+``rounds_to``):
+- part of a multi-solution reference: ``5`` for ``5 \\text{ or } 7`` (or ``5 \\text{ and } 7``,
+  ``5 \\text{ or more}``); the answer must list every solution, in any order or list style;
+- two different units, whatever their length (``5 s`` vs ``5 ms``, ``5 km`` vs ``5 m``); common
+  symbols and spellings match (``5 m`` vs ``5 meters``); a unit written on one side only is not
+  compared (``5`` vs ``5 m`` is accepted: answer keys often drop the unit the question names);
+- a percentage read as anything but its value: ``p%`` is the number p/100 on either side (ISO
+  80000-1), so ``50%`` equals 0.5 and 1/2, and a percent sign is never dropped (``0.5%`` is not
+  0.5, ``50%`` is not 50, ``50`` is not ``50%``);
+- a rounded decimal of fewer than ``MIN_ROUNDED_SIGNIFICANT_DIGITS`` significant digits, or of a
+  value with an exact decimal (``3.1`` for pi, ``0.13`` for 1/8).
 
 Accepted, besides what math-verify accepts (each form is one function in ``equivalence_forms``):
-- a decimal that is the exact value rounded to the decimal's own precision (12.86 vs 90/7; at
-  least 2 significant digits and 1 decimal place: 12.87, 12.85 and 13 are rejected);
+- a decimal that is the exact value rounded to the decimal's own precision, for a value without an
+  exact decimal (12.86 vs 90/7, 3.14 vs pi; at least 3 significant digits and 1 decimal place:
+  12.87, 12.85, 13 and 3.1 are rejected);
 - percentages (27.5% vs 11/40), mixed numbers (3\\frac{1}{8}), ratios (15:4 vs 15/4, 2:3:4 vs 4:6:8);
-- numbers with units, ordinals or currency (42.5 grams, 7th day, \\$1,234.50); two different
-  units never match;
+- numbers with units, ordinals or currency (42.5 grams, 7th day, \\$1,234.50);
 - intervals vs inequalities vs set-builder notation, unions and "or" (``equivalence_sets``);
 - a renamed variable (g(t)=3t vs g(x)=3x), an equation vs its right-hand side (k_{min}=2n+1);
 - labelled answers vs bare lists in order (p=4, q=9 vs 4,9; labels matched by name when both are
@@ -40,14 +53,19 @@ from megareason.rewards.equivalence_forms import (
     mentions_text,
     significant_digits,
     structure,
+    written_unit,
 )
 from megareason.rewards.equivalence_sets import real_set, sets_equal, to_sympy
 
 _MAX_CHARS = 1000  # as the math reward: longer "answers" are not answers
 _MAX_ITEMS = 10  # unordered matching is a search; longer lists are compared in order only
+# A decimal stands for a value without an exact decimal (pi, sqrt 3 / 2, 1/3) only at this many
+# significant digits: 3.14 is pi, 3.1 is not (two digits also fit too many wrong answers).
+MIN_ROUNDED_SIGNIFICANT_DIGITS = 3
 _VERIFY_TIMEOUT_S = 5
 _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_WORDY = re.compile(r"\\text|\\mathrm|\\mbox|[a-zA-Z]{2,}")
+_LETTER = re.compile(r"[a-zA-Z]")
+_PERCENT_SIGN = re.compile(r"%|percent")
 _COMMAND = re.compile(r"\\(?!text|mathrm|mbox)[a-zA-Z]+")
 _GREEK = r"(?:alpha|beta|gamma|delta|theta|lambda|mu|phi|varphi|psi|omega|rho|sigma|tau)(?![a-zA-Z])"
 _VARIABLE = re.compile(r"\\" + _GREEK + r"|(?<!\\)[a-zA-Z]")  # a letter or a Greek letter
@@ -91,19 +109,28 @@ def equivalent(pred: str, gold: str) -> bool:
 
 def contradicts(pred: str, gold: str) -> bool:
     """True iff the answers are labelled lists (or lists against one) that differ in order or value,
-    or quantities in different units.  Cheap when neither answer has an ``=`` or a word."""
+    quantities in different units, a single value against several solutions, or percentages whose
+    values (p% = p/100) differ.  Cheap when neither has an ``=`` or a ``%`` and ``gold`` no letter."""
     if len(pred) > _MAX_CHARS or len(gold) > _MAX_CHARS:
         return False
+    if _PERCENT_SIGN.search(pred) or _PERCENT_SIGN.search(gold):
+        return not equivalent(pred, gold)  # math-verify drops the sign: 0.5% would equal 0.5
     has_label = "=" in pred or "=" in gold
-    has_units = all(_WORDY.search(_COMMAND.sub("", s)) for s in (pred, gold))
-    if not (has_label or has_units):
+    has_words = _LETTER.search(_COMMAND.sub("", gold))  # units, solutions joined by words
+    if not (has_label or has_words):
         return False
     try:
-        p, g = _structure(interpret(pred)), _structure(interpret(gold))
+        preds, golds = interpret(pred), interpret(gold)
+        p, g = _structure(preds), _structure(golds)
         if p is None or g is None:
             return False
         if isinstance(p, Scalar) and isinstance(g, Scalar):
-            return bool(p.unit and g.unit and p.unit != g.unit)
+            units = [v.unit or written_unit(clean(s), mentions_text(s)) for v, s in ((p, pred), (g, gold))]
+            return bool(units[0] and units[1] and units[0] != units[1])
+        single = isinstance(p, Scalar) or (isinstance(p, Labelled) and len(p.values) == 1)
+        several = (isinstance(g, Seq) and g.kind in ("list", "set")) or isinstance(g, Labelled)
+        if has_words and single and several and _length(g) > 1 and not any(isinstance(c, RealSet) for c in golds):
+            return True  # one solution of several joined by words (math-verify reads "5 or more" as 5)
         labelled = [v for v in (p, g) if isinstance(v, Labelled) and len(v.labels) > 1]
         other = g if p in labelled else p
         if labelled and isinstance(other, Labelled | Seq) and _length(other) == len(labelled[0].labels):
@@ -237,19 +264,34 @@ def _verify(gold: sympy.Basic, pred: sympy.Basic) -> bool:
 
 
 def rounds_to(decimal: str, exact: str) -> bool:
-    """True iff ``decimal`` (a plain literal, >= 2 significant digits, >= 1 decimal place) is the
-    value of ``exact`` (not itself a plain number) rounded to the decimal's own precision."""
+    """True iff ``decimal`` (a plain literal, >= ``MIN_ROUNDED_SIGNIFICANT_DIGITS`` significant
+    digits, >= 1 decimal place) is the value of ``exact`` (not itself a plain number, and with no
+    exact decimal: irrational, or a fraction whose denominator has a prime factor other than 2 and 5)
+    rounded to the decimal's own precision.  1/8 is 0.125 exactly, so 0.13 is no answer for it."""
     places = decimal_places(decimal)
-    if places is None or significant_digits(decimal) < 2 or _PLAIN_NUMBER.fullmatch(exact.strip()):
+    if places is None or significant_digits(decimal) < MIN_ROUNDED_SIGNIFICANT_DIGITS:
+        return False
+    if _PLAIN_NUMBER.fullmatch(exact.strip()):
         return False
     value = to_sympy(exact)
-    if not isinstance(value, sympy.Expr) or value.free_symbols:
+    if not isinstance(value, sympy.Expr) or value.free_symbols or _has_exact_decimal(value):
         return False
     try:
         error = abs(sympy.N(value - sympy.Rational(decimal.strip()), 30))
         return bool(error.is_real) and bool(error <= sympy.Rational(1, 2 * 10**places) * (1 + sympy.Rational(1, 10**9)))
     except (TypeError, ValueError):
         return False
+
+
+def _has_exact_decimal(value: sympy.Expr) -> bool:
+    """True iff ``value`` is a rational whose decimal expansion ends (denominator 2^a 5^b)."""
+    if not value.is_Rational:
+        return False
+    q = int(value.q)
+    for prime in (2, 5):
+        while q % prime == 0:
+            q //= prime
+    return q == 1
 
 
 def renamed_equal(pred: sympy.Basic, gold: sympy.Basic) -> bool:

@@ -115,12 +115,15 @@ def split_quantity(s: str, from_text: bool) -> tuple[str, str] | None:
 
     Thousands commas are read as such only beside a currency sign, a unit or decimals (a bare
     ``1,234`` may be a list).  A one-letter unit counts only where it came from ``\\text``/
-    ``\\mathrm`` (``2 x`` is a product, ``100\\,\\mathrm{m}`` is 100 metres).
+    ``\\mathrm`` (``2 x`` is a product, ``100\\,\\mathrm{m}`` is 100 metres).  Words that join or
+    qualify answers (``5 or 7``, ``3 but not 5``, ``5 or more``) are no unit (``is_unit``).
     """
     m = _QUANTITY.match(s)
     if not m:
         return None
     num, unit = m.group("num").replace(" ", ""), (m.group("unit") or "").strip()
+    if unit and not is_unit(unit):
+        return None
     if "," in num:
         if not (m.group("cur") or unit or "." in num):
             return None
@@ -135,10 +138,48 @@ def split_quantity(s: str, from_text: bool) -> tuple[str, str] | None:
     return num, unit
 
 
+_CONNECTIVE = re.compile(r"\b(?:or|and|but|not|nor|except|than|unless|either|neither)\b", re.IGNORECASE)
+_EXPONENT = re.compile(r"\^\s*\{?\s*-?\d+\s*\}?")
+
+
+def is_unit(words: str) -> bool:
+    """True iff the words after a number can be its unit: no number except an exponent (``cm^2``,
+    ``s^{-1}``) and no word that joins or qualifies answers (``or 7``, ``but not 5``, ``or more``)."""
+    return not re.search(r"\d", _EXPONENT.sub("", words)) and not _CONNECTIVE.search(words)
+
+
+# Spellings of one unit -> one name, looked up after lower-casing (and again after dropping a plural s).
+_UNIT_NAMES = {
+    "m": "meter", "metre": "meter", "km": "kilometer", "kilometre": "kilometer", "cm": "centimeter",
+    "centimetre": "centimeter", "mm": "millimeter", "millimetre": "millimeter", "mi": "mile", "ft": "foot",
+    "feet": "foot", "yd": "yard", "g": "gram", "kg": "kilogram", "mg": "milligram", "lb": "pound",
+    "oz": "ounce", "s": "second", "sec": "second", "ms": "millisecond", "min": "minute", "h": "hour",
+    "hr": "hour", "l": "liter", "litre": "liter", "ml": "milliliter", "millilitre": "milliliter",
+}
+_UNIT_NAMED = frozenset(_UNIT_NAMES.values())
+
+
 def normalize_unit(unit: str) -> str:
-    """Unit words compared loosely: case, spaces and a plural ``s`` ignored (``Hours`` == ``hour``)."""
+    """Unit words compared loosely: case, spaces and a plural ``s`` ignored (``Hours`` == ``hour``),
+    and a common symbol or spelling read as its name (``km`` == ``kilometres``, ``s`` == ``seconds``;
+    ``ms`` is milliseconds, not a plural)."""
     u = re.sub(r"\s+", "", unit.lower())
-    return u[:-1] if u.endswith("s") and len(u) > 2 else u
+    if u in _UNIT_NAMES:
+        return _UNIT_NAMES[u]
+    u = u[:-1] if u.endswith("s") and len(u) > 2 else u
+    return _UNIT_NAMES.get(u, u)
+
+
+def written_unit(s: str, from_text: bool) -> str:
+    """The unit after the number of a cleaned quantity, whatever its length (``5 s`` -> ``second``),
+    else ``""``.  Letters written straight after the number count only when they name a unit
+    (``5km``; ``3t`` is a product).  For refusing two different units only: a lone letter may be a
+    variable (``2 x``), so it never makes two answers equal."""
+    m = _QUANTITY.match(s)
+    if not m or not m.group("unit") or m.group("ord") or not is_unit(m.group("unit")):
+        return ""
+    unit = normalize_unit(m.group("unit"))
+    return unit if from_text or m.group("unit")[0].isspace() or unit in _UNIT_NAMED else ""
 
 
 def percent_to_fraction(s: str) -> str | None:

@@ -10,7 +10,8 @@ only when math-verify says no -- if the equivalence layer
 units, inequalities vs intervals, renamed variables, labelled lists, vectors,
 ``\\pm``, degrees, unicode.  Before math-verify, the layer's ``contradicts``
 vetoes what math-verify overlooks: a labelled list in the wrong order, a
-quantity in the wrong unit.  Score is 1.0 when correct, else 0.0.
+quantity in the wrong unit, a percentage of another value (``p%`` is p/100),
+one solution of several.  Score is 1.0 when correct, else 0.0.
 """
 
 from __future__ import annotations
