@@ -7,8 +7,9 @@ EXTRAS ?= cpu,dev,trackers
 MODEL  := smollm2-135m-instruct
 ARGS   ?=
 PYTEST_ARGS ?=
+N ?= 3
 
-.PHONY: setup run test test-fast lint bench bench-trl clean
+.PHONY: setup run test test-fast test-slow-repeat lint bench bench-trl clean
 
 setup: $(VENV)/.installed
 	$(BIN)/megareason models fetch $(MODEL)
@@ -32,8 +33,12 @@ run: setup  ## the main job: a short GRPO run of SmolLM2-135M-Instruct on CPU (c
 test: setup  ## every test, the slow end-to-end ones included (what CI runs)
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup  ## the unit tier: everything but the end-to-end runs (the inner loop)
 	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+test-slow-repeat: setup  ## the end-to-end tier N times in a row (default 3): a flaky comparison shows here
+	@for i in $$(seq $(N)); do echo "== slow tier, run $$i of $(N)"; \
+	  $(BIN)/python -m pytest -ra -m slow -p no:cacheprovider $(PYTEST_ARGS) || exit 1; done
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -47,12 +48,47 @@ def tiny_mixtral(tmp_path_factory):
                             intermediate_size=64, num_experts=4, top_k=2, tie_word_embeddings=True, seed=4)
 
 
+# Set-ups that only install (Debian's slurm-wlm, NeMo-Run's own venv: ~1.5 minutes on a fresh machine) start
+# in the background as soon as the session knows it runs a test that needs them, while the unit tests run.
+_PREPARING: dict[str, Future] = {}
+
+
+def pytest_collection_finish(session):
+    import slurm_cluster
+
+    from megareason.launch import launch_env
+
+    if session.config.option.collectonly:
+        return
+    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    jobs = {"slurm": slurm_cluster.ensure_slurm, "launch_venv": launch_env.ensure}
+    todo = {name: job for name, job in jobs.items() if name in wanted}
+    if todo:
+        pool = ThreadPoolExecutor(len(todo), thread_name_prefix="prepare")
+        _PREPARING.update({name: pool.submit(job) for name, job in todo.items()})
+        pool.shutdown(wait=False)
+
+
+def _prepared(name: str, job):
+    """The background set-up's result (or its error), or the set-up run now when none started."""
+    return _PREPARING[name].result() if name in _PREPARING else job()
+
+
+@pytest.fixture(scope="session")
+def launch_venv():
+    """NeMo-Run's venv (.venv-launch, megareason.launch.launch_env): its interpreter."""
+    from megareason.launch import launch_env
+
+    return _prepared("launch_venv", launch_env.ensure)
+
+
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """One two-node Slurm cluster on loopback for every launch test (tests/slurm_cluster.py), stopped by PID
     at the end of the session."""
     import slurm_cluster
 
+    _prepared("slurm", slurm_cluster.ensure_slurm)
     cluster = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster

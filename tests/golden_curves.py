@@ -14,22 +14,27 @@ from pathlib import Path
 GOLDEN = Path(__file__).parent / "golden"
 # Wall-clock measurements differ from run to run; everything else must not, except:
 VOLATILE_PREFIXES = ("time/", "throughput/", "sync/seconds")
-# Metrics compared within a tolerance, |this run - golden| <= abs + rel * |golden| (metric: (abs, rel)):
+# Metrics compared within a tolerance, |this run - other| <= abs + rel * |other| (metric or prefix: (abs, rel)).
+# Between two runs on one machine (a resumed run and the uninterrupted one; a golden curve):
 TOLERANCE = {
-    # vLLM's log-probs of the sampled tokens (``rollout_logp_BT``) vary in the last float32 bits with the
-    # engine's batch composition, which depends on when the requests reach the engine core (the tokens,
-    # seeded per request, do not). Nothing else reads them (the losses use the trainer's own log-probs).
-    "rollout/token_mult_prob_error": (0.0, 1e-5),
-    "rollout/max_abs_logp_diff": (0.0, 1e-5),
+    # vLLM's log-probs of the sampled tokens (``rollout_logp_BT``) vary with the engine's batch composition,
+    # which depends on when the requests reach the engine core (the tokens, seeded per request, do not);
+    # in fp32 they are within ~2e-5 of transformers' per token. Nothing else reads them (the losses use
+    # the trainer's own log-probs), so only their size is compared: 1e-4 per token, 1e-4 of the product.
+    "rollout/token_mult_prob_error": (1e-4, 1e-4),
+    "rollout/max_abs_logp_diff": (1e-4, 1e-4),
     # The KL term's value compares two forward passes over the same tokens (the actor's in the update, the
     # reference's in its own pass): at step 1 the weights are equal and it is 0, up to float noise seen once
     # in CI (2.7e-9 for compare_raro, step 1; 0.0 in every other run).
     "actor/kl": (1e-8, 0.0),
-    # A sum over every response token of every row of the batch (in no loss unless ``entropy_coef`` > 0, so
-    # nothing else moves with it); CI saw it differ once in the 7th digit in the RARO e2e (2.93426760 vs
-    # golden 2.93426897, every loss, norm and reward equal).
-    "actor/entropy": (0.0, 1e-5),
 }
+# Added for a golden curve, recorded on one kind of CPU and checked on whichever CI runs on: the trainer's
+# float sums take other kernels (another vector width, another order) on another CPU kind. Measured on an
+# AMD EPYC (AVX-512, bf16) against curves recorded elsewhere, fp32 runs: losses 1.8e-6 relative, grad
+# norms 3.9e-7, KL 2e-6, entropy 6.7e-7 after two steps. Everything a sampled token decides (rewards,
+# lengths, accuracies, counts) stays exact; bf16 runs differ by percents between CPU kinds, so they are
+# compared with a run of the same session instead (test_faults.py).
+ACROSS_CPU_KINDS = {"actor/": (1e-6, 1e-4), "critic/": (1e-6, 1e-4), "sft/": (1e-6, 1e-4), "val/loss": (1e-6, 1e-4)}
 
 
 def curve(metrics: dict[int, dict]) -> list[dict]:
@@ -50,22 +55,35 @@ def golden(name: str) -> dict[int, dict]:
 
 
 def check_golden(name: str, metrics: dict[int, dict]) -> None:
-    """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` exactly (or record it)."""
-    rows, path = curve(metrics), GOLDEN / f"{name}.jsonl"
+    """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` (``TOLERANCE`` and
+    ``ACROSS_CPU_KINDS`` apart), or record it."""
+    path = GOLDEN / f"{name}.jsonl"
     if recording():
         GOLDEN.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        path.write_text("".join(json.dumps(r) + "\n" for r in curve(metrics)))
         return
-    expected = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [r["step"] for r in expected], f"{path.name}: other steps"
-    for got, want in zip(rows, expected, strict=True):
+    _check(metrics, golden(name), path.name, {**TOLERANCE, **ACROSS_CPU_KINDS})
+
+
+def check_same(metrics: dict[int, dict], reference: dict[int, dict], what: str) -> None:
+    """Assert that two runs of this session have the same metrics, every one of every step (``TOLERANCE``
+    apart: vLLM's batch-dependent log-probs)."""
+    _check(metrics, reference, what, TOLERANCE)
+
+
+def _check(metrics: dict[int, dict], expected: dict[int, dict], what: str, tolerance: dict) -> None:
+    rows, want_rows = curve(metrics), curve(expected)
+    assert [r["step"] for r in rows] == [r["step"] for r in want_rows], f"{what}: other steps"
+    for got, want in zip(rows, want_rows, strict=True):
         diff = {k: (got.get(k), want.get(k)) for k in sorted(set(got) | set(want))
-                if not _same(k, got.get(k), want.get(k))}
-        assert not diff, f"{path.name} step {want['step']}: (this run, golden) differ: {diff}"
+                if not _same(tolerance, k, got.get(k), want.get(k))}
+        assert not diff, f"{what} step {want['step']}: (this run, expected) differ: {diff}"
 
 
-def _same(key: str, got, want) -> bool:
-    if key in TOLERANCE and got is not None and want is not None:
-        atol, rtol = TOLERANCE[key]
+def _same(tolerance: dict, key: str, got, want) -> bool:
+    bound = tolerance.get(key) or next((v for k, v in tolerance.items() if k.endswith("/") and key.startswith(k)),
+                                       None)
+    if bound is not None and got is not None and want is not None:
+        atol, rtol = bound
         return abs(got - want) <= atol + rtol * abs(want)
     return got == want

@@ -50,8 +50,10 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_trains_and_
     assert [m[s]["rollout/policy_version"] for s in (1, 2)] == [0, 0]
     # Step 1 is the on-policy run's step 1: the same batch from the same weights (the loss differs only by
     # the truncated importance weights, pi_train / pi_vllm = 1 within ~1e-6 here) ...
-    for key in ("reward/mean", "response_length/mean", "actor/entropy"):
+    for key in ("reward/mean", "response_length/mean"):
         assert m[1][key] == ref[1][key], (key, m[1][key], ref[1][key])
+    # (the golden curve's trainer sums within golden_curves.ACROSS_CPU_KINDS: recorded on another CPU kind)
+    assert m[1]["actor/entropy"] == pytest.approx(ref[1]["actor/entropy"], rel=1e-4)
     assert m[1]["actor/loss"] == pytest.approx(ref[1]["actor/loss"], rel=1e-4)
     # ... step 2 trains on samples of the initial weights: the engine's log-probs no longer match the
     # trainer's (they do to ~1e-6 on-policy), and the importance ratio pi_train / pi_vllm is logged.

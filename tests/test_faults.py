@@ -1,8 +1,7 @@
 """Faults injected into a running ``megareason train``, on the tiny model at scale settings (bf16, the
-distributed optimizer, DP 2, full recompute: the golden "grpo" run): each stops the run at once (with an
-error naming what died, or, for the driver's own SIGKILL, leaving no process behind), keeps the last
-complete checkpoint loadable, and the run resumed after all three faults reproduces the uninterrupted run's
-every metric (tests/golden/grpo.jsonl, recorded by ``tools/regen_golden.sh``).
+distributed optimizer, DP 2, full recompute): each stops the run at once (with an error naming what died,
+or, for the driver's own SIGKILL, leaving no process behind) and keeps the last complete checkpoint
+loadable, and the run resumed after all three faults reproduces every metric of the uninterrupted run.
 
 Other faults are tested where their code is: a reward worker killed mid-batch (test_reward_pool.py),
 SIGTERM (test_sft.py, and Slurm's pre-emption in test_nemo_run.py), a full disk while a checkpoint is
@@ -12,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from golden_curves import check_golden, recording
+from golden_curves import check_same
 from test_train_e2e import AT_SCALE, _args, _env, _expect_gone, _kill_group, _metrics, _run, _started_by
 
 from megareason.launch.reaper import descendants, process_table
@@ -58,49 +58,52 @@ def _fault(args: list[str], ready, what: str, victim: str) -> tuple[subprocess.P
     return proc, stderr, pid
 
 
-def test_a_dead_driver_engine_and_megatron_rank_stop_the_run_cleanly_and_it_resumes_to_the_golden_curve(
-        tiny_qwen2, tmp_path):
+def test_a_dead_engine_driver_and_megatron_rank_stop_the_run_cleanly_and_it_resumes_exactly(tiny_qwen2, tmp_path):
+    # The uninterrupted run (4 steps, checkpoints after steps 2 and 4), and the same run as a crash after its
+    # step-2 checkpoint leaves it: the folder with the step-4 checkpoint removed (its metrics, rollouts and
+    # logs are what an interrupted run leaves behind). bf16 sums differ in the last bits between CPU kinds
+    # (another kernel, another order), so the reference is this machine's own run, not a recorded curve.
+    straight = tmp_path / "straight"
+    _run(_args(tiny_qwen2, tmp_path, straight, *AT_SCALE))
+    reference = _metrics(straight)
     out = tmp_path / "run"
+    shutil.copytree(straight, out)
+    shutil.rmtree(out / "checkpoints" / "step_00000004")
     args = _args(tiny_qwen2, tmp_path, out, *AT_SCALE)
-    if recording():  # the uninterrupted run, for tools/regen_golden.sh
-        straight = tmp_path / "straight"
-        _run(_args(tiny_qwen2, tmp_path, straight, *AT_SCALE))
-        check_golden("grpo", _metrics(straight))
     step2 = out / "checkpoints" / "step_00000002" / "trainer_state.json"
     driver_log = out / "logs" / "driver.log"
 
-    def resumed(times: int):
+    def resuming(times: int):
         return lambda: driver_log.exists() and driver_log.read_text().count("resuming from") == times
 
-    # 1. A vLLM engine core killed after the step-2 checkpoint (mid step 3).
-    proc, stderr, engine = _fault(args, step2.exists, "step-2 checkpoint", "VLLM::EngineCor")
+    # 1. A vLLM engine core killed while the run resumes.
+    proc, stderr, engine = _fault(args, resuming(1), "resume", "VLLM::EngineCor")
     assert proc.returncode == 1, stderr[-3000:]
     assert f"the vLLM engine core process (pid {engine})" in stderr, stderr[-3000:]
     assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
-    assert json.loads(step2.read_text())["step"] == 2 and max(_metrics(out)) < 4
+    assert json.loads(step2.read_text())["step"] == 2
 
     # 2. The driver itself SIGKILLed while the run resumes: Ray's processes and agents, the policy workers,
     # their vLLM engine cores and workers, the reward workers are all gone within seconds.
-    proc, _, _ = _fault(args, resumed(1), "resume", "")
+    proc, _, _ = _fault(args, resuming(2), "resume", "")
     assert proc.returncode == -signal.SIGKILL
     assert json.loads(step2.read_text())["step"] == 2
 
-    # 3. A Megatron rank (a policy worker) killed while the next resumed run starts up or trains.
-    proc, stderr, _ = _fault(args, resumed(2), "resume", "ray::PolicyWork")
+    # 3. A Megatron rank (a policy worker) killed while the run resumes.
+    proc, stderr, _ = _fault(args, resuming(3), "resume", "ray::PolicyWork")
     assert proc.returncode == 1, stderr[-3000:]
     assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
     assert json.loads(step2.read_text())["step"] == 2
 
-    # 4. Resumed from the step-2 checkpoint: each step once (an interrupted step's partial rows dropped) and
+    # 4. Resumed from the step-2 checkpoint: each step once (the interrupted runs' partial rows dropped) and
     # the uninterrupted run's metrics, every one of every step.
     done = _run(args)
     assert "resuming from" in done.stderr and "step_00000002" in done.stderr
     m = _metrics(out)
-    assert sorted(m) == [1, 2, 3, 4]
+    assert sorted(m) == sorted(reference) == [1, 2, 3, 4]
     # On-policy, equal-length responses make the loss value ~0; its gradient is what must be nonzero.
     assert all(m[s]["actor/grad_norm"] > 1e-3 for s in (3, 4)), "gradients must be nonzero to compare"
     # bf16 training against fp32 generation: the mismatch is reported, > 1 and still small.
     assert all(1.0 < m[s]["rollout/token_mult_prob_error"] < 1.5 for s in m)
     assert "val/accuracy" in m[4]
-    if not recording():
-        check_golden("grpo", m)
+    check_same(m, reference, "the resumed run against the uninterrupted one")

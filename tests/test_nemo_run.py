@@ -2,7 +2,8 @@
 Slurm cluster: 3 steps, SIGUSR1, requeue, SIGTERM, requeue, resume) and its local executor (a real PPO run).
 
 NeMo-Run cannot be installed beside vLLM, so these tests create the launcher's own venv (.venv-launch,
-`megareason.launch.launch_env`, about 1.5 minutes the first time, reused while pyproject's pins are the same)
+`megareason.launch.launch_env`, about 1.5 minutes the first time, reused while pyproject's pins are the same;
+conftest.py's `launch_venv` starts it while the unit tests run)
 and run `megareason launch` from the main environment, which hands over to that venv.
 """
 
@@ -19,15 +20,9 @@ import slurm_cluster
 from golden_curves import check_golden, recording
 from slurm_cluster import metrics, tiny_raro, wait_for_loop
 
-from megareason.launch import launch_env
 from megareason.launch.nemo_run import LaunchSpec, driver_command, job_body, sbatch_directives, slurm_directives
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def launch_venv() -> Path:
-    return launch_env.ensure()
 
 
 def _launch(*args: str, timeout: float = 300, env: dict[str, str] | None = None, **extra: str):

@@ -4,7 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MEGAREASON_WRITE_GOLDEN=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
-  "tests/test_faults.py" \
   "tests/test_nemo_run.py::test_local_executor_runs_ppo_with_a_critic_whose_value_loss_falls" \
   "tests/test_train_e2e.py::test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer" \
   "tests/test_train_e2e.py::test_grpo_on_the_retrieval_qa_environment" \
