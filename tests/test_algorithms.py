@@ -183,6 +183,50 @@ def test_kl_in_reward():
     close(out, [[0.0, -0.1, 0.85, 0]])
 
 
+# Which estimator where, on a 3-token categorical, every expectation summed exactly over the tokens:
+# policy pi = softmax(z) at z = (log 2, 0, 0) = (1/2, 1/4, 1/4), reference q = (1/4, 1/2, 1/4).
+# log(pi/q) = (log 2, -log 2, 0), KL(pi||q) = (1/2 - 1/4) log 2 = log(2)/4, and its gradient in the logits,
+# dKL/dz_j = pi_j (log(pi_j/q_j) - KL) = log 2 * (3/8, -5/16, -1/16) = (0.259930, -0.216608, -0.043322).
+Z_CAT, Q_CAT = [math.log(2), 0.0, 0.0], [0.25, 0.5, 0.25]
+GRAD_KL = [math.log(2) * g for g in (3 / 8, -5 / 16, -1 / 16)]
+
+
+def _categorical():
+    z = T(Z_CAT, dtype=torch.float64, requires_grad=True)
+    return z, torch.log_softmax(z, -1), T(Q_CAT, dtype=torch.float64).log()
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("k1", GRAD_KL),
+    # + q - pi = (-1/4, 1/4, 0): (0.009930, 0.033392, -0.043322)
+    ("low_var_kl", [GRAD_KL[0] - 0.25, GRAD_KL[1] + 0.25, GRAD_KL[2]]),
+])
+def test_kl_as_a_reward_has_the_kl_gradient_with_k1_only(kind, expected):
+    # In the reward the KL is a detached reward: its policy gradient is E_pi[kl(a) grad log pi(a)] (score
+    # function). k1 = log pi - log q: E[(log pi - log q) grad log pi] = grad KL, as E[grad log pi] = 0.
+    # k3 = q/pi - log(q/pi) - 1 adds sum_a pi_a (q_a/pi_a) grad log pi_a = sum_a q_a (e_a - pi) = q - pi.
+    z, logp, ref = _categorical()
+    kl = kl_penalty(logp.detach()[None], ref[None], kind)[0]
+    (logp.exp().detach() * kl * logp).sum().backward()
+    close(z.grad, expected)
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("k1", [0.0, 0.0, 0.0]),
+    ("k2", GRAD_KL),
+    ("low_var_kl", [0.25, -0.25, 0.0]),
+])
+def test_kl_as_a_loss_term_gradients_by_hand(kind, expected):
+    # As a loss term the KL is differentiated through log pi on tokens sampled from the policy (on-policy:
+    # pi itself), E_pi[d kl/d log pi(a) * grad log pi(a)] with grad log pi(a) = e_a - pi.
+    # k1: d/d log pi = 1 -> E[grad log pi] = 0. k2: (log pi - log q) -> grad KL(pi||q).
+    # k3: 1 - q/pi -> sum_a (pi_a - q_a)(e_a - pi) = pi - q = (1/4, -1/4, 0), the gradient of KL(q||pi).
+    z, logp, ref = _categorical()
+    kl = kl_penalty(logp[None], ref[None], kind)[0]
+    (logp.exp().detach() * kl).sum().backward()
+    close(z.grad, expected)
+
+
 # --- aggregation ------------------------------------------------------------
 # NaN and inf sit on masked-out entries: they must not reach the result.
 LOSS = T([[1.0, 2, NAN], [4, 5, 6], [7, INF, 9]])

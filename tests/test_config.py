@@ -166,3 +166,37 @@ def test_a_separate_pool_must_fit_beside_the_trainer():
     # engines take the last cores, the trainer the first ones
     assert _engine_cores([0, 1, 2, 3], 0, 1) == [3] and _engine_cores([0, 1, 2, 3], 1, 1) == [2]
     assert _engine_cores([0, 1, 2, 3, 4, 5], 0, 2) == [4, 5]
+
+
+def test_a_replaced_key_is_refused_naming_the_keys_that_replace_it(tmp_path: Path):
+    message = (r"'algorithm.kl_kind' is not a key: set algorithm.kl_reward_kind \(the KL subtracted from the "
+               r"reward, kl_in_reward\) and algorithm.kl_loss_kind \(the KL loss term\) instead")
+    for override in ("algorithm.kl_kind=k3", "+algorithm.kl_kind=k3"):
+        with pytest.raises(ConfigError, match=message):
+            load_config("eval", [override])
+    (tmp_path / "old.yaml").write_text("defaults:\n  - megareason_defaults\n  - _self_\n"
+                                       "algorithm:\n  kl_kind: low_var_kl\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config("old", config_dir=tmp_path)
+    cfg = load_config("eval", ["algorithm.kl_reward_kind=k2", "algorithm.kl_loss_kind=k1"])
+    assert (cfg.algorithm.kl_reward_kind, cfg.algorithm.kl_loss_kind) == ("k2", "k1")
+
+
+GSPO_PAPER = ["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean",
+              "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4"]
+
+
+def test_gspo_is_held_to_its_papers_clip_range_and_sequence_level_aggregation():
+    paper = ("algorithm.policy_loss=gspo needs GSPO's settings: algorithm.loss_agg_mode=seq-mean-token-mean, "
+             "algorithm.clip_ratio_low=0.0003, algorithm.clip_ratio_high=0.0004 (its paper")
+    with pytest.raises(ConfigError) as e:
+        validate_training(load_config("grpo_smollm2_cpu", ["algorithm.policy_loss=gspo"]))
+    assert str(e.value).startswith(paper), str(e.value)
+    assert str(e.value).endswith("got algorithm.loss_agg_mode=token-mean, algorithm.clip_ratio_low=0.2, "
+                                 "algorithm.clip_ratio_high=0.2")
+    cfg = load_config("grpo_smollm2_cpu", GSPO_PAPER)
+    validate_training(cfg)
+    assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (3e-4, 4e-4)
+    with pytest.raises(ConfigError, match=r"needs GSPO's settings: .* got algorithm.clip_ratio_high=0.28$"):
+        validate_training(load_config("grpo_smollm2_cpu", [*GSPO_PAPER, "algorithm.clip_ratio_high=0.28"]))
+    validate_training(load_config("grpo_smollm2_cpu", ["algorithm.clip_ratio_high=0.28"]))  # PPO's loss: any

@@ -5,6 +5,7 @@ autograd on the transformers model for the same weights and batch."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -107,7 +108,7 @@ def worker_results(tiny_qwen2):
 
 
 # (aggregation mode, KL in the reward): the loss term's coefficient is kl_coef, or kl_loss_coef beside the
-# KL in the reward (seed 001 sets both; the reward's KL is already in the advantages here).
+# KL in the reward (verl's use_kl_in_reward + use_kl_loss; the reward's KL is already in the advantages here).
 KL_SETTINGS = [("seq-mean-token-mean", {}), ("seq-mean-token-sum-norm", {"kl_in_reward": True, "kl_loss_coef": 0.05})]
 
 
@@ -133,7 +134,7 @@ def test_policy_gradient_matches_autograd_on_transformers(tiny_qwen2, mode, kl):
     num, den, _ = ppo_policy_loss(logp, exp.old_logp_BT, exp.adv_BT, exp.mask_BT, clip_low=0.2, clip_high=0.3,
                                   dual_clip=3.0, **agg)
     num = num + entropy_bonus(entropy, exp.mask_BT, alg.entropy_coef, **agg)[0]
-    num = num + aggregate(kl_coef * kl_penalty(logp, exp.ref_logp_BT, alg.kl_kind), exp.mask_BT, **agg)[0]
+    num = num + aggregate(kl_coef * kl_penalty(logp, exp.ref_logp_BT, alg.kl_loss_kind), exp.mask_BT, **agg)[0]
     (num / den).backward()
     expected = {n: p.grad for n, p in hf.named_parameters()}
     got = run_workers(1, _single_worker, str(tiny_qwen2), exp, alg)[0]
@@ -206,3 +207,55 @@ def test_policy_loss_with_rollout_correction_weights_tokens_and_drops_sequences(
     gspo = replace(AlgorithmConfig(), policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
     num, den, m = policy_loss_fn(gspo, on_policy=True)(logp, torch.zeros_like(logp), batch)
     assert float((num / den).detach()) == pytest.approx(0.5) and float(m["clipfrac_sum"]) == 0.0
+
+
+# Which estimator each KL reads, on test_algorithms.py's 3-token categorical: policy pi = softmax(log 2, 0, 0)
+# = (1/2, 1/4, 1/4), reference q = (1/4, 1/2, 1/4); four one-token responses, tokens 0, 0, 1, 2, make every
+# mean over them pi's expectation exactly. By hand (grad KL(pi||q) = log 2 * (3/8, -5/16, -1/16)): the policy
+# gradient of the mean return -beta * kl is -beta * grad KL with k1 in the reward, -beta * (grad KL + q - pi)
+# with k3; the KL loss term's gradient (on-policy) is beta * (pi - q) = beta * (1/4, -1/4, 0) with k3, 0 with k1.
+TOKENS = torch.tensor([0, 0, 1, 2])
+GRAD_KL = torch.tensor([3 / 8, -5 / 16, -1 / 16]) * math.log(2)
+Q_MINUS_PI = torch.tensor([-0.25, 0.25, 0.0])
+
+
+def pad(x_B: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 2]: a prompt column of 0, then the response token's column."""
+    return torch.nn.functional.pad(x_B[:, None], (1, 0))
+
+
+def _policy():
+    z = torch.tensor([math.log(2), 0.0, 0.0], requires_grad=True)
+    return z, torch.log_softmax(z, -1)[TOKENS], torch.tensor([0.25, 0.5, 0.25]).log()[TOKENS]
+
+
+@pytest.mark.parametrize("kinds, reward_k3, loss_k3", [({}, False, True),
+                                                        ({"kl_reward_kind": "k3", "kl_loss_kind": "k1"}, True, False)],
+                         ids=["defaults-k1-reward-k3-loss", "swapped"])
+def test_the_reward_and_the_loss_term_read_their_own_kl_kind(kinds, reward_k3, loss_k3):
+    from megareason.config.schema import Config
+    from megareason.trainer.loop import compute_advantages
+    from megareason.trainer.losses import policy_loss_fn
+
+    beta = 0.1
+    alg = AlgorithmConfig(name="ppo", kl_in_reward=True, kl_coef=beta, kl_loss_coef=beta, whiten_advantages=False,
+                          dual_clip=0.0, **kinds)
+    # The reward: PPO, a one-token prompt then a one-token response per row, outcome 0, values 0, gamma = lam
+    # = 1: each row's advantage is -beta * kl(token).
+    z, logp_B, ref_B = _policy()
+    exp = Experience(tokens_BT=pad(TOKENS + 1), lengths_B=torch.full((4,), 2), mask_BT=pad(torch.ones(4)),
+                     rollout_logp_BT=torch.zeros(4, 2), old_logp_BT=pad(logp_B.detach()), ref_logp_BT=pad(ref_B),
+                     values_BT=torch.zeros(4, 2))
+    adv_B = compute_advantages(Config(algorithm=alg), exp, torch.zeros(4), torch.arange(4))["adv_BT"][:, 1]
+    (logp_B * adv_B).mean().backward()
+    expected = -beta * (GRAD_KL + Q_MINUS_PI if reward_k3 else GRAD_KL)
+    assert z.grad.tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    # The loss term: the four tokens as one row, advantages 0 (no policy-gradient term), token-mean.
+    z, logp_B, ref_B = _policy()
+    batch = type("B", (), {"cu_seqlens": None, "fields": {"mask_BT": torch.ones(1, 4), "adv_BT": torch.zeros(1, 4),
+                                                          "ref_logp_BT": ref_B[None],
+                                                          "rollout_logp_BT": logp_B.detach()[None]}})()
+    num, den, _ = policy_loss_fn(alg, on_policy=True)(logp_B[None], torch.zeros(1, 4), batch)
+    (num / den).backward()
+    expected = -beta * Q_MINUS_PI if loss_k3 else torch.zeros(3)
+    assert z.grad.tolist() == pytest.approx(expected.tolist(), abs=1e-6)

@@ -20,6 +20,18 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 DEFAULTS_NODE = "megareason_defaults"
 
+# Keys that do not exist, with the keys that do their work: a config or override that sets one is refused
+# naming them (instead of a bare "unknown key").
+REPLACED_KEYS = {
+    "algorithm.kl_kind": "algorithm.kl_reward_kind (the KL subtracted from the reward, kl_in_reward) and "
+                         "algorithm.kl_loss_kind (the KL loss term)",
+}
+
+# algorithm.policy_loss=gspo: the settings of GSPO's paper (Zheng et al. 2025, arXiv 2507.18071), which
+# clips its length-normalised sequence ratio at 3e-4 / 4e-4, and the sequence-level aggregation that
+# verl's compute_policy_loss_gspo forces (verl/trainer/ppo/core_algos.py).
+GSPO_SETTINGS = {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}
+
 
 class ConfigError(ValueError):
     """A user error in a config file or override; the message names the field."""
@@ -28,6 +40,7 @@ class ConfigError(ValueError):
 def _check_override_key(override: str) -> None:
     """Reject ``key=value`` overrides whose key is not a schema field, listing the valid keys."""
     key = override.split("=", 1)[0].lstrip("+~")
+    _refuse_replaced(key)
     cls: Any = Config
     for depth, part in enumerate(key.split(".")):
         names = {f.name for f in dataclasses.fields(cls)}
@@ -84,11 +97,18 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         where = f"{path}." if path else ""
+        for key in unknown:
+            _refuse_replaced(f"{where}{key}")
         raise ConfigError(
             f"unknown key '{where}{unknown[0]}'; valid keys of {path or 'the config'}: {', '.join(fields)}"
         )
     kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in raw.items()}
     return cls(**kwargs)
+
+
+def _refuse_replaced(key: str) -> None:
+    if key in REPLACED_KEYS:
+        raise ConfigError(f"'{key}' is not a key: set {REPLACED_KEYS[key]} instead")
 
 
 def _coerce(tp: Any, value: Any, path: str) -> Any:
@@ -270,6 +290,13 @@ def validate_training(cfg: Config) -> None:
            "algorithm.kl_loss_coef", "is the KL loss term's coefficient beside the KL in the reward: it needs "
            "algorithm.kl_in_reward=true and kl_coef > 0 (without kl_in_reward, kl_coef is the loss term's)",
            alg.kl_loss_coef)
+    if alg.policy_loss == "gspo":
+        wrong = {k: getattr(alg, k) for k, v in GSPO_SETTINGS.items() if getattr(alg, k) != v}
+        if wrong:
+            raise ConfigError(
+                f"algorithm.policy_loss=gspo needs GSPO's settings: {_settings(GSPO_SETTINGS)} (its paper, "
+                "Zheng et al. 2025, clips the length-normalised sequence ratio at 3e-4 / 4e-4, where PPO's 0.2 "
+                f"never binds; verl forces that aggregation); got {_settings(wrong)}")
     _check(not alg.dynamic_sampling or alg.name in ("grpo", "reinforce_pp_baseline"), "algorithm.dynamic_sampling",
            "needs algorithm.name=grpo or reinforce_pp_baseline (it filters groups by their rewards)",
            alg.dynamic_sampling)
@@ -332,6 +359,10 @@ def _validate_raro(cfg: Config) -> None:
         except (KeyError, IndexError, ValueError) as e:
             raise ConfigError(f"raro.expert_template {r.expert_template!r}: {e}; it may use {{solution}} and "
                               "{answer} (write {{ and }} for literal braces)") from None
+
+
+def _settings(values: dict[str, Any]) -> str:
+    return ", ".join(f"algorithm.{k}={v}" for k, v in values.items())
 
 
 def _check(ok: bool, path: str, what: str, value: Any) -> None:

@@ -213,8 +213,10 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     dual_clip: float = 3.0  # 0 disables the dual clip
-    # ppo: the token-level clipped ratio; gspo: GSPO's sequence-level ratio (Zheng et al. 2025; its paper
-    # clips at 3e-4 / 4e-4: set clip_ratio_low/high), the dual clip does not apply.
+    # ppo: the token-level clipped ratio; gspo: GSPO's sequence-level ratio (Zheng et al. 2025), the dual
+    # clip does not apply. gspo needs its paper's settings, refused otherwise: clip_ratio_low/high 3e-4 /
+    # 4e-4 (a length-normalised sequence ratio moves far less than a token's: 0.2 would never bind) and
+    # loss_agg_mode=seq-mean-token-mean (verl's compute_policy_loss_gspo forces that aggregation).
     policy_loss: Literal["ppo", "gspo"] = "ppo"
     # Train/generation mismatch correction against vLLM's log-probs of the sampled tokens (verl's
     # rollout_corr, slime's --use-tis); 0 disables each. TIS: each token's loss weighted by
@@ -241,10 +243,16 @@ class AlgorithmConfig:
                            "seq-mean-token-sum-norm"] = "token-mean"
     # KL to the reference model; 0 means no reference model at all. As a loss term, or subtracted
     # from the reward per token (kl_in_reward, PPO and REINFORCE++-baseline). kl_loss_coef > 0 with
-    # kl_in_reward: a KL loss term as well, with its own coefficient (seed 001's run_rubric.sh sets both:
-    # verl's use_kl_in_reward + kl_ctrl.kl_coef and use_kl_loss + kl_loss_coef, each 0.001).
+    # kl_in_reward: a KL loss term as well, with its own coefficient (verl's use_kl_in_reward +
+    # kl_ctrl.kl_coef beside use_kl_loss + kl_loss_coef).
     kl_coef: float = 0.0
-    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    # Each its own estimator (megareason/algorithms/kl.py), kept apart as verl keeps them. In the reward:
+    # k1, verl's algorithm.kl_penalty default "kl" (verl/trainer/config/algorithm.py) and OpenRLHF's
+    # kl_estimator default: as a reward its expected policy gradient is the KL's (k3's adds reference minus
+    # policy probabilities). The loss term: low_var_kl (k3), verl's actor.kl_loss_type default
+    # (verl/trainer/config/actor/actor.yaml), OpenRLHF's for GRPO's loss.
+    kl_reward_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    kl_loss_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     kl_in_reward: bool = False
     kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0

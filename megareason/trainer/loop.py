@@ -156,10 +156,11 @@ def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, gro
     indices; None: one) is lambda_pol * J_pol + lambda_crit * J_crit. REINFORCE++-baseline:
     ``algorithms.advantages.reinforce_pp_baseline_advantages``. PPO: the outcome reward on the last
     response token (minus the per-token KL when kl_in_reward), GAE with the critic's values, whitened
-    advantages; also the critic's targets (``returns_BT``)."""
+    advantages; also the critic's targets (``returns_BT``). The KL in the reward (PPO and REINFORCE++-baseline)
+    is ``algorithm.kl_reward_kind``'s estimate on the old policy's log-probs."""
     alg, mask_BT = cfg.algorithm, exp.mask_BT
     if alg.name == "reinforce_pp_baseline":
-        kl_BT = (kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_kind)
+        kl_BT = (kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_reward_kind)
                  if alg.kl_in_reward and alg.kl_coef > 0 else None)
         return {"adv_BT": reinforce_pp_baseline_advantages(reward_B, group_B, mask_BT, kl_BT=kl_BT,
                                                            kl_coef=alg.kl_coef)}
@@ -176,7 +177,7 @@ def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, gro
     token_reward_BT = torch.zeros_like(mask_BT)
     token_reward_BT[torch.arange(len(exp)), last_B] = reward_B
     if alg.kl_in_reward and alg.kl_coef > 0:
-        kl_BT = kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_kind) * mask_BT
+        kl_BT = kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_reward_kind) * mask_BT
         token_reward_BT = kl_in_reward(token_reward_BT, kl_BT, mask_BT, alg.kl_coef)
     adv_BT, returns_BT = gae(token_reward_BT, exp.values_BT, mask_BT, gamma=alg.gamma, lam=alg.lam)
     if alg.whiten_advantages:

@@ -37,7 +37,8 @@ def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool, norm_length: int | Non
     With ``algorithm.rollout_tis_cap``/``rollout_mis_cap`` the advantages are weighted (and MIS-dropped
     sequences masked) by ``algorithms.rollout_correction`` on the old vs vLLM's log-probs.
     ``norm_length``: the constant of ``seq-mean-token-sum-norm`` (the trainer's rollout.max_tokens)."""
-    # The KL loss term: kl_coef's, or kl_loss_coef's beside the KL in the reward (kl_in_reward).
+    # The KL loss term (estimator: kl_loss_kind): kl_coef's, or kl_loss_coef's beside the KL in the reward
+    # (kl_in_reward, whose estimator is kl_reward_kind: trainer/loop.compute_advantages).
     kl_loss_coef = alg.kl_loss_coef if alg.kl_in_reward else alg.kl_coef
     corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
 
@@ -69,7 +70,7 @@ def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool, norm_length: int | Non
         if alg.entropy_coef:
             num = num + entropy_bonus(entropy_BT, loss_mask_BT, alg.entropy_coef, alg.loss_agg_mode, norm_length)[0]
         if kl_loss_coef > 0:
-            kl_BT = kl_penalty(logp_BT, _rows(f["ref_logp_BT"], batch), alg.kl_kind)
+            kl_BT = kl_penalty(logp_BT, _rows(f["ref_logp_BT"], batch), alg.kl_loss_kind)
             num = num + aggregate(kl_loss_coef * kl_BT, loss_mask_BT, alg.loss_agg_mode, norm_length=norm_length)[0]
             metrics["kl_sum"] = (kl_BT.detach() * mask_BT).sum()
         return num, den, metrics
