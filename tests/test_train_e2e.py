@@ -122,30 +122,20 @@ def test_a_bad_setup_exits_2_before_any_worker_starts(tiny_qwen2, tmp_path):
     assert "PolicyWorker" not in proc.stderr  # no worker was started
 
 
-@pytest.mark.parametrize("extra, logged", [
-    # REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and as a loss term too (seed
-    # 001), token-level TIS, Dr. GRPO's constant normaliser
-    (("algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true",
-      "algorithm.kl_loss_coef=0.01", "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
-      "algorithm.rollout_tis_cap=2.0"),
-     ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated", "actor/kl")),
-    # GSPO (its paper's clip range) with sequence-level MIS, DAPO's dynamic sampling and overlong shaping
-    (("algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
-      "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0", "algorithm.dynamic_sampling=true",
-      "algorithm.overlong_buffer=8"), ("actor/is_masked", "dapo/tries", "dapo/informative_groups",
-                                       "dapo/overlong_penalty")),
-], ids=["reinforce_pp_tis", "gspo_mis_dapo"])
-def test_newer_algorithms_train_two_steps_and_log_their_metrics(tiny_qwen2, tmp_path, extra, logged):
+def test_reinforce_pp_baseline_with_tis_trains_two_steps_and_logs_its_metrics(tiny_qwen2, tmp_path):
+    """REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and as a loss term too,
+    token-level TIS, Dr. GRPO's constant normaliser. (GSPO, MIS and DAPO: the colocated TP 2 run.)"""
     out = tmp_path / "alg"
     _run(_args(tiny_qwen2, tmp_path, out, "trainer.steps=2", "trainer.save_every=0", "trainer.val_every=0",
-               "data.val_sources=[]", *extra))
+               "data.val_sources=[]", "algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01",
+               "algorithm.kl_in_reward=true", "algorithm.kl_loss_coef=0.01",
+               "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.rollout_tis_cap=2.0"))
     m = _metrics(out)
     assert sorted(m) == [1, 2] and all(m[s]["actor/grad_norm"] > 0 for s in (1, 2))
-    for key in logged:
+    for key in ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated", "actor/kl"):
         assert key in m[1] and key in m[2], key
-    # fp32 training against fp32 generation: the correction's ratios are ~1 and nothing is cut or dropped
-    assert all(abs(m[s].get("actor/is_ratio", 1.0) - 1) < 1e-3 for s in (1, 2))
-    assert all(m[s].get("actor/is_truncated", 0) == 0 and m[s].get("actor/is_masked", 0) == 0 for s in (1, 2))
+    # fp32 training against fp32 generation: the correction's ratios are ~1 and nothing is cut
+    assert all(abs(m[s]["actor/is_ratio"] - 1) < 1e-3 and m[s]["actor/is_truncated"] == 0 for s in (1, 2))
 
 
 def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
@@ -301,12 +291,20 @@ def test_colocated_tp2_engine_spans_two_replicas_and_takes_the_sync(tiny_qwen2, 
     """rollout.tensor_parallel_size=2 on a trainer of 2 data-parallel ranks: one SPMD vLLM engine whose TP
     ranks live inside the two Ray workers (``rollout.colocated``), each rank loading the synced weights
     in-process. The final validation ran greedy in that engine after the last sync: transformers on the
-    exported checkpoint agrees, and step 2's rollouts score as the trained actor scores them."""
+    exported checkpoint agrees, and step 2's rollouts score as the trained actor scores them. The run trains
+    with GSPO (its paper's clip range and sequence-level aggregation), sequence-level MIS, DAPO's dynamic
+    sampling and overlong shaping, whose metrics it logs."""
     out = tmp_path / "colocated"
     _run(_args(tiny_qwen2, tmp_path, out, "parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2",
-               "trainer.steps=2", "trainer.save_every=0", "optim.lr=1e-2"))
+               "trainer.steps=2", "trainer.save_every=0", "optim.lr=1e-2", "algorithm.policy_loss=gspo",
+               "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
+               "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0",
+               "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer=8"))
     m = _metrics(out)
     assert sorted(m) == [1, 2] and m[1]["actor/grad_norm"] > 0
+    for key in ("actor/is_masked", "dapo/tries", "dapo/informative_groups", "dapo/overlong_penalty"):
+        assert key in m[1] and key in m[2], key
+    assert all(m[s]["actor/is_masked"] == 0 for s in (1, 2))  # fp32 against fp32: nothing dropped
     assert m[2]["rollout/token_mult_prob_error"] < 1.001 and m[2]["rollout/max_abs_logp_diff"] < 1e-3
     export = tmp_path / "export"
     _run([sys.executable, "-m", "megareason.cli", "convert", "megatron-to-hf",
