@@ -38,7 +38,8 @@ registry by data_source, megatron-core updates the actor (and the critic for PPO
 are streamed into vLLM in place. Workers run as Ray actors (a private local cluster unless
 trainer.ray_address is set). Metrics go to the console, tensorboard and metrics.jsonl in
 trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun continues from the latest
-checkpoint there.
+checkpoint there, if its config is the run's but for trainer.steps and the save and log settings (any
+other change is refused, naming it; trainer.resume_mode=force accepts it).
 
 examples:
   megareason train                                      # GRPO, SmolLM2-135M-Instruct on CPU
@@ -101,6 +102,18 @@ def _config_command(sub, name: str, help: str, description: str, default_config:
     return p
 
 
+VERBOSE_HELP = ("debug logging, and everything the libraries print on the console (by default their output goes "
+                "to the run folder's logs/; also MEGAREASON_VERBOSE=1)")
+
+
+def _verbose_after(*subparsers) -> None:
+    """``-v`` after the command as before it (``megareason train -v``): every command takes it, and one
+    that is not given it leaves the value set before the command alone (SUPPRESS: no default of its own)."""
+    for action in subparsers:
+        for p in action.choices.values():
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
+
+
 def _overrides(args: argparse.Namespace) -> list[str]:
     return (["lora.enabled=true"] if args.use_lora else []) + args.overrides
 
@@ -108,9 +121,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megareason", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, and everything the libraries "
-                        "print on the console (by default their output goes to the run folder's logs/; also "
-                        "MEGAREASON_VERBOSE=1)")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
@@ -144,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     csub = conv.add_subparsers(dest="convert_command", required=True, metavar="DIRECTION")
     h2m = csub.add_parser("hf-to-megatron", help="HF safetensors directory -> megareason checkpoint")
     h2m.add_argument("hf_dir", help="HF checkpoint directory, or a name from `megareason models list`")
-    h2m.add_argument("out_dir", help="checkpoint directory to write (replaced atomically if it exists)")
+    h2m.add_argument("out_dir", help="checkpoint directory to write (an earlier checkpoint there is replaced "
+                     "atomically; a folder holding anything else is refused)")
     m2h = csub.add_parser("megatron-to-hf", help="megareason checkpoint -> HF safetensors directory "
                           "(loads in transformers and vLLM)")
     m2h.add_argument("ckpt_dir", help="megareason checkpoint directory (saved at any TP/PP)")
-    m2h.add_argument("out_dir", help="HF directory to write (replaced atomically if it exists)")
+    m2h.add_argument("out_dir", help="HF directory to write (an earlier export there is replaced atomically; a "
+                     "folder holding anything else is refused)")
     m2h.add_argument("--peft", action="store_true", help="LoRA checkpoints: write the adapter in PEFT's format "
                      "instead of merged weights")
     m2h.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                           description=nemo_run.HELP,
                                           formatter_class=argparse.RawDescriptionHelpFormatter))
 
+    _verbose_after(sub, msub, csub)
     # key=value overrides may also come after a flag (`train --use-lora lora.rank=16`): argparse leaves
     # those over, and they are the config command's overrides
     args, rest = parser.parse_known_args(argv)
@@ -191,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from megareason.launch.preflight import PreflightError
     from megareason.models.arch import ArchError
     from megareason.trainer.run_dir import RunError
+    from megareason.utils import OccupiedFolder
 
     if args.command in ("eval", "train", "sft", "benchmark", "serve-verifier"):
         from megareason.launch.reaper import reap_descendants_on_exit
@@ -222,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "launch":
             return nemo_run.run_cli(args, list(sys.argv[1:] if argv is None else argv))
         return _models(args)
-    except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
+    except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError, OccupiedFolder) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except RunError as e:  # a worker died under the run, a checkpoint could not be written: no traceback helps
@@ -361,7 +376,8 @@ def _convert(args: argparse.Namespace) -> int:
     from megareason.models.hub import resolve_model_path
 
     hf_source = args.convert_command == "hf-to-megatron"
-    check_convert(args.hf_dir if hf_source else args.ckpt_dir, args.out_dir, hf_source)
+    check_convert(args.hf_dir if hf_source else args.ckpt_dir, args.out_dir, hf_source,
+                  peft=not hf_source and args.peft)
     if hf_source:
         out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
     else:

@@ -8,6 +8,8 @@ import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 
@@ -18,9 +20,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def replace_directory(tmp: Path, target: Path) -> None:
+class OccupiedFolder(FileExistsError):
+    """An output folder that holds something megareason did not write there: it is never replaced."""
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """A kind of folder megareason writes, told apart by the names of its entries (top level). Writing one
+    may replace an earlier folder of the same kind, never a folder holding anything else."""
+
+    what: str  # for messages, after "an earlier": e.g. "HF model folder"
+    marks: tuple[str, ...]  # name patterns (fnmatch) each matched by some entry of every such folder
+    entries: tuple[str, ...]  # name patterns that match every entry such a folder may hold
+
+    def strangers(self, folder: Path) -> list[str]:
+        """The entries of ``folder`` that this kind never writes, sorted; all of them when a mark is
+        missing (the folder is not one of these)."""
+        names = sorted(p.name for p in folder.iterdir())
+        if names and not all(any(fnmatchcase(n, m) for n in names) for m in self.marks):
+            return names
+        return [n for n in names if not any(fnmatchcase(n, e) for e in self.entries)]
+
+
+def check_replaceable(target: Path, kind: OutputKind) -> None:
+    """Writing a folder of ``kind`` at ``target`` loses nothing of anyone else's: ``target`` does not exist,
+    is an empty folder or an earlier folder of ``kind``. ``OccupiedFolder`` otherwise, naming a few of
+    the entries that would be lost."""
+    target = Path(target)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        what = "a symbolic link" if target.is_symlink() else "not a folder"
+        raise OccupiedFolder(f"output folder {target} is {what}; name a new or empty folder (or an earlier "
+                             f"{kind.what}) instead")
+    if not target.exists():
+        return
+    strangers = kind.strangers(target)
+    if strangers:
+        shown = ", ".join(strangers[:5]) + (f" and {len(strangers) - 5} more" if len(strangers) > 5 else "")
+        raise OccupiedFolder(f"output folder {target} is neither empty nor an earlier {kind.what} (it holds "
+                             f"{shown}); megareason replaces only its own output there: name a new or empty "
+                             "folder, or move those away first")
+
+
+def replace_directory(tmp: Path, target: Path, kind: OutputKind) -> None:
     """Move the finished directory ``tmp`` to ``target`` by renames, replacing an older ``target`` only
-    once the new one is complete (a crash leaves the old or the new one, never a mix)."""
+    once the new one is complete (a crash leaves the old or the new one, never a mix), and only when the
+    older one is an earlier folder of ``kind`` or empty (``check_replaceable``; ``OccupiedFolder``)."""
+    check_replaceable(target, kind)
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.replace(target, old)
@@ -31,16 +76,19 @@ def replace_directory(tmp: Path, target: Path) -> None:
 
 
 @contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
+def atomic_directory(target: str | Path, kind: OutputKind) -> Iterator[Path]:
     """Write a directory atomically: fill the yielded temporary directory (beside ``target``, so the
-    final rename stays on one file system); on success it becomes ``target``, on error it is removed."""
+    final rename stays on one file system); on success it becomes ``target`` (``replace_directory``: an
+    existing ``target`` must be empty or an earlier folder of ``kind``, checked before and after the
+    writing), on error it is removed."""
     target = Path(target)
+    check_replaceable(target, kind)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
         tmp.chmod(0o755)
-        replace_directory(tmp, target)
+        replace_directory(tmp, target, kind)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

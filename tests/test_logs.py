@@ -1,7 +1,8 @@
 """Quiet by default (megareason/logs.py): in a driver's run and in a worker, megareason's lines and errors
 reach the console while third-party records, Python warnings, C-level writes and child processes' output
-go to the log file; ``MEGAREASON_VERBOSE`` leaves everything on the console. Each case runs in a fresh
-Python process, whose descriptors 1 and 2 are the pipes read here."""
+go to the log file; ``MEGAREASON_VERBOSE`` (or ``-v``, before or after the command) leaves everything on
+the console. Each run case runs in a fresh Python process, whose descriptors 1 and 2 are the pipes read
+here; the command line's flag is read in this one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 NOISE = """
 import logging, os, subprocess, sys, warnings
@@ -124,3 +127,28 @@ def test_the_last_error_of_a_dead_worker_is_read_from_its_log(tmp_path, monkeypa
     assert logs.last_worker_error("policy", 1) is None
     monkeypatch.setattr(logs, "_log_dir", None)  # no run folder: nothing to read
     assert logs.last_worker_error("policy", 0) is None
+
+
+@pytest.mark.parametrize("argv", [["-v", "train", "--show-config"], ["train", "-v", "--show-config"],
+                                  ["train", "--show-config", "--verbose", "trainer.steps=3"],
+                                  ["sft", "trainer.steps=3", "-v", "--show-config"]])
+def test_verbose_goes_before_or_after_the_command(argv, monkeypatch, capsys):
+    from megareason import logs
+    from megareason.cli import main
+    from megareason.launch import reaper
+
+    monkeypatch.setattr(reaper, "reap_descendants_on_exit", lambda: None)
+    monkeypatch.setenv(logs.VERBOSE_ENV, "0")
+    assert main(argv) == 0
+    assert logs.verbose() and '"steps":' in capsys.readouterr().out
+
+
+def test_without_verbose_a_command_stays_quiet(monkeypatch):
+    from megareason import logs
+    from megareason.cli import main
+    from megareason.launch import reaper
+
+    monkeypatch.setattr(reaper, "reap_descendants_on_exit", lambda: None)
+    monkeypatch.setenv(logs.VERBOSE_ENV, "0")
+    assert main(["train", "--show-config"]) == 0
+    assert not logs.verbose()

@@ -1,6 +1,14 @@
 """Typed configuration (``schema``) and its hydra-based loading and validation (``load``)."""
 
-from megareason.config.load import CONFIG_DIR, ConfigError, from_dict, load_config, validate, validate_training
+from megareason.config.load import (
+    CONFIG_DIR,
+    ConfigError,
+    from_dict,
+    load_config,
+    saved_config,
+    validate,
+    validate_training,
+)
 from megareason.config.schema import (
     Config,
     DataConfig,
@@ -21,6 +29,7 @@ __all__ = [
     "RolloutConfig",
     "from_dict",
     "load_config",
+    "saved_config",
     "validate",
     "validate_training",
 ]

@@ -89,6 +89,24 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return cfg
 
 
+def saved_config(raw: dict[str, Any]) -> Config:
+    """A config an earlier run wrote (its run folder's config.json) as this version reads it: a field it
+    lacks takes its default, a field this version no longer has is dropped; types are checked, values not
+    (``ConfigError`` names the field)."""
+    return _build(Config, _known(Config, raw), "")
+
+
+def _known(tp: Any, value: Any) -> Any:
+    """``value`` without the keys that name no field of the dataclasses of ``tp``, at any depth."""
+    if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+        hints = typing.get_type_hints(tp)
+        return {k: _known(hints[k], v) for k, v in value.items() if k in hints}
+    if typing.get_origin(tp) is list and isinstance(value, list):
+        (item,) = typing.get_args(tp)
+        return [_known(item, v) for v in value]
+    return value
+
+
 def _build(cls: type, raw: Any, path: str) -> Any:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_show(raw)}")

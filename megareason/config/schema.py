@@ -375,8 +375,11 @@ class TrainerConfig:
     seed: int = 0
     # The run folder: metrics.jsonl, tensorboard events, rollouts/, checkpoints/, plots/.
     output_dir: str = "outputs/train"
-    # auto: continue from the latest complete checkpoint in output_dir/checkpoints, if any.
-    resume_mode: Literal["auto", "disable"] = "auto"
+    # auto: continue from the latest complete checkpoint in output_dir/checkpoints, if any, provided the
+    # config agrees with the run's config.json but for the fields a resume may change (steps, output_dir,
+    # save and log settings...: trainer/run_dir.py RESUMABLE_CHANGES); otherwise the run is refused, naming
+    # each difference. force: continue even so (the differences are logged). disable: start from step 0.
+    resume_mode: Literal["auto", "force", "disable"] = "auto"
     save_every: int = 10  # 0 saves only at the end
     # Also save when this many minutes passed since the last checkpoint (0: off): bounds what a job killed
     # without warning (a pre-emption's SIGTERM with a short grace time, a node failure) loses.

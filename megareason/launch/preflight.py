@@ -19,6 +19,7 @@ from megareason.data import DataError
 from megareason.models.arch import ArchError
 from megareason.models.hf_check import CheckpointError, check_hf_dir, check_tokenizer
 from megareason.models.hub import resolve_model_path
+from megareason.utils import OccupiedFolder, check_replaceable
 
 _FILE_KINDS = ("file", "musique")  # data.sources kinds that read data.sources[].path
 
@@ -57,16 +58,22 @@ def check_run(cfg: Config, command: str) -> None:
         raise PreflightError(problems)
 
 
-def check_convert(source: str, out_dir: str, hf_source: bool) -> None:
+def check_convert(source: str, out_dir: str, hf_source: bool, peft: bool = False) -> None:
     """``megareason convert``: the source (an HF directory or known model name with ``hf_source``, else a
-    megareason checkpoint) and that ``out_dir`` can be written (it is replaced by a rename from a folder
-    beside it, so its parent is probed)."""
+    megareason checkpoint), that ``out_dir`` can be written (it is replaced by a rename from a folder
+    beside it, so its parent is probed) and that an existing ``out_dir`` is empty or an earlier export of
+    the same kind (a checkpoint; with ``peft`` a PEFT adapter, else an HF model folder)."""
+    from megareason.models.checkpoint import CHECKPOINT
+    from megareason.models.convert import HF_MODEL, PEFT_ADAPTER
+
     problems: list[str] = []
     if hf_source:
         _collect(problems, lambda: check_hf_dir(resolve_model_path(source), megatron=True))
     else:
         _collect(problems, lambda: _check_megareason_checkpoint(Path(source)))
     _collect(problems, lambda: check_writable(Path(out_dir).absolute().parent, f"the parent of {out_dir}"))
+    kind = CHECKPOINT if hf_source else PEFT_ADAPTER if peft else HF_MODEL
+    _collect(problems, lambda: check_replaceable(Path(out_dir), kind))
     if problems:
         raise PreflightError(problems)
 
@@ -126,5 +133,5 @@ def _collect(problems: list[str], check: Callable[[], None]) -> None:
         check()
     except PreflightError as e:
         problems.extend(e.problems)
-    except (CheckpointError, ArchError, DataError, FileNotFoundError) as e:
+    except (CheckpointError, ArchError, DataError, FileNotFoundError, OccupiedFolder) as e:
         problems.append(str(e))

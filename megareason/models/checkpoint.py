@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from megareason.models.arch import ModelArch
 from megareason.models.parallel import current_layout
-from megareason.utils import replace_directory
+from megareason.utils import OccupiedFolder, OutputKind, check_replaceable, replace_directory
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
@@ -40,6 +40,10 @@ META = "megareason.json"
 SHARDING_KEY = "distrib_optim_sharding_type"  # megatron-core's metadata key, and ours in META
 # Reshards over TP, PP and DP (gathers over DP on save; see docs/architecture.md for its memory cost).
 DISTRIB_OPTIM_SHARDING = "fully_reshardable"
+# A checkpoint folder: what replaces an earlier one (and nothing else). dist_checkpointing's torch_dist
+# format writes .metadata, common.pt, metadata.json and a __<rank>_<n>.distcp file per rank and writer.
+CHECKPOINT = OutputKind("megareason checkpoint", marks=(META,),
+                        entries=(META, "hf", ".metadata", "common.pt", "metadata.json", "*.distcp"))
 
 
 def _broadcast(obj):
@@ -58,6 +62,9 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
     sharding = DISTRIB_OPTIM_SHARDING if distributed else None
     for d in distributed:  # before anything is written
         _init_state(d, loading=False)
+    occupied = _broadcast(_occupied(path) if dist.get_rank() == 0 else None)  # every rank stops alike
+    if occupied:
+        raise OccupiedFolder(occupied)
     tmp = Path(_broadcast(f"{path}.tmp-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None))
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
@@ -77,7 +84,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
             meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp,
                     "has_optimizer": optimizer is not None, **(metadata or {}), SHARDING_KEY: sharding}
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-            replace_directory(tmp, path)
+            replace_directory(tmp, path, CHECKPOINT)
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -86,6 +93,15 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
         _stop_writer_manager()
     dist.barrier()
     return path
+
+
+def _occupied(path: Path) -> str | None:
+    """Why ``path`` may not be replaced by a checkpoint (``utils.check_replaceable``), or None."""
+    try:
+        check_replaceable(path, CHECKPOINT)
+    except OccupiedFolder as e:
+        return str(e)
+    return None
 
 
 def _stop_writer_manager() -> None:

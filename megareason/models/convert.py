@@ -2,7 +2,9 @@
 
 Both directions run in one process (TP=1, PP=1, gloo): a dist checkpoint is resharded to any TP/PP
 when it is loaded, so there is no need to convert "for" a layout. HF output is written to a temporary
-directory and renamed into place; transformers and vLLM load it directly.
+directory and renamed into place; transformers and vLLM load it directly. An existing output folder is
+replaced only when it is empty or an earlier export of the same kind (``HF_MODEL``, ``PEFT_ADAPTER``,
+``checkpoint.CHECKPOINT``): a folder holding anything else is refused and left as it is.
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from pathlib import Path
 
 import torch
 
-from megareason.utils import atomic_directory
+from megareason.models.checkpoint import HF_FILES
+from megareason.utils import OutputKind, atomic_directory
 
 MAX_SHARD_BYTES = 5 * 1024**3
+# What an export writes: a second export to the same folder replaces the first, and nothing else. An HF
+# folder as transformers' save_pretrained writes it (``hub.fetch``'s too), weights in one file or shards.
+HF_MODEL = OutputKind("HF model folder", marks=("config.json", "model*.safetensors*"),
+                      entries=(*HF_FILES, "added_tokens.json", "model.safetensors", "model-*-of-*.safetensors",
+                               "model.safetensors.index.json"))
+PEFT_ADAPTER = OutputKind("PEFT adapter folder", marks=("adapter_config.json", "adapter_model.safetensors"),
+                          entries=("adapter_config.json", "adapter_model.safetensors"))
 
 
 def _ensure_single_process_group() -> None:
@@ -133,10 +143,11 @@ def _load_for_export(ckpt_dir, arch, settings, meta: dict, main_weights: bool):
 
 
 def write_peft(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
-    """A PEFT adapter directory, atomically."""
+    """A PEFT adapter directory, atomically; an existing ``out_dir`` must be empty or an earlier adapter
+    (``utils.OccupiedFolder``)."""
     from safetensors.torch import save_file
 
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, PEFT_ADAPTER) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in tmp.iterdir():
@@ -146,12 +157,11 @@ def write_peft(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Pa
 
 def write_hf(tensors: dict[str, torch.Tensor], config_dir: Path, out_dir: str | Path) -> Path:
     """Write ``tensors`` as HF safetensors (sharded above 5 GiB) plus the config/tokenizer files of
-    ``config_dir``, atomically."""
+    ``config_dir``, atomically; an existing ``out_dir`` must be empty or an earlier HF model folder
+    (``utils.OccupiedFolder``)."""
     from safetensors.torch import save_file
 
-    from megareason.models.checkpoint import HF_FILES
-
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, HF_MODEL) as tmp:
         shards, current, size = [], {}, 0
         for name in sorted(tensors):
             t = tensors[name].contiguous()

@@ -108,7 +108,9 @@ def fetch(name: str, force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
-    with atomic_directory(target) as tmp:
+    from megareason.models.convert import HF_MODEL
+
+    with atomic_directory(target, HF_MODEL) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
     return target

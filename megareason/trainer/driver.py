@@ -1,11 +1,12 @@
 """The frame every run shares, ``megareason train`` and ``megareason sft`` alike.
 
 ``Driver`` owns what is not an algorithm: resuming from the run folder's latest checkpoint (trainer
-state, every role's model checkpoint, then the rollout engines take the restored weights), the run
-folder's ``config.json``, the metrics tracker, the seeded resumable prompt order, the validation
-schedule, checkpoints (every ``trainer.save_every`` steps, every ``trainer.save_every_minutes``, the last
-step) with the algorithm's own state inside ``trainer_state.json``, and the stop signals: SIGUSR1/SIGTERM
-finish the step in progress, save a checkpoint and exit with ``EXIT_STOPPED`` (Slurm pre-emption and
+state, every role's model checkpoint, then the rollout engines take the restored weights) when the
+config agrees with the run's (``RunDir.check_resume``), the run folder's ``config.json``, the metrics
+tracker, the seeded resumable prompt order, the validation schedule, checkpoints (every
+``trainer.save_every`` steps, every ``trainer.save_every_minutes``, the last step) with the algorithm's
+own state inside ``trainer_state.json``, and the stop signals: SIGUSR1/SIGTERM finish the step in
+progress, save a checkpoint and exit with ``EXIT_STOPPED`` (Slurm pre-emption and
 ``slurm/ray_cluster.sh``'s requeue). The loops (``loop.py``, ``sft.py``) read::
 
     driver.start()
@@ -96,7 +97,11 @@ class Driver:
         """Resume or start; returns the state of the checkpoint resumed from (step 0: a fresh run)."""
         t = self.cfg.trainer
         self.state = TrainerState()
-        latest = self.run.latest() if t.resume_mode == "auto" else None
+        changed = self.run.check_resume(self.cfg)  # before anything is loaded or config.json is written
+        latest = self.run.latest() if t.resume_mode != "disable" else None
+        if changed:
+            log.warning("resuming with a config that differs from the run's (trainer.resume_mode=force):\n  %s",
+                        "\n  ".join(changed))
         if latest is not None:
             self.state, self.resumed_from = self.run.read_state(latest), latest
             log.info("resuming from %s (step %d)", latest, self.state.step)

@@ -54,6 +54,7 @@ def train(cfg: Config) -> Path:
     validate_training(cfg)
     hold_run_lock(cfg.trainer.output_dir)
     run = RunDir(cfg.trainer.output_dir)
+    run.check_resume(cfg)  # a resume with a changed config is refused here, before anything is loaded
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts, tokenizer = _load_prompts(cfg)
     scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])

@@ -2,7 +2,7 @@
 
 ```
 <trainer.output_dir>/
-  config.json            the resolved config of the latest (re)start
+  config.json            the resolved config of the latest (re)start; a resume must agree with it
   metrics.jsonl          one JSON object per step (and per validation)
   tensorboard/           event files
   rollouts/step_N.jsonl  rollout samples every trainer.dump_rollouts_every steps
@@ -19,6 +19,10 @@ the holder.
 A checkpoint is built in ``checkpoints/.step_N.tmp`` and renamed to ``step_N`` once the model
 checkpoints and ``trainer_state.json`` are all written, so a ``step_N`` folder is always complete; a
 crash mid-save leaves a ``.tmp`` folder that the next save removes. Only the last ``keep_last`` are kept.
+
+A rerun resumes from the latest checkpoint only with the config of the run (``check_resume``): the fields
+of ``RESUMABLE_CHANGES`` may differ (more steps, a copied run folder, save and log settings), any other
+difference is refused before anything is loaded, unless ``trainer.resume_mode=force``.
 """
 
 from __future__ import annotations
@@ -32,11 +36,16 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-from megareason.config import ConfigError
-from megareason.utils import atomic_write
+from megareason.config import Config, ConfigError, saved_config
+from megareason.utils import OutputKind, atomic_write, replace_directory
 
 _STEP = re.compile(r"^step_(\d+)$")
+# A checkpoints/step_N folder: trainer_state.json, a folder per trained role (trainer/handles.py names
+# them), the batch in flight of a one-step off-policy run (trainer/offpolicy.py's INFLIGHT).
+STEP_CHECKPOINT = OutputKind("step checkpoint", marks=("trainer_state.json",),
+                             entries=("trainer_state.json", "actor", "critic", "rollout_inflight.pt"))
 _LOCKS: dict[Path, int] = {}  # run folder -> the descriptor holding its lock, for the process's life
 
 
@@ -142,12 +151,64 @@ class RunDir:
         ``keep_last`` checkpoints. Returns the ``step_N`` folder."""
         atomic_write(tmp / "trainer_state.json", json.dumps(asdict(state), indent=2) + "\n")
         final = self.checkpoint(state.step)
-        if final.exists():  # the same step saved again after a resume
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_directory(tmp, final, STEP_CHECKPOINT)  # the same step saved again after a restart: replaced
         for old in self.steps()[:-keep_last]:
             shutil.rmtree(self.checkpoint(old), ignore_errors=True)
         return final
 
     def read_state(self, checkpoint: Path) -> TrainerState:
         return TrainerState.from_json((checkpoint / "trainer_state.json").read_text())
+
+    def check_resume(self, cfg: Config) -> list[str]:
+        """When a run of ``cfg`` resumes here (trainer.resume_mode auto or force, a complete checkpoint), its
+        differences from the run's ``config.json`` outside ``RESUMABLE_CHANGES``, one line each (``key: old
+        -> new``); under auto any difference raises ``ConfigError`` listing them. Writes nothing."""
+        saved = self.root / "config.json"
+        if cfg.trainer.resume_mode == "disable" or self.latest() is None or not saved.is_file():
+            return []
+        try:
+            old = saved_config(json.loads(saved.read_text()))
+        except (ValueError, ConfigError) as e:  # not JSON, or a field of another type than this version's
+            changed = [f"its config.json cannot be read as this version's config: {e}"]
+        else:
+            changed = [f"{key}: {_shown(a)} -> {_shown(b)}" for key, a, b in config_changes(asdict(old), asdict(cfg))]
+        if changed and cfg.trainer.resume_mode != "force":
+            raise ConfigError(f"{self.root} holds a run to resume (its latest checkpoint is {self.latest()}) whose "
+                              "config differs from this one:\n  " + "\n  ".join(changed) + "\nSet "
+                              "trainer.resume_mode=force to resume it with these changes, or another "
+                              "trainer.output_dir for a new run.")
+        return changed
+
+
+# What a resumed run may change without trainer.resume_mode=force (a key, or a section and all under it):
+# how long it runs, where and how often it saves, logs and validates, where its services are, and resources
+# that leave the math alone (memory, speed, the parallel layout: checkpoints reshard when they load). Any
+# other field is the experiment: the run folder's config.json must agree on it.
+RESUMABLE_CHANGES = (
+    "trainer.steps", "trainer.output_dir", "trainer.resume_mode", "trainer.save_every", "trainer.save_every_minutes",
+    "trainer.keep_last", "trainer.loggers", "trainer.val_every", "trainer.val_before_train",
+    "trainer.dump_rollouts_every", "trainer.ray_address", "trainer.weight_sync_bucket_mb",
+    "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.recompute", "trainer.recompute_num_layers",
+    "parallel", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
+    "reward.workers", "reward.tinyv.base_url", "reward.tinyv.concurrency", "eval", "benchmark",
+)
+_UNSET = object()
+
+
+def config_changes(old: Any, new: Any, key: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) of each difference between two ``asdict`` configs (or parts of
+    them at ``key``), outside ``RESUMABLE_CHANGES``; list items are compared one by one (``data.sources[0].size``)
+    when the lists have the same length. A key that only one side has is ``_UNSET`` on the other."""
+    if any(key == k or key.startswith((f"{k}.", f"{k}[")) for k in RESUMABLE_CHANGES):
+        return []
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [c for k in sorted(set(old) | set(new))
+                for c in config_changes(old.get(k, _UNSET), new.get(k, _UNSET), f"{key}.{k}" if key else k)]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [c for i, (a, b) in enumerate(zip(old, new, strict=True)) for c in config_changes(a, b, f"{key}[{i}]")]
+    return [] if old == new else [(key, old, new)]
+
+
+def _shown(value: Any) -> str:
+    text = "unset" if value is _UNSET else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."

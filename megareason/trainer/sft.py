@@ -74,8 +74,12 @@ def sft(cfg: Config) -> Path:
     cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0),
                   algorithm=replace(cfg.algorithm, kl_coef=0.0, ppo_epochs=1, mini_batches=1))
     validate_training(cfg)
+    # Validation's few greedy answers come from a colocated engine; a separate pool is for RL's rollouts.
+    cfg = replace(cfg, rollout=replace(cfg.rollout, placement="colocated", num_engines=1))
     t = cfg.trainer
     hold_run_lock(t.output_dir)
+    run = RunDir(t.output_dir)
+    run.check_resume(cfg)  # a resume with a changed config is refused here, before anything is loaded
     path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
@@ -89,9 +93,6 @@ def sft(cfg: Config) -> Path:
         raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} but the training data has only "
                           f"{len(train_set[0])} demonstrations")
     scorer = scorer_from(cfg, [p.record for p in train_set[0] + (val_set[0] if val_set else [])])
-    run = RunDir(t.output_dir)
-    # Validation's few greedy answers come from a colocated engine; a separate pool is for RL's rollouts.
-    cfg = replace(cfg, rollout=replace(cfg.rollout, placement="colocated", num_engines=1))
     with scoring_pool(cfg, scorer) as pool, ray_session(t.ray_address), stop_signals() as stop:
         (actors,) = start_workers(cfg, with_critic=False)
         try:
