@@ -40,9 +40,9 @@ def _save_at_tp2_pp2(model_dir: str, out: str, layout: tuple[int, int, int] = (2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, layout", [("tiny_qwen2", (2, 2, 1)), ("tiny_llama", (2, 2, 1)),
-                                            ("tiny_qwen3", (2, 2, 1)), ("tiny_qwen3_moe", (1, 2, 2)),
-                                            ("tiny_mixtral", (1, 1, 4))])
+# Llama (GQA, no biases, tied embeddings over PP) is covered by Qwen3, which adds per-head q/k norms to it.
+@pytest.mark.parametrize("family, layout", [("tiny_qwen2", (2, 2, 1)), ("tiny_qwen3", (2, 2, 1)),
+                                            ("tiny_qwen3_moe", (1, 2, 2)), ("tiny_mixtral", (1, 1, 4))])
 def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, layout, request, tmp_path):
     """Saved at TP x PP x EP (MoE: the experts spread over 2 or 4 expert-parallel ranks), exported at 1 x 1 x 1."""
     model_dir = request.getfixturevalue(family)

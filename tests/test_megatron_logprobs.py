@@ -52,7 +52,9 @@ def _worker(model_dir: str, tokens: torch.Tensor, packed_row: torch.Tensor, cu: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
+# Qwen2: QKV bias, untied embeddings; Qwen3: no biases, tied embeddings over PP, per-head q/k norms (Llama's
+# code paths and one more).
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_qwen3"])
 def test_logprobs_match_transformers_for_every_layout(family, request):
     model_dir = request.getfixturevalue(family)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -85,7 +85,9 @@ def _rel(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama", "tiny_qwen3"])
+# Qwen2: QKV bias, untied embeddings; Qwen3: no biases, tied embeddings, per-head q/k norms (Llama's code
+# paths and one more).
+@pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_qwen3"])
 def test_gradients_and_adamw_step_match_transformers(family, request):
     model_dir = request.getfixturevalue(family)
     arch = ModelArch.from_pretrained(model_dir)
