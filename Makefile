@@ -8,6 +8,10 @@ MODEL  := smollm2-135m-instruct
 ARGS   ?=
 PYTEST_ARGS ?=
 N ?= 3
+# Tests run in JOBS processes (pytest-xdist): an end-to-end run spends most of its ~40 s starting Ray, vLLM and
+# megatron-core, one core's work, so two of them share 2 cores well. JOBS=0 runs them one at a time.
+JOBS ?= 2
+XDIST := -n $(JOBS) --dist loadgroup
 
 .PHONY: setup run test test-fast test-slow-repeat lint bench bench-trl clean
 
@@ -31,14 +35,14 @@ run: setup  ## the main job: a short GRPO run of SmolLM2-135M-Instruct on CPU (c
 	$(BIN)/megareason train --config-name grpo_quickstart $(ARGS)
 
 test: setup  ## every test, the slow end-to-end ones included (what CI runs)
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup  ## the unit tier: everything but the end-to-end runs (the inner loop)
-	$(BIN)/python -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-slow-repeat: setup  ## the end-to-end tier N times in a row (default 3): a flaky comparison shows here
 	@for i in $$(seq $(N)); do echo "== slow tier, run $$i of $(N)"; \
-	  $(BIN)/python -m pytest -ra -m slow -p no:cacheprovider $(PYTEST_ARGS) || exit 1; done
+	  $(BIN)/python -m pytest -ra -m slow -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) || exit 1; done
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -53,13 +53,21 @@ def tiny_mixtral(tmp_path_factory):
 _PREPARING: dict[str, Future] = {}
 
 
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`make test`: two processes) every test of the one Slurm cluster runs in the same
+    # process (`--dist loadgroup`): one cluster, one Ray port block.
+    for item in items:
+        if {"slurm", "launch_venv"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("slurm"))
+
+
 def pytest_collection_finish(session):
     import slurm_cluster
 
     from megareason.launch import launch_env
 
-    if session.config.option.collectonly:
-        return
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # (the other xdist workers: a fixture that needs the install waits for it on the lock files)
     wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     jobs = {"slurm": slurm_cluster.ensure_slurm, "launch_venv": launch_env.ensure}
     todo = {name: job for name, job in jobs.items() if name in wanted}

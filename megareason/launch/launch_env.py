@@ -12,6 +12,7 @@ starts run megareason with the workers' Python (the main ``.venv`` locally, the 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -39,19 +40,23 @@ def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
 
 
 def ensure(venv: Path | None = None) -> Path:
-    """Create or update the launcher venv when its requirements changed; return its interpreter."""
+    """Create or update the launcher venv when its requirements changed; return its interpreter. One
+    process at a time (a lock file beside the venv): a second caller waits, then finds it ready."""
     venv = venv or venv_dir()
     reqs = requirements()
     stamp = venv / ".megareason-launch"
     wanted = "\n".join([*reqs, str(REPO)])
-    if python_path(venv).is_file() and stamp.is_file() and stamp.read_text() == wanted:
-        return python_path(venv)
-    if not python_path(venv).is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python_path(venv)), "-m", "pip", "install", "--progress-bar", "off", "--quiet"]
-    subprocess.run([*pip, *reqs], check=True)
-    subprocess.run([*pip, "--no-deps", "-e", str(REPO)], check=True)
-    stamp.write_text(wanted)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if python_path(venv).is_file() and stamp.is_file() and stamp.read_text() == wanted:
+            return python_path(venv)
+        if not python_path(venv).is_file():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python_path(venv)), "-m", "pip", "install", "--progress-bar", "off", "--quiet"]
+        subprocess.run([*pip, *reqs], check=True)
+        subprocess.run([*pip, "--no-deps", "-e", str(REPO)], check=True)
+        stamp.write_text(wanted)
     return python_path(venv)
 
 
