@@ -47,7 +47,7 @@ def ensure(venv: Path | None = None) -> Path:
     stamp = venv / ".megareason-launch"
     wanted = "\n".join([*reqs, str(REPO)])
     venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if python_path(venv).is_file() and stamp.is_file() and stamp.read_text() == wanted:
             return python_path(venv)
