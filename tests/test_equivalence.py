@@ -61,8 +61,13 @@ def test_pairs_file_covers_every_kind():
     ("kind", "expected", "reference", "answer"), PAIRS, ids=[f"{p[0]}-{i}" for i, p in enumerate(PAIRS)]
 )
 def test_math_reward_on_pair(kind, expected, reference, answer):
+    _check_pair(kind, reference, answer, expected)
+
+
+def _check_pair(label: str, reference: str, answer: str, expected: bool) -> None:
+    """The math reward of a boxed ``answer`` and ``math_equal`` both say ``expected``."""
     out = compute_score("math", rf"so the answer is $\boxed{{{answer}}}$.", reference)
-    assert out.correct is expected, f"{kind}: {answer!r} vs reference {reference!r}"
+    assert out.correct is expected, f"{label}: {answer!r} vs reference {reference!r}"
     assert math_equal(answer, reference) is expected
 
 
@@ -109,9 +114,7 @@ GRADER_PAIRS = [
     ("rule", "reference", "answer", "expected"), GRADER_PAIRS, ids=[f"{p[0]}-{i}" for i, p in enumerate(GRADER_PAIRS)]
 )
 def test_grader_pairs(rule, reference, answer, expected):
-    out = compute_score("math", rf"so the answer is $\boxed{{{answer}}}$.", reference)
-    assert out.correct is expected, f"{rule}: {answer!r} vs reference {reference!r}"
-    assert math_equal(answer, reference) is expected
+    _check_pair(rule, reference, answer, expected)
 
 
 # --- the layer's steps on their own -------------------------------------------------------------
