@@ -43,9 +43,9 @@ Out = ScoreOutcome
 
 class FakeVerifier:
     """OpenAI-compatible stub on 127.0.0.1. The reply to a chat request is scripted by the model answer
-    in its prompt: ``script[answer]`` is a list of actions used one per request (the last repeats): a
-    reply text, an HTTP status to fail with, or ``(seconds, text)`` to reply after a pause. Unscripted
-    answers get "False"."""
+    (TinyV) or the solution (RRM) in its prompt: ``script[answer]`` is a list of actions used one per
+    request (the last repeats): a reply text, an HTTP status to fail with, or ``(seconds, text)`` to reply
+    after a pause. Unscripted answers get "False"."""
 
     def __init__(self, script: dict | None = None):
         self.script = script or {}
@@ -64,8 +64,8 @@ class FakeVerifier:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                answer = re.search(r"<model_answer>\n(.*?)\n</model_answer>", body["messages"][0]["content"],
-                                   re.DOTALL).group(1)
+                answer = re.search(r"<(model_answer|solution)>\n(.*?)\n</\1>", body["messages"][0]["content"],
+                                   re.DOTALL).group(2)
                 with fake.lock:
                     fake.bodies.append(body)
                     actions = fake.script.get(answer, ["False"])
@@ -228,12 +228,12 @@ SCRIPT = {"r0": ["False"], "r1": ["True"], "r2": ["no idea"], "r3": ["False"]}
 
 # r0 right by the rule, verdict False; r1 wrong, True; r2 rule 0.3, no verdict; r3 rule 0.2, False. Weight 0.5.
 @pytest.mark.parametrize("mode, fallback, scores, stats", [
-    ("addon", "rule", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),
-    ("addon", "zero", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),  # False keeps the rule's
-    ("tinyv_only", "rule", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("tinyv_only", "zero", [0.0, 1.0, 0.0, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("mixed", "rule", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("mixed", "zero", [0.5, 0.5, 0.15, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),  # 0.5 * 0.3 + 0.5 * 0
+    ("addon", "rule", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("addon", "zero", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),  # False keeps the rule's
+    ("tinyv_only", "rule", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("tinyv_only", "zero", [0.0, 1.0, 0.0, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("mixed", "rule", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("mixed", "zero", [0.5, 0.5, 0.15, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),  # 0.5 * 0.3 + 0.5 * 0
 ])
 def test_apply_tinyv_modes_by_hand(fake, mode, fallback, scores, stats):
     fake.script = SCRIPT
@@ -249,7 +249,7 @@ def test_the_defaults_are_seed_001s_tinyv_only_and_no_verdict_scores_0(fake):
     fake.script = SCRIPT
     outcomes, stats = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url))  # tinyv_only, weight 1.0, fallback zero
     assert [(o.score, o.correct) for o in outcomes] == [(0.0, False), (1.0, True), (0.0, False), (0.0, False)]
-    assert stats == {"asked": 4, "upgraded": 1, "fallbacks": 1}
+    assert stats == {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}
     assert outcomes[2].error.startswith(FALLBACK_ERROR)  # counted, not silently 0
 
 
@@ -259,7 +259,7 @@ def test_nothing_listening_falls_back_and_is_counted(fallback, scores):
                       max_retries=1, backoff_s=0.01, timeout_s=2.0)
     outcomes, stats = apply_tinyv(REQUESTS, RULE4, cfg)
     assert [o.score for o in outcomes] == scores
-    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
+    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4, "timeouts": 0}
     assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
 
 
