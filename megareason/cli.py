@@ -77,12 +77,15 @@ examples:
 
 SERVE_VERIFIER_HELP = """\
 Serve MODEL with vLLM's OpenAI-compatible server on 127.0.0.1 (float32, eager) for the TinyV reward:
-samples whose data_source ends in _tinyv are rescored by it (reward.tinyv.* in the config). Waits
-until the server answers, prints its base URL and serves until Ctrl-C, then stops it.
+samples whose data_source ends in _tinyv are rescored by it (reward.tinyv.* in the config): a True/False
+equivalence verdict (reward.tinyv.verifier=tinyv) or a rubric reward model's graded reply
+(reward.tinyv.verifier=rrm). Waits until the server answers, prints its base URL and serves until
+Ctrl-C, then stops it.
 
 examples:
   megareason serve-verifier smollm2-135m-instruct --port 8000
   megareason eval reward.tinyv.model=smollm2-135m-instruct    # data rows with data_source: math_tinyv
+  megareason train --config-name rubric_rm_tinyv              # with an RRM served: rubric-graded rewards
 """
 
 def _config_command(sub, name: str, help: str, description: str, default_config: str, show_config: bool = True,

@@ -27,10 +27,13 @@ from megareason.rewards.scoring import score, scorer_from
 from megareason.rewards.tinyv import (
     CHOICES,
     FALLBACK_ERROR,
+    RRM_PROMPT,
+    TIMEOUT_ERROR,
     VerifierClient,
     VerifyItem,
     apply_tinyv,
     final_answer,
+    parse_rrm_score,
     parse_verdict,
     tinyv_scores,
 )
@@ -43,9 +46,9 @@ Out = ScoreOutcome
 
 class FakeVerifier:
     """OpenAI-compatible stub on 127.0.0.1. The reply to a chat request is scripted by the model answer
-    in its prompt: ``script[answer]`` is a list of actions used one per request (the last repeats): a
-    reply text, an HTTP status to fail with, or ``(seconds, text)`` to reply after a pause. Unscripted
-    answers get "False"."""
+    (TinyV) or the solution (RRM) in its prompt: ``script[answer]`` is a list of actions used one per
+    request (the last repeats): a reply text, an HTTP status to fail with, or ``(seconds, text)`` to reply
+    after a pause. Unscripted answers get "False"."""
 
     def __init__(self, script: dict | None = None):
         self.script = script or {}
@@ -64,8 +67,8 @@ class FakeVerifier:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                answer = re.search(r"<model_answer>\n(.*?)\n</model_answer>", body["messages"][0]["content"],
-                                   re.DOTALL).group(1)
+                answer = re.search(r"<(model_answer|solution)>\n(.*?)\n</\1>", body["messages"][0]["content"],
+                                   re.DOTALL).group(2)
                 with fake.lock:
                     fake.bodies.append(body)
                     actions = fake.script.get(answer, ["False"])
@@ -116,7 +119,7 @@ def fake():
 
 
 def _cfg(url: str, **kw) -> TinyVConfig:
-    return TinyVConfig(base_url=url, timeout_s=5.0, backoff_s=0.01, **kw)
+    return TinyVConfig(**{"base_url": url, "timeout_s": 5.0, "backoff_s": 0.01} | kw)
 
 
 def _client(url: str, **kw) -> VerifierClient:
@@ -228,12 +231,14 @@ SCRIPT = {"r0": ["False"], "r1": ["True"], "r2": ["no idea"], "r3": ["False"]}
 
 # r0 right by the rule, verdict False; r1 wrong, True; r2 rule 0.3, no verdict; r3 rule 0.2, False. Weight 0.5.
 @pytest.mark.parametrize("mode, fallback, scores, stats", [
-    ("addon", "rule", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),
-    ("addon", "zero", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1}),  # False keeps the rule's
-    ("tinyv_only", "rule", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("tinyv_only", "zero", [0.0, 1.0, 0.0, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("mixed", "rule", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),
-    ("mixed", "zero", [0.5, 0.5, 0.15, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1}),  # 0.5 * 0.3 + 0.5 * 0
+    ("addon", "rule", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    # addon, zero: no verdict is a False, which keeps the rule's outcome
+    ("addon", "zero", [1.0, 0.5, 0.3, 0.2], {"asked": 3, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("tinyv_only", "rule", [0.0, 1.0, 0.3, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("tinyv_only", "zero", [0.0, 1.0, 0.0, 0.0], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    ("mixed", "rule", [0.5, 0.5, 0.3, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
+    # mixed, zero, r2: 0.5 * 0.3 + 0.5 * 0
+    ("mixed", "zero", [0.5, 0.5, 0.15, 0.1], {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}),
 ])
 def test_apply_tinyv_modes_by_hand(fake, mode, fallback, scores, stats):
     fake.script = SCRIPT
@@ -249,7 +254,7 @@ def test_the_defaults_are_seed_001s_tinyv_only_and_no_verdict_scores_0(fake):
     fake.script = SCRIPT
     outcomes, stats = apply_tinyv(REQUESTS, RULE4, _cfg(fake.url))  # tinyv_only, weight 1.0, fallback zero
     assert [(o.score, o.correct) for o in outcomes] == [(0.0, False), (1.0, True), (0.0, False), (0.0, False)]
-    assert stats == {"asked": 4, "upgraded": 1, "fallbacks": 1}
+    assert stats == {"asked": 4, "upgraded": 1, "fallbacks": 1, "timeouts": 0}
     assert outcomes[2].error.startswith(FALLBACK_ERROR)  # counted, not silently 0
 
 
@@ -259,7 +264,7 @@ def test_nothing_listening_falls_back_and_is_counted(fallback, scores):
                       max_retries=1, backoff_s=0.01, timeout_s=2.0)
     outcomes, stats = apply_tinyv(REQUESTS, RULE4, cfg)
     assert [o.score for o in outcomes] == scores
-    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
+    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4, "timeouts": 0}
     assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
 
 
@@ -325,9 +330,153 @@ def test_tinyv_config_defaults_overrides_and_errors():
     assert (cfg.reward.tinyv.mode, cfg.reward.tinyv.weight, cfg.reward.tinyv.fallback) == ("mixed", 0.3, "zero")
     for bad, field in [({"mode": "both"}, "reward.tinyv.mode"), ({"weight": 1.5}, "reward.tinyv.weight"),
                        ({"concurrency": 0}, "reward.tinyv.concurrency"), ({"fallback": "one"}, "reward.tinyv.fallback"),
-                       ({"base_url": "127.0.0.1:8000"}, "reward.tinyv.base_url")]:
+                       ({"base_url": "127.0.0.1:8000"}, "reward.tinyv.base_url"),
+                       ({"verifier": "rubric"}, "reward.tinyv.verifier"),
+                       ({"rrm_max_tokens": 0}, "reward.tinyv.rrm_max_tokens"),
+                       ({"verifier": "rrm", "constrain_choices": True}, "reward.tinyv.constrain_choices"),
+                       ({"rrm_template": "{criteria} only"}, "reward.tinyv.rrm_template"),
+                       ({"rrm_template": "{criteria} {solution} \\boxed{x}"}, "reward.tinyv.rrm_template")]:
         with pytest.raises(ConfigError, match=re.escape(field)):
             from_dict({"data": {"sources": [source]}, "reward": {"tinyv": bad}})
+
+
+# --- RRM: a rubric reward model as the verifier ----------------------------------------
+RUBRIC = "1. (6 points) The sum 3 + 4 is computed as 7.\n2. (4 points) The answer is boxed."
+SOLUTIONS = ["First, 3 + 4 = 7.\nSo the answer is \\boxed{7}.", "3 + 4 is 8.\n\\boxed{8}",
+             "It is seven.\n\\boxed{seven}"]
+RRM_REQUESTS = [ScoreRequest("math_tinyv", s, "7", {"question": "What is 3 + 4?", "criteria": RUBRIC},
+                             sample_id=f"0/{i}") for i, s in enumerate(SOLUTIONS)]
+RRM_RULE = [Out(1.0, True), Out(0.0, False), Out(0.3, False)]  # right, wrong, wrong with partial credit
+GRADED = "The sum is right and boxed, but the working is thin.\nTotal Score: 8/10"
+
+
+def _rrm_cfg(url: str, **kw) -> TinyVConfig:
+    return _cfg(url, verifier="rrm", **kw)
+
+
+def test_rrm_score_is_the_grade_rewards_reading_of_total_score():
+    assert parse_rrm_score(GRADED) == 0.8
+    assert parse_rrm_score("**Total Score:** **7.5**") == 0.75
+    assert parse_rrm_score("Total Score: 12/10") == 1.0  # min(10, X) / 10
+    assert parse_rrm_score("Total Score: -3") == 0.0
+    assert parse_rrm_score("The total score is 6 out of 10.") == 0.6
+    assert parse_rrm_score("A fine answer.") is None
+    # The same parser as the `grade` source: against target 1 its reward is (1 - |v - 1|)^2 = v^2.
+    for reply in (GRADED, "**Total Score:** **7.5**", "Total Score: 12/10", "The total score is 6 out of 10.",
+                  "Total Score 3 points", "A fine answer."):
+        v = parse_rrm_score(reply)
+        assert get_reward_fn("grade")(reply, "1", {}).score == pytest.approx(0.0 if v is None else v ** 2), reply
+
+
+def test_rrm_tinyv_only_is_the_grade_and_the_prompt_has_the_rubric_and_the_full_solution(fake):
+    fake.script = {s: [GRADED] for s in SOLUTIONS}
+    outcomes, stats = apply_tinyv(RRM_REQUESTS, RRM_RULE, _rrm_cfg(fake.url))  # tinyv_only, weight 1.0
+    assert [(o.score, o.correct) for o in outcomes] == [(0.8, True)] * 3
+    assert stats == {"asked": 3, "upgraded": 2, "fallbacks": 0, "timeouts": 0}
+    assert not any(o.error for o in outcomes)
+    prompts = sorted(b["messages"][0]["content"] for b in fake.bodies)
+    assert prompts == sorted(RRM_PROMPT.format(question="What is 3 + 4?", criteria=RUBRIC, solution=s)
+                             for s in SOLUTIONS)
+    for p, s in zip(prompts, sorted(SOLUTIONS), strict=True):
+        assert RUBRIC in p and f"<solution>\n{s}\n</solution>" in p and "What is 3 + 4?" in p  # all of it
+    body = fake.bodies[0]
+    assert body["max_tokens"] == 2048 and body["temperature"] == 0 and "structured_outputs" not in body
+
+
+@pytest.mark.parametrize("mode", ["addon", "mixed"])
+def test_rrm_addon_and_mixed_by_hand(fake, mode):
+    fake.script = {s: [GRADED] for s in SOLUTIONS}
+    v, w = 0.8, 0.6
+    outcomes, stats = apply_tinyv(RRM_REQUESTS, RRM_RULE, _rrm_cfg(fake.url, mode=mode, weight=w))
+    if mode == "addon":  # the rule's right answer is kept and not asked; a wrong one is worth v * w
+        expected = [1.0, max(0.0, v * w), max(0.3, v * w)]  # 1.0, 0.48, 0.48
+        assert sum(fake.hits.values()) == 2 and fake.hits[SOLUTIONS[0]] == 0
+    else:  # (1 - w) * rule + w * v
+        expected = [(1 - w) * 1.0 + w * v, (1 - w) * 0.0 + w * v, (1 - w) * 0.3 + w * v]  # 0.88, 0.48, 0.60
+        assert sum(fake.hits.values()) == 3
+    assert [o.score for o in outcomes] == pytest.approx(expected)
+    assert [o.correct for o in outcomes] == [True, True, True]  # right by the rule, or v >= 0.5
+    assert stats["upgraded"] == 2 and stats["fallbacks"] == 0
+
+
+def test_rrm_addon_at_the_default_weight_pays_the_grade_where_the_rule_says_wrong(fake):
+    fake.script = {SOLUTIONS[1]: ["Total Score: 3/10"], SOLUTIONS[2]: [GRADED]}
+    outcomes, stats = apply_tinyv(RRM_REQUESTS, RRM_RULE, _rrm_cfg(fake.url, mode="addon"))
+    assert [(o.score, o.correct) for o in outcomes] == [(1.0, True), (0.3, False), (0.8, True)]
+    assert stats == {"asked": 2, "upgraded": 1, "fallbacks": 0, "timeouts": 0}
+
+
+def test_rrm_timeout_is_counted_and_scored_as_the_fallback_not_hung(fake):
+    fake.script = {SOLUTIONS[0]: [(1.5, GRADED)], SOLUTIONS[1]: [GRADED], SOLUTIONS[2]: ["I like it."]}
+    cfg = _rrm_cfg(fake.url, timeout_s=0.3, max_retries=1)
+    t0 = time.monotonic()
+    outcomes, stats = apply_tinyv(RRM_REQUESTS, RRM_RULE, cfg)
+    assert time.monotonic() - t0 < 1.4  # two 0.3 s tries, not the server's 1.5 s pause
+    assert fake.hits[SOLUTIONS[0]] == 2
+    assert stats == {"asked": 3, "upgraded": 1, "fallbacks": 2, "timeouts": 1}
+    assert [(o.score, o.correct) for o in outcomes] == [(0.0, False), (0.8, True), (0.0, False)]  # fallback zero
+    assert outcomes[0].error.startswith(TIMEOUT_ERROR) and outcomes[0].error.startswith(FALLBACK_ERROR)
+    assert "timed out" in outcomes[0].error
+    assert outcomes[2].error.startswith(FALLBACK_ERROR) and not outcomes[2].error.startswith(TIMEOUT_ERROR)
+    kept, _ = apply_tinyv(RRM_REQUESTS, RRM_RULE, replace(cfg, fallback="rule"))
+    assert (kept[0].score, kept[0].correct) == (1.0, True)  # fallback=rule: the rule outcome
+
+
+def test_rrm_timeouts_reach_the_step_metrics(fake):
+    from megareason.trainer.metrics import _sample_metrics
+
+    fake.script = {"slow\n\\boxed{7}": [(1.5, GRADED)], "fine\n\\boxed{7}": [GRADED]}
+    prompts = [_prompt("math_tinyv", "What is 3 + 4?", "7", index=0, criteria=RUBRIC), _prompt("math", "1+1?", "2")]
+    groups = [_completions("slow\n\\boxed{7}", "fine\n\\boxed{7}"), _completions("\\boxed{2}")]
+    samples = score(prompts, groups, tinyv=_rrm_cfg(fake.url, timeout_s=0.3, max_retries=0))
+    assert [s.reward for s in samples] == [0.0, 0.8, 1.0]
+    m = _sample_metrics(samples)
+    assert (m["reward/verifier_timeouts"], m["reward/verifier_fallbacks"], m["reward/errors"]) == (1, 1, 1)
+    assert "reward/verifier_timeouts" not in _sample_metrics(samples[2:])  # no _tinyv sample: no such metric
+
+
+def test_rrm_template_and_token_budget_are_configurable(fake):
+    fake.script = {SOLUTIONS[1]: ["Total Score: 5"]}
+    template = "Grade {{this}}.\nRubric: {criteria}\n<solution>\n{solution}\n</solution>"
+    cfg = _rrm_cfg(fake.url, rrm_template=template, rrm_max_tokens=512, constrain_choices=True)
+    outcomes, _ = apply_tinyv(RRM_REQUESTS[1:2], RRM_RULE[1:2], cfg)
+    assert outcomes[0].score == 0.5
+    body = fake.bodies[0]
+    want = f"Grade {{this}}.\nRubric: {RUBRIC}\n<solution>\n{SOLUTIONS[1]}\n</solution>"  # {{ }}: a brace
+    assert body["messages"][0]["content"] == want
+    assert body["max_tokens"] == 512 and "structured_outputs" not in body  # choices are TinyV's only
+
+
+def test_rrm_rows_need_their_rubric_at_start_up():
+    rrm = from_dict({"data": {"sources": [{"kind": "reasoning_gym", "name": "basic_arithmetic", "size": 4}]},
+                     "reward": {"tinyv": {"verifier": "rrm"}}})
+    rows = [PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", {"index": 0, "criteria": RUBRIC}),
+            PromptRecord([{"role": "user", "content": "q"}], "math", "1", {"index": 1})]
+    scorer_from(rrm, rows)  # a rule-only row needs no rubric
+    scorer_from(Config(), rows + [PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", {})])  # tinyv
+    for criteria in (None, "", 3):
+        extra = {"index": 3} | ({} if criteria is None else {"criteria": criteria})
+        bad = PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", extra)
+        with pytest.raises(DataError, match=r"data row 3 \(data_source 'math_tinyv'\).*extra_info\.criteria.*"
+                                            r"non-empty text"):
+            scorer_from(rrm, rows + [bad])
+
+
+def test_rubric_rm_recipe_is_the_run_scripts_main_run():
+    from megareason.config import validate_training
+    from megareason.data.loaders import load_records
+
+    cfg = load_config("rubric_rm_tinyv", ["data.sources.0.size=3"])
+    v, alg = cfg.reward.tinyv, cfg.algorithm
+    assert (v.verifier, v.mode, v.weight, v.rrm_max_tokens) == ("rrm", "tinyv_only", 1.0, 2048)
+    assert (alg.name, alg.kl_coef, alg.kl_in_reward, alg.kl_reward_kind, alg.kl_loss_kind) == (
+        "ppo", 0.0, False, "k1", "low_var_kl")
+    validate_training(cfg)
+    validate_training(load_config("rubric_rm_tinyv", ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.001",
+                                                      "algorithm.kl_loss_coef=0.001"]))  # the KL-on variant
+    records = load_records(cfg.data)
+    assert records and all(r.data_source.endswith("_tinyv") and r.extra_info["criteria"] for r in records)
+    scorer_from(cfg, records)
 
 
 # --- verifier server lifecycle, on a stand-in for vLLM -------------------------------

@@ -75,7 +75,7 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
         expected = [v if a else None for v, a in zip(verdicts, asked, strict=True)]
         assert outcomes == tinyv_scores(rule, expected, mode, WEIGHT), mode
         upgraded = sum(v and not o.correct for v, o, a in zip(verdicts, rule, asked, strict=True) if a)
-        assert stats == {"asked": sum(asked), "upgraded": upgraded, "fallbacks": 0}, mode
+        assert stats == {"asked": sum(asked), "upgraded": upgraded, "fallbacks": 0, "timeouts": 0}, mode
     only, addon, mixed = (results[m][0] for m in ("tinyv_only", "addon", "mixed"))
     for v, r, o_only, o_addon, o_mixed in zip(verdicts, rule, only, addon, mixed, strict=True):
         assert o_only.score == float(v) and o_only.correct == v
@@ -86,7 +86,7 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
     # seed 001's), or keeps its rule outcome with fallback=rule; counted either way.
     gone = replace(cfg, mode="tinyv_only", timeout_s=5.0, backoff_s=0.1)
     outcomes, stats = apply_tinyv(requests, rule, gone)
-    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4}
+    assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4, "timeouts": 0}
     assert [(o.score, o.correct) for o in outcomes] == [(0.0, False)] * 4
     assert all(o.error.startswith(FALLBACK_ERROR) for o in outcomes)
     outcomes, _ = apply_tinyv(requests, rule, replace(gone, fallback="rule"))

@@ -8,6 +8,7 @@ checks name the field and the allowed range.
 from __future__ import annotations
 
 import dataclasses
+import string
 import types
 import typing
 from pathlib import Path
@@ -226,6 +227,25 @@ def validate(cfg: Config) -> None:
     _check(v.max_retries >= 0, "reward.tinyv.max_retries", "must be >= 0", v.max_retries)
     _check(v.backoff_s >= 0, "reward.tinyv.backoff_s", "must be >= 0", v.backoff_s)
     _check(v.concurrency >= 1, "reward.tinyv.concurrency", "must be >= 1", v.concurrency)
+    _check(v.rrm_max_tokens >= 1, "reward.tinyv.rrm_max_tokens", "must be >= 1", v.rrm_max_tokens)
+    _check(not (v.verifier == "rrm" and v.constrain_choices), "reward.tinyv.constrain_choices", "must be false "
+           "with reward.tinyv.verifier=rrm (a rubric reward model replies with a graded text, not True/False)",
+           v.constrain_choices)
+    if v.rrm_template:
+        _check_rrm_template(v.rrm_template)
+
+
+def _check_rrm_template(template: str) -> None:
+    """The grading template must name {criteria} and {solution}, and no placeholder but {question},
+    {criteria} and {solution} (other braces are written doubled)."""
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        names = {f"<{e}>"}
+    unknown = sorted(names - {"question", "criteria", "solution"})
+    _check(not unknown and {"criteria", "solution"} <= names, "reward.tinyv.rrm_template", "must contain "
+           "{criteria} and {solution}, may contain {question}, and no other placeholder (write a literal brace "
+           f"doubled: {{{{ }}}}); found {sorted(names)}", template[:200])
 
 
 def validate_training(cfg: Config) -> None:

@@ -99,7 +99,7 @@ def resolve_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:
 
 @dataclass
 class TinyVConfig:
-    """The TinyV LLM verifier, used for samples whose data_source ends in ``_tinyv`` (rewards/tinyv.py).
+    """The LLM verifier, used for samples whose data_source ends in ``_tinyv`` (rewards/tinyv.py).
 
     Serve a verifier with ``megareason serve-verifier MODEL`` (vLLM's OpenAI-compatible server).
     """
@@ -108,9 +108,20 @@ class TinyVConfig:
     base_url: str = "http://127.0.0.1:8000"
     # Served model name; empty: the first model the server lists at /v1/models.
     model: str = ""
+    # What the verifier is asked. tinyv: is the final answer equivalent to the reference (True/False;
+    # TinyV, Xu et al. 2025). rrm: a rubric reward model grades the full response against the row's
+    # rubric, extra_info.criteria, and its "Total Score: X" is read as the grade reward reads it:
+    # verdict = min(10, X) / 10 (the rubric-reward-model recipe).
+    verifier: Literal["tinyv", "rrm"] = "tinyv"
+    # rrm: the reply's token budget (a graded reply explains before its total; the public RRM verifier
+    # allows 2,048) and the grading template, with {question}, {criteria} and {solution} (empty: the
+    # built-in RRM_PROMPT of rewards/tinyv.py; give the wording the model was trained with).
+    rrm_max_tokens: int = 2048
+    rrm_template: str = ""
     # tinyv_only: the verifier's verdict alone; addon: asked only when the rule reward says wrong, and
-    # "True" is worth `weight`; mixed: (1 - weight) * rule score + weight * verdict. The defaults are
-    # seed 001's run script (VERIFIER_SETUP=tinyv_only, VERIFIER_WEIGHT=1.0).
+    # the verdict is worth `weight` times itself; mixed: (1 - weight) * rule score + weight * verdict.
+    # The defaults are the rubric-reward-model recipe's run script (VERIFIER_SETUP=tinyv_only,
+    # VERIFIER_WEIGHT=1.0).
     mode: Literal["tinyv_only", "addon", "mixed"] = "tinyv_only"
     weight: float = 1.0
     # Per request: seconds before giving up on one attempt, then retries with backoff_s * 2^k pauses.
@@ -119,11 +130,12 @@ class TinyVConfig:
     backoff_s: float = 1.0
     # Requests in flight at once.
     concurrency: int = 8
-    # When the verifier gives no verdict (server down, unparseable reply): zero: the verdict counts as
-    # False, as in seed 001's TinyV (its verifier call returns 0); rule: the rule outcome is kept.
-    # Either way the sample is counted (score_error "TinyVFallback: ...").
+    # When the verifier gives no verdict (server down, a timeout, an unparseable reply): zero: the
+    # verdict counts as 0 (False), as in TinyV's and the public RRM verifier code (their call returns 0);
+    # rule: the rule outcome is kept. Either way the sample is counted (score_error "TinyVFallback: ...",
+    # "TinyVFallback (timeout): ..." for a timeout; metrics reward/verifier_fallbacks, _timeouts).
     fallback: Literal["rule", "zero"] = "zero"
-    # Constrain the reply to "True"/"False" (vLLM's structured_outputs choice; vLLM servers only).
+    # Constrain the reply to "True"/"False" (vLLM's structured_outputs choice; vLLM servers; tinyv only).
     constrain_choices: bool = False
 
 

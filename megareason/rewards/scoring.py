@@ -21,7 +21,7 @@ from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 from megareason.rewards.custom import Scorer, load_custom
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
 from megareason.rewards.registry import compute_score, get_reward_fn
-from megareason.rewards.tinyv import apply_tinyv, is_tinyv
+from megareason.rewards.tinyv import apply_tinyv, is_tinyv, rubric_criteria
 from megareason.rollout.engine import Completion
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,18 @@ class SourceSummary:
 
 def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
     """The configured custom reward, else the registry (by data_source). Every data_source of
-    ``records`` must have a registered reward: checked here, at start-up, not mid-run."""
+    ``records`` must have a registered reward, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv``
+    row its rubric (``extra_info.criteria``): checked here, at start-up, not mid-run."""
+    records = list(records)
+    if cfg.reward.tinyv.verifier == "rrm":
+        for r in records:
+            if is_tinyv(r.data_source):
+                try:
+                    rubric_criteria(r.extra_info, f"data row {r.extra_info.get('index', '?')} (data_source "
+                                                  f"{r.data_source!r})")
+                except ValueError as e:
+                    raise DataError(f"{e} (set it in the row, or data.sources[].extra_info.criteria for the "
+                                    "whole source)") from None
     if cfg.reward.custom:
         return load_custom(cfg.reward.custom)
     for source in sorted({r.data_source for r in records}):
@@ -89,7 +100,7 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer
 
     A scorer that raises or times out gives reward 0 and is counted (``score_error``, ``timed_out``),
     never silently; the pool logs the first few with their sample ids. So is a TinyV sample the
-    verifier gave no verdict (``score_error`` "TinyVFallback: ...").
+    verifier gave no verdict (``score_error`` "TinyVFallback: ...", "TinyVFallback (timeout): ...").
     """
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
     requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
@@ -115,8 +126,8 @@ def _verify_tinyv(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], qu
     batch = [dataclasses.replace(requests[i], extra_info={"question": questions[i], **requests[i].extra_info})
              for i in idx]
     rescored, stats = apply_tinyv(batch, [outcomes[i] for i in idx], cfg)
-    log.info("TinyV (%s): %d samples, %d asked, %d upgraded, %d fallbacks", cfg.mode, len(idx), stats["asked"],
-             stats["upgraded"], stats["fallbacks"])
+    log.info("TinyV (%s, %s): %d samples, %d asked, %d upgraded, %d fallbacks (%d timeouts)", cfg.verifier,
+             cfg.mode, len(idx), stats["asked"], stats["upgraded"], stats["fallbacks"], stats["timeouts"])
     out = list(outcomes)
     for i, o in zip(idx, rescored, strict=True):
         out[i] = o

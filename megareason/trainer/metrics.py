@@ -8,6 +8,7 @@ import torch
 
 from megareason.algorithms.advantages import explained_variance
 from megareason.config import Config
+from megareason.rewards.tinyv import FALLBACK_ERROR, TIMEOUT_ERROR, is_tinyv
 from megareason.rollout.engine import WeightUpdate
 from megareason.rollout.metrics import logprob_mismatch
 from megareason.trainer.driver import learning_rate
@@ -93,6 +94,9 @@ def _sample_metrics(scored) -> dict[str, float]:
          "reward/timeouts": sum(s.timed_out for s in scored)}
     if len(rewards):
         m |= {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0}
+    if any(is_tinyv(s.data_source) for s in scored):  # LLM-verified samples given no verdict, and timeouts
+        m["reward/verifier_fallbacks"] = sum(FALLBACK_ERROR in s.score_error for s in scored)
+        m["reward/verifier_timeouts"] = sum(TIMEOUT_ERROR in s.score_error for s in scored)
     for source in sorted({s.data_source for s in scored}):
         mine = [s for s in scored if s.data_source == source]
         # by_source/...: no metric name may be a path prefix of another (MLflow's file store: one file each)
