@@ -11,8 +11,9 @@ function's parameters:
   number, a dict with ``"score"`` (and optionally ``"acc"`` or ``"correct"``), or a ``RewardOutput``.
 * TRL's batch ``fn(prompts, completions, **kwargs) -> list[float]`` (a parameter named ``completions``;
   TRL's ``GRPOTrainer`` reward functions). The keyword arguments are the rows' other columns by name:
-  ``ground_truth``, ``data_source`` and every ``extra_info`` key, each a list in batch order;
-  ``solution`` and ``answer`` are the ground truth when the rows have no column of that name. Prompts and
+  ``ground_truth``, ``data_source`` and every ``extra_info`` key, each a list in batch order (None for
+  a row without that key); ``solution`` and ``answer`` are a row's ground truth where it has no
+  ``extra_info`` key of that name. Prompts and
   completions are strings (``reward.trl_format=standard``: the prompt's last user message, the response)
   or message lists (``conversational``: the prompt's messages, ``[{"role": "assistant", "content":
   response}]``), as TRL passes them for standard and conversational datasets.
@@ -175,13 +176,14 @@ class CustomScorer:
 
 
 def _columns(rows: Sequence[tuple[str, str, str, dict, list[dict] | None]]) -> dict[str, list]:
-    """TRL's keyword arguments: each column of the rows as a list (None where a row lacks it)."""
+    """TRL's keyword arguments: each column of the rows as a list (None where a row lacks it; ``solution``
+    and ``answer``: the row's ground truth)."""
     keys = dict.fromkeys(k for r in rows for k in r[3])
     columns = {k: [r[3].get(k) for r in rows] for k in keys}
     columns["ground_truth"] = [r[2] for r in rows]
     columns["data_source"] = [r[0] for r in rows]
     for alias in ("solution", "answer"):  # TRL datasets name the reference so; ours is ground_truth
-        columns.setdefault(alias, columns["ground_truth"])
+        columns[alias] = [r[3].get(alias, r[2]) for r in rows]
     return columns
 
 
