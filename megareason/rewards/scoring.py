@@ -86,7 +86,8 @@ def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManag
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
           pool: ScorePool | None = None, tinyv: TinyVConfig | None = None) -> list[SampleResult]:
     """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
-    (worker processes, a per-sample timeout) when given, else in this process. Then the samples whose
+    (worker processes, a per-sample timeout) when given, else in this process; the samples routed to a
+    TRL batch function (``rewards.custom``) by one call of it, in this process. Then the samples whose
     data_source ends in ``_tinyv`` go, in one batch, through the TinyV verifier configured by ``tinyv``
     (None: the ``TinyVConfig`` defaults); see ``megareason.rewards.tinyv``.
 
