@@ -17,7 +17,8 @@ def test_unknown_data_source_lists_registered_names():
     with pytest.raises(ValueError) as err:
         get_reward_fn("nope")
     msg = str(err.value)
-    assert msg.startswith("unknown data_source 'nope'; registered: ")
+    assert msg.startswith("unknown data_source 'nope'; to score it with a function of your own, map it in "
+                          "reward.by_source (nope: path/to/file.py:compute_score) or set reward.custom=")
     assert msg.endswith(", ".join(registered_sources()))
     names = registered_sources()
     assert names == sorted(names)

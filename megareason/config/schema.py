@@ -141,8 +141,17 @@ class TinyVConfig:
 
 @dataclass
 class RewardConfig:
-    # path/to/file.py:function scoring every sample instead of the registry (see rewards/custom.py).
+    # path/to/file.py[:function] (default function: compute_score) scoring every sample instead of the
+    # built-in rewards, except the data sources of by_source. The function takes verl's signature
+    # compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) or TRL's batch
+    # signature fn(prompts, completions, **kwargs) -> list[float] (see rewards/custom.py).
     custom: str = ""
+    # data_source -> path/to/file.py[:function]: a function of one's own for those data sources, beside
+    # the built-in rewards (and reward.custom) for the others.
+    by_source: dict[str, str] = field(default_factory=dict)
+    # How a TRL batch function gets prompts and completions: standard (strings: the prompt's last user
+    # message and the response) or conversational (message lists, as TRL passes them for chat datasets).
+    trl_format: Literal["standard", "conversational"] = "standard"
     # Scoring processes (0: score in the driver, without the timeout) and the per-sample timeout in
     # seconds: a sample past it (sympy can hang) gets reward 0 and is counted in reward/timeouts.
     workers: int = 2

@@ -8,7 +8,10 @@ mathematically equivalent (fractions, LaTeX, sets, intervals, ...), or -- asked
 only when math-verify says no -- if the equivalence layer
 (``megareason.rewards.equivalence``) does: rounded decimals, percentages,
 units, inequalities vs intervals, renamed variables, labelled lists, vectors,
-``\\pm``, degrees, unicode.  Before math-verify, the layer's ``contradicts``
+``\\pm``, degrees, unicode.  With ``extra_info["answer_prefix"]`` set (e.g.
+``"Answer:"``, the form DAPO's prompts ask for), a response without a boxed
+answer is read from the rest of the line after the last occurrence of the
+prefix (case ignored).  Before math-verify, the layer's ``contradicts``
 vetoes what math-verify overlooks: a labelled list in the wrong order, a
 quantity in the wrong unit, a percentage of another value (``p%`` is p/100),
 one solution of several.  Score is 1.0 when correct, else 0.0.
@@ -69,6 +72,17 @@ def _braced_content(text: str, start: int) -> str | None:
     return None
 
 
+def answer_after(text: str, prefix: str) -> str | None:
+    """The rest of the line after the last ``prefix`` (case ignored), stripped; None if absent or empty."""
+    last = None
+    for last in re.finditer(re.escape(prefix), text, re.IGNORECASE):  # noqa: B007  (the last match)
+        pass
+    if last is None:
+        return None
+    answer = text[last.end():].split("\n", 1)[0].strip()
+    return answer or None
+
+
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 _SPACING = re.compile(r"\\[,;:! ]|\\left|\\right|\\displaystyle")
 
@@ -115,6 +129,9 @@ def math_verify_equal(pred: str, gold: str) -> bool:
 def math_reward(response: str, ground_truth: str, extra_info: dict) -> RewardOutput:
     """1.0 iff the last boxed answer in ``response`` equals ``ground_truth``."""
     answer = last_boxed(response)
+    prefix = extra_info.get("answer_prefix")
+    if answer is None and prefix:
+        answer = answer_after(response, prefix)
     if answer is None:
         return RewardOutput(score=0.0, correct=False)
     correct = math_equal(answer, ground_truth)

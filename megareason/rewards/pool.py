@@ -5,7 +5,7 @@ the scorer.  A scorer that raises gives score 0 with ``error = "ExcType: message
 scored within ``timeout`` seconds gives score 0 with ``timed_out`` set; a worker process that dies
 mid-sample (segfault, out of memory) gives score 0 with a ``WorkerDied`` error.  The scorer must be
 picklable for ``workers >= 1``: a module-level function such as ``compute_score``, or the
-``CustomScorer`` from ``load_custom``.
+``CustomScorer`` / ``CustomRewards`` of ``megareason.rewards.custom``.
 
 Design (``workers >= 1``): ``ScorePool`` starts ``workers`` processes (``spawn`` context: no forked
 CUDA or thread state, the same on every platform), each joined to the parent by its own pipe and
@@ -52,7 +52,8 @@ _START_TIMEOUT_S = 120.0  # spawn + imports (sympy) take ~1 s; far longer means 
 
 @dataclass(frozen=True)
 class ScoreRequest:
-    """One response to score; the first four fields are the scorer's arguments.
+    """One response to score; the first four fields are the scorer's arguments, and ``prompt`` (the
+    chat messages, when given) its ``prompt`` keyword.
 
     ``sample_id`` is a free-form label used only in log lines (default: the request's position).
     """
@@ -62,6 +63,7 @@ class ScoreRequest:
     ground_truth: str
     extra_info: dict = field(default_factory=dict)
     sample_id: str = ""
+    prompt: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class ScoreOutcome:
 def score_one(scorer: Scorer, request: ScoreRequest) -> ScoreOutcome:
     """``scorer`` on one request, in this process; an exception becomes an ``error`` outcome."""
     try:
-        out = scorer(request.data_source, request.response, request.ground_truth, request.extra_info)
+        kwargs = {"prompt": request.prompt} if request.prompt is not None else {}
+        out = scorer(request.data_source, request.response, request.ground_truth, request.extra_info, **kwargs)
         return ScoreOutcome(score=float(out.score), correct=bool(out.correct))
     except Exception as e:  # a broken scorer must not lose the batch; the error is reported instead
         return ScoreOutcome(score=0.0, correct=False, error=f"{type(e).__name__}: {e}")

@@ -18,7 +18,7 @@ from math import comb
 
 from megareason.config.schema import Config, TinyVConfig
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
-from megareason.rewards.custom import Scorer, load_custom
+from megareason.rewards.custom import CustomRewards, CustomScorer, Scorer, load_rewards
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
 from megareason.rewards.registry import compute_score, get_reward_fn
 from megareason.rewards.tinyv import apply_tinyv, is_tinyv, rubric_criteria
@@ -61,27 +61,30 @@ class SourceSummary:
 
 
 def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
-    """The configured custom reward, else the registry (by data_source). Every data_source of
-    ``records`` must have a registered reward, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv``
-    row its rubric (``extra_info.criteria``): checked here, at start-up, not mid-run."""
+    """The configured custom rewards (``reward.custom``, ``reward.by_source``) routed beside the built-in
+    ones, else the built-in rewards alone (by data_source). Every data_source of ``records`` must have
+    a reward, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv`` row its rubric
+    (``extra_info.criteria``): checked here, at start-up, not mid-run."""
     records = list(records)
     if cfg.reward.tinyv.verifier == "rrm":
-        for r in records:
-            if is_tinyv(r.data_source):
+        for rec in records:
+            if is_tinyv(rec.data_source):
                 try:
-                    rubric_criteria(r.extra_info, f"data row {r.extra_info.get('index', '?')} (data_source "
-                                                  f"{r.data_source!r})")
+                    rubric_criteria(rec.extra_info, f"data row {rec.extra_info.get('index', '?')} (data_source "
+                                                    f"{rec.data_source!r})")
                 except ValueError as e:
                     raise DataError(f"{e} (set it in the row, or data.sources[].extra_info.criteria for the "
                                     "whole source)") from None
-    if cfg.reward.custom:
-        return load_custom(cfg.reward.custom)
-    for source in sorted({r.data_source for r in records}):
+    r = cfg.reward
+    custom = load_rewards(r.custom, r.by_source, r.trl_format) if r.custom or r.by_source else None
+    for source in sorted({rec.data_source for rec in records}):
+        if custom is not None and custom.route(source) is not None:
+            continue
         try:
             get_reward_fn(source)
         except ValueError as e:
-            raise DataError(f"no reward for the data: {e} (or set reward.custom=file.py:function)") from None
-    return compute_score
+            raise DataError(f"no reward for the data: {e}") from None
+    return custom if custom is not None else compute_score
 
 
 def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
@@ -94,7 +97,8 @@ def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManag
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
           pool: ScorePool | None = None, tinyv: TinyVConfig | None = None) -> list[SampleResult]:
     """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
-    (worker processes, a per-sample timeout) when given, else in this process. Then the samples whose
+    (worker processes, a per-sample timeout) when given, else in this process; the samples routed to a
+    TRL batch function (``rewards.custom``) by one call of it, in this process. Then the samples whose
     data_source ends in ``_tinyv`` go, in one batch, through the TinyV verifier configured by ``tinyv``
     (None: the ``TinyVConfig`` defaults); see ``megareason.rewards.tinyv``.
 
@@ -104,8 +108,9 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer
     """
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
     requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
-                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}") for p, j, c in pairs]
-    outcomes = pool.score(requests) if pool is not None else [score_one(scorer, r) for r in requests]
+                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}", prompt=p.record.prompt)
+                for p, j, c in pairs]
+    outcomes = _score_requests(requests, scorer, pool)
     outcomes = _verify_tinyv(requests, outcomes, [p.record.prompt[-1]["content"] for p, _, _ in pairs],
                              tinyv if tinyv is not None else TinyVConfig())
     return [SampleResult(
@@ -114,6 +119,44 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer
         reward=o.score, correct=o.correct, response_tokens=len(c.token_ids), truncated=c.truncated,
         score_error=o.error, timed_out=o.timed_out,
     ) for (p, j, c), o in zip(pairs, outcomes, strict=True)]
+
+
+def _score_requests(requests: list[ScoreRequest], scorer: Scorer, pool: ScorePool | None) -> list[ScoreOutcome]:
+    """One outcome per request, in order. Samples routed to a TRL batch function are scored by one call
+    of it per function, in this process (``_score_batch``); the others one by one in ``pool`` (or here)."""
+    batches: dict[int, tuple[CustomScorer, list[int]]] = {}
+    for i, r in enumerate(requests):
+        target = _route(scorer, r.data_source)
+        if target is not None and target.batch:
+            batches.setdefault(id(target), (target, []))[1].append(i)
+    batched = {i for _, idx in batches.values() for i in idx}
+    rest = [r for i, r in enumerate(requests) if i not in batched]
+    rest_out = iter(pool.score(rest) if pool is not None and rest else [score_one(scorer, r) for r in rest])
+    out: list[ScoreOutcome | None] = [None if i in batched else next(rest_out) for i in range(len(requests))]
+    for target, idx in batches.values():
+        for i, o in zip(idx, _score_batch(target, [requests[i] for i in idx]), strict=True):
+            out[i] = o
+    return out
+
+
+def _route(scorer: Scorer, data_source: str) -> CustomScorer | None:
+    if isinstance(scorer, CustomRewards):
+        return scorer.route(data_source)
+    return scorer if isinstance(scorer, CustomScorer) else None
+
+
+def _score_batch(scorer: CustomScorer, requests: list[ScoreRequest]) -> list[ScoreOutcome]:
+    """A TRL batch function on ``requests`` in one call. Its exception is every sample's error; a None
+    for a sample is that sample's error. Either way counted (``score_error``), never a silent 0."""
+    rows = [(r.data_source, r.response, r.ground_truth, r.extra_info, r.prompt) for r in requests]
+    try:
+        scores = scorer.score_batch(rows)
+    except Exception as e:  # a broken reward must not lose the step; the error is counted instead
+        log.warning("reward %s failed on a batch of %d samples: %s: %s", scorer, len(rows), type(e).__name__, e)
+        return [ScoreOutcome(score=0.0, correct=False, error=f"{type(e).__name__}: {e}") for _ in rows]
+    where = f"{scorer.path}:{scorer.name}"
+    return [ScoreOutcome(score=0.0, correct=False, error=f"ValueError: {where} returned None for the sample")
+            if v is None else ScoreOutcome(score=v, correct=v >= 1.0) for v in scores]
 
 
 def _verify_tinyv(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], questions: list[str],
