@@ -223,3 +223,27 @@ def test_an_uncached_hub_data_set_fails_offline_naming_it_and_the_fetch_command(
 def test_an_hf_source_needs_a_name():
     with pytest.raises(ConfigError, match=r"data.sources\[0\].name.*is required when kind=hf"):
         load_config("grpo_smollm2_cpu", ["data.sources=[{kind: hf, split: train}]"])
+
+
+def test_train_inputs_from_a_hub_model_and_a_hub_data_set(hub_cache, tiny_llama, tmp_path):
+    """What `megareason train model.path=<hub id> data.sources=[{kind: hf, ...}]` checks and loads before
+    any worker starts: the cached model passes the checks, the prompts load through its tokenizer; an
+    uncached model is one problem, in one line."""
+    from megareason.launch.preflight import PreflightError, check_run
+    from megareason.trainer.loop import _load_prompts
+
+    cache_repo(hub_cache, "model", "tiny-org/tiny-llama", tiny_llama)
+    cache_repo(hub_cache, "dataset", "tiny-org/tiny-math", _dataset_folder(tmp_path / "files"))
+    overrides = [f"trainer.output_dir={tmp_path / 'run'}", "trainer.prompts_per_step=2",
+                 "data.sources=[{kind: hf, name: tiny-org/tiny-math, data_source: math, columns: {problem: prompt}}]",
+                 "data.val_sources=[{kind: hf, name: tiny-org/tiny-math, split: test, data_source: math, "
+                 "columns: {problem: prompt}}]"]
+    cfg = load_config("grpo_smollm2_cpu", ["model.path=tiny-org/tiny-llama", *overrides])
+    check_run(cfg, "train")
+    prompts, val, _ = _load_prompts(cfg)
+    assert [(p.record.prompt[-1]["content"], p.record.ground_truth) for p in prompts + val] == [
+        ("What is 6 * 7?", "42"), ("What is 9 - 4?", "5"), ("What is 1 + 1?", "2")]
+    with pytest.raises(PreflightError) as e:
+        check_run(load_config("grpo_smollm2_cpu", ["model.path=tiny-org/not-cached", *overrides]), "train")
+    (problem,) = e.value.problems
+    assert "\n" not in problem and problem.endswith("fetch it with: hf download tiny-org/not-cached")
