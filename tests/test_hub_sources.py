@@ -15,7 +15,7 @@ import pytest
 from megareason.config import Config, DataConfig, DataSourceConfig, ModelConfig
 from megareason.config.load import ConfigError, load_config
 from megareason.data import DataError, PromptRecord, load_file, load_records
-from megareason.models.hf_check import check_hf_dir
+from megareason.models.hf_check import CheckpointError, check_hf_dir
 from megareason.models.hub import resolve_model_path
 from megareason.rewards.registry import compute_score
 from megareason.settings import engine_settings
@@ -247,3 +247,15 @@ def test_train_inputs_from_a_hub_model_and_a_hub_data_set(hub_cache, tiny_llama,
         check_run(load_config("grpo_smollm2_cpu", ["model.path=tiny-org/not-cached", *overrides]), "train")
     (problem,) = e.value.problems
     assert "\n" not in problem and problem.endswith("fetch it with: hf download tiny-org/not-cached")
+
+
+def test_the_planner_reads_only_the_config_of_a_hub_model(hub_cache, tiny_qwen3, tmp_path):
+    from megareason.launch.plan import resolve_arch
+
+    (tmp_path / "config_only").mkdir()
+    shutil.copy(tiny_qwen3 / "config.json", tmp_path / "config_only" / "config.json")
+    snapshot = cache_repo(hub_cache, "model", "tiny-org/tiny-qwen3", tmp_path / "config_only")
+    arch, where = resolve_arch(Config(model=ModelConfig(path="tiny-org/tiny-qwen3")), "")
+    assert Path(where).resolve() == snapshot.resolve() and arch.head_dim == 32
+    with pytest.raises(CheckpointError, match="has no weights"):  # what training checks finds in that copy
+        check_hf_dir(resolve_model_path("tiny-org/tiny-qwen3"), megatron=True)

@@ -80,19 +80,28 @@ def resolve_model_path(path_or_name: str, download: bool = True) -> Path:
 
 # What a Hub model is fetched with: its config, safetensors weights and tokenizer files. Other copies of
 # the weights some repositories also hold (PyTorch .bin, GGUF, Meta's original/ checkpoints) stay on the Hub.
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
 
-def hub_snapshot(repo_id: str, download: bool = True) -> Path:
+def resolve_model_config(path_or_name: str) -> Path:
+    """The folder holding ``model.path``'s config.json, as ``resolve_model_path`` finds it, except that of a
+    Hub model only the config.json is fetched (what ``megareason plan`` reads, without the weights)."""
+    if path_or_name not in KNOWN_MODELS and not (Path(path_or_name).expanduser() / "config.json").is_file() \
+            and is_hub_id(path_or_name):
+        return hub_snapshot(path_or_name, files=("config.json",))
+    return resolve_model_path(path_or_name)
+
+
+def hub_snapshot(repo_id: str, download: bool = True, files: tuple[str, ...] = HUB_FILES) -> Path:
     """The snapshot folder of Hub model ``repo_id`` (revision ``main``) in the Hugging Face cache: fetched
-    there (``HUB_FILES`` only) when ``download`` and the Hub can be reached, else the cached copy
+    there (the ``files`` patterns only) when ``download`` and the Hub can be reached, else the cached copy
     (``HF_HUB_OFFLINE=1``, no network, or ``download=False``). Raises ``FileNotFoundError``, one line naming
     the command that fetches it, when it is not cached and cannot be fetched."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=not download))
+        folder = Path(snapshot_download(repo_id, allow_patterns=list(files), local_files_only=not download))
     except LocalEntryNotFoundError:  # not cached (or partly) and the Hub not asked or not reachable
         why = ("this process reads the cache only: the cache must be on storage every node sees (HF_HOME)"
                if not download else "HF_HUB_OFFLINE=1 or the Hub cannot be reached")
