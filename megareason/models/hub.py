@@ -115,7 +115,7 @@ def hub_snapshot(repo_id: str, download: bool = True, files: tuple[str, ...] = H
                                 f"can be read (a typo, or a private model: hf auth login)") from None
     except HfHubHTTPError as e:
         raise FileNotFoundError(f"model.path '{repo_id}': the Hugging Face Hub refused the download: "
-                                f"{str(e).splitlines()[0]}") from None
+                                f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model.path '{repo_id}': the Hub repository has no config.json ({folder}); "
                                 f"expected a transformers model")
