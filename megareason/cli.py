@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                           "dist_checkpointing) loads at any TP/PP, so conversion needs no layout.")
     csub = conv.add_subparsers(dest="convert_command", required=True, metavar="DIRECTION")
     h2m = csub.add_parser("hf-to-megatron", help="HF safetensors directory -> megareason checkpoint")
-    h2m.add_argument("hf_dir", help="HF checkpoint directory, or a name from `megareason models list`")
+    h2m.add_argument("hf_dir", help="HF checkpoint directory, a name from `megareason models list`, or a "
+                     "Hugging Face Hub id (org/name)")
     h2m.add_argument("out_dir", help="checkpoint directory to write (an earlier checkpoint there is replaced "
                      "atomically; a folder holding anything else is refused)")
     m2h = csub.add_parser("megatron-to-hf", help="megareason checkpoint -> HF safetensors directory "
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sv = sub.add_parser("serve-verifier", help="serve a TinyV verifier model with vLLM's OpenAI API",
                         description=SERVE_VERIFIER_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sv.add_argument("model", help="a name from `megareason models list`, or an HF checkpoint directory")
+    sv.add_argument("model", help="a name from `megareason models list`, an HF checkpoint directory, or a "
+                    "Hugging Face Hub id")
     sv.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default: 8000)")
     sv.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
 

@@ -18,11 +18,12 @@ from megareason.rollout.engine import EngineSettings, Sampling
 
 
 def engine_settings(cfg: Config) -> EngineSettings:
-    """The vLLM engine of ``model.path`` with the ``rollout.*`` engine settings."""
+    """The vLLM engine of ``model.path`` with the ``rollout.*`` engine settings. vLLM gets local folders: a
+    Hub id is read from the Hugging Face cache, where the command's checks fetched it before any engine."""
     r = cfg.rollout
     return EngineSettings(
-        model_path=str(resolve_model_path(cfg.model.path)),
-        tokenizer=str(resolve_model_path(cfg.model.tokenizer)) if cfg.model.tokenizer else "",
+        model_path=str(resolve_model_path(cfg.model.path, download=False)),
+        tokenizer=str(resolve_model_path(cfg.model.tokenizer, download=False)) if cfg.model.tokenizer else "",
         dtype=r.dtype,
         max_model_len=r.max_model_len,
         kv_cache_gib=r.kv_cache_gib,

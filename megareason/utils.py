@@ -108,6 +108,19 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
+def is_hub_id(name: str) -> bool:
+    """``name`` is spelled as a Hugging Face Hub repository (``org/name``) and no such local path exists."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.count("/") != 1 or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 # Processes by (pid, start time), from /proc (Linux): launch/reaper.py, rollout/engine.py.
 
 

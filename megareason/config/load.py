@@ -207,6 +207,11 @@ def validate(cfg: Config) -> None:
             _check(s.size >= 0, f"{p}.size", "must be >= 0 (0 keeps every row)", s.size)
         elif s.kind == "synthetic_multihop":
             _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=synthetic_multihop", s.size)
+        elif s.kind == "hf":
+            _check(bool(s.name), f"{p}.name", "is required when kind=hf (a data set id such as openai/gsm8k, or a "
+                   "local folder)", s.name)
+            _check(bool(s.split), f"{p}.split", "is required when kind=hf (e.g. train)", s.split)
+            _check(s.size >= 0, f"{p}.size", "must be >= 0 (0 keeps every row)", s.size)
         else:
             _check(bool(s.name), f"{p}.name", "is required when kind=reasoning_gym", s.name)
             _check(s.size >= 1, f"{p}.size", "must be >= 1 when kind=reasoning_gym", s.size)

@@ -15,8 +15,9 @@ from typing import Literal
 class ModelConfig:
     """Which weights to load.
 
-    ``path`` is either a name from ``megareason models list`` (provisioned offline into the cache by
-    ``megareason models fetch NAME``) or a local directory holding an HF checkpoint.
+    ``path`` is a name from ``megareason models list`` (provisioned offline into the cache by
+    ``megareason models fetch NAME``), a local directory holding an HF checkpoint, or a Hugging Face Hub
+    id such as ``Qwen/Qwen3-8B`` (fetched into the Hugging Face cache; ``HF_HUB_OFFLINE=1`` reads it there).
     """
 
     path: str = "smollm2-135m-instruct"
@@ -28,7 +29,9 @@ class ModelConfig:
 class DataSourceConfig:
     """One source of prompts.
 
-    ``kind`` is ``file`` (``path`` names a local JSON/JSONL/Parquet file), ``reasoning_gym``
+    ``kind`` is ``file`` (``path`` names a local JSON/JSONL/Parquet file), ``hf`` (``name`` is a data set
+    ``datasets.load_dataset`` reads: a Hugging Face Hub id such as ``openai/gsm8k`` or a local folder of
+    data files; ``config_name``, ``split``; its rows' ``data_source`` defaults to ``name``), ``reasoning_gym``
     (``name`` is a reasoning-gym generator such as ``basic_arithmetic``; ``size`` items from ``seed``,
     generator options from ``options``), ``musique`` (``path`` names a file in MuSiQue's official
     JSONL format) or ``synthetic_multihop`` (the built-in offline multi-hop QA set: ``size`` questions
@@ -36,9 +39,16 @@ class DataSourceConfig:
     every row of a file. The multi-hop kinds are meant for ``env.name=retrieval_qa``.
     """
 
-    kind: Literal["file", "reasoning_gym", "musique", "synthetic_multihop"] = "reasoning_gym"
+    kind: Literal["file", "hf", "reasoning_gym", "musique", "synthetic_multihop"] = "reasoning_gym"
     name: str = ""
     path: str = ""
+    # kind=hf: the data set's configuration (load_dataset's second argument, e.g. gsm8k's "main"; empty: its
+    # default) and split.
+    config_name: str = ""
+    split: str = "train"
+    # kind=file and hf: columns renamed before the row is read, {column in the data: field of a row format},
+    # e.g. {problem: question, expected_answer: answer}.
+    columns: dict[str, str] = field(default_factory=dict)
     size: int = 0
     seed: int = 0
     options: dict[str, int | float | str | bool | list[int | float | str]] = field(default_factory=dict)

