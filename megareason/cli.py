@@ -18,7 +18,8 @@ megareason: RL post-training for LLM reasoning (megatron-core + vLLM).
 
 Configs are YAML files in configs/ composed with hydra; any field can be overridden on the command
 line as key=value, e.g.  megareason eval rollout.temperature=0.7 data.max_prompt_length=512
-Every field and its default is in megareason/config/schema.py.
+Every field and its default is in megareason/config/schema.py. A YAML of your own anywhere runs with
+--config-name path/to/mine.yaml; it inherits a bundled recipe with  defaults: [grpo_quickstart, _self_]
 """
 
 EVAL_HELP = """\
@@ -95,8 +96,10 @@ def _config_command(sub, name: str, help: str, description: str, default_config:
     p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--config-name", default=default_config,
-                   help=f"YAML in configs/ to start from (default: {default_config})")
-    p.add_argument("--config-dir", default=None, help="directory of configs (default: the repo's configs/)")
+                   help=f"a recipe of configs/, or the path of a YAML file anywhere (my/exp.yaml), which may inherit "
+                   f"a recipe (defaults: [grpo_quickstart, _self_]) (default: {default_config})")
+    p.add_argument("--config-dir", default=None, help="directory of configs, searched before the repo's configs/ "
+                   "(default: the repo's configs/)")
     if show_config:
         p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     if lora:
@@ -287,11 +290,10 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from megareason.config import load_config, validate_training
+    from megareason.config import load_config
     from megareason.launch.preflight import check_run
 
-    cfg = load_config(args.config_name, _overrides(args), args.config_dir)
-    validate_training(cfg)
+    cfg = load_config(args.config_name, _overrides(args), args.config_dir, training=True)
     if args.show_config:
         print(json.dumps(asdict(cfg), indent=2))
         return 0

@@ -200,3 +200,64 @@ def test_gspo_is_held_to_its_papers_clip_range_and_sequence_level_aggregation():
     with pytest.raises(ConfigError, match=r"needs GSPO's settings: .* got algorithm.clip_ratio_high=0.28$"):
         validate_training(load_config("grpo_smollm2_cpu", [*GSPO_PAPER, "algorithm.clip_ratio_high=0.28"]))
     validate_training(load_config("grpo_smollm2_cpu", ["algorithm.clip_ratio_high=0.28"]))  # PPO's loss: any
+
+
+def test_a_yaml_anywhere_inherits_a_bundled_recipe(tmp_path: Path):
+    mine = tmp_path / "exp" / "mine.yaml"
+    mine.parent.mkdir()
+    mine.write_text("defaults:\n  - grpo_quickstart\n  - _self_\ntrainer:\n  steps: 2\n  output_dir: runs/mine\n")
+    recipe = load_config("grpo_quickstart")
+    for cfg in (load_config(str(mine), ["rollout.n=8"], training=True),
+                load_config("mine", ["rollout.n=8"], config_dir=mine.parent)):
+        assert (cfg.trainer.steps, cfg.trainer.output_dir, cfg.rollout.n) == (2, "runs/mine", 8)
+        assert cfg.data == recipe.data and cfg.model == recipe.model  # the rest is the recipe's
+    with pytest.raises(ConfigError, match="no config file .*nope.yaml"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_a_misspelt_recipe_in_a_defaults_list_names_the_nearest(tmp_path: Path):
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - grpo_quickstrt\n  - _self_\n")
+    with pytest.raises(ConfigError, match=r"'grpo_quickstrt'.*did you mean 'grpo_quickstart'\?"):
+        load_config(str(tmp_path / "mine.yaml"))
+    with pytest.raises(ConfigError, match=r"no config 'grpo_quickstrat'.*did you mean 'grpo_quickstart'\?"):
+        load_config("grpo_quickstrat")
+
+
+def test_every_problem_of_a_run_is_reported_at_once_with_the_nearest_key(tmp_path: Path):
+    (tmp_path / "mine.yaml").write_text(
+        "defaults:\n  - grpo_quickstart\n  - _self_\ntrainer:\n  stesp: 3\n"
+        "data:\n  sources:\n    - {kind: reasoning_gym, name: countdown, size: 2, sead: 1}\n")
+    overrides = ["trainer.save_evry=2", "rollout.n=many", "algorithm.name=grop", "rollout.top_p=2",
+                 "optim.lr=0"]
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "mine.yaml"), overrides, training=True)
+    lines = str(e.value).split("\nerror: ")
+    expected = [
+        "unknown key 'trainer.save_evry' in override 'trainer.save_evry=2' (did you mean 'trainer.save_every'?)",
+        "unknown key 'trainer.stesp' (did you mean 'trainer.steps'?)",
+        "unknown key 'data.sources[0].sead' (did you mean 'data.sources[0].seed'?)",
+        "rollout.n: expected int, got str 'many'",
+        "algorithm.name: expected one of ['grpo', 'ppo', 'raro', 'reinforce_pp_baseline'], got str 'grop' "
+        "(did you mean 'grpo'?)",
+        "rollout.top_p must be in (0, 1], got 2.0",
+        "optim.lr must be > 0, got 0.0",  # a training check, reported with the others
+    ]
+    for want in expected:
+        assert sum(line.startswith(want) for line in lines) == 1, (want, lines)
+    assert len(lines) == len(expected)
+    assert e.value.problems == lines
+
+
+def test_a_key_with_nothing_near_lists_the_valid_keys_only():
+    with pytest.raises(ConfigError) as e:
+        load_config("eval", ["rollout.zzzzzz=1"])
+    assert "did you mean" not in str(e.value) and "valid keys of rollout: " in str(e.value)
+
+
+def test_the_cli_prints_every_problem_once(capsys):
+    from megareason.cli import main
+
+    assert main(["train", "trainer.stpes=3", "rollout.top_p=2", "--show-config"]) == 2
+    err = capsys.readouterr().err
+    assert "error: unknown key 'trainer.stpes' in override 'trainer.stpes=3' (did you mean 'trainer.steps'?)" in err
+    assert "\nerror: rollout.top_p must be in (0, 1], got 2.0" in err

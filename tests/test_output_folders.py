@@ -159,3 +159,94 @@ def test_every_rank_refuses_a_checkpoint_into_a_users_folder_and_an_earlier_one_
         assert "notes_0.txt, projects" in refused and first == again == "saved"
     assert sorted(os.listdir(users)) == ["notes_0.txt", "projects"]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "home"]  # no temporary folder left
+
+
+def test_a_run_writes_only_into_a_new_or_empty_folder_or_a_run_folder(tmp_path):
+    from megareason.trainer.run_dir import check_run_folder, hold_run_lock
+
+    users = _users(tmp_path / "home", n=2)
+    with pytest.raises(OccupiedFolder, match=r"trainer.output_dir .*home is neither empty nor a run folder \(it "
+                                             r"holds notes_0\.txt, notes_1\.txt, projects\)"):
+        hold_run_lock(users)
+    assert sorted(os.listdir(users)) == ["notes_0.txt", "notes_1.txt", "projects"]  # no .lock taken there
+    (users / "config.json").write_text("{}")  # a user's config.json is not a run's
+    with pytest.raises(OccupiedFolder):
+        check_run_folder(users)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(OccupiedFolder, match="is not a folder"):
+        check_run_folder(tmp_path / "a_file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for ok in (tmp_path / "new", empty):
+        check_run_folder(ok)
+    for mark in (".lock", "metrics.jsonl", "ray_logs"):  # a run's, an older run's, its Slurm job's
+        run = tmp_path / f"run{mark}"
+        run.mkdir()
+        (run / mark).write_text("")
+        (run / "notes.txt").write_text("mine, added to my run folder")
+        check_run_folder(run)
+    resumable = tmp_path / "resumable"  # a complete checkpoint makes a run folder too
+    run = RunDir(resumable)
+    tmp = run.begin_checkpoint(2)
+    run.commit_checkpoint(tmp, TrainerState(step=2), keep_last=2)
+    check_run_folder(resumable)
+    hold_run_lock(resumable)
+    assert (resumable / ".lock").is_file()
+
+
+def test_the_cli_refuses_to_train_into_a_users_folder(tiny_qwen2, tmp_path, capsys, monkeypatch):
+    from megareason.cli import main
+    from megareason.launch import reaper
+    from megareason.trainer import loop, sft
+
+    def started(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(reaper, "reap_descendants_on_exit", lambda: None)  # nothing to reap in this process
+    monkeypatch.setattr(loop, "train", started)
+    monkeypatch.setattr(sft, "sft", started)
+    monkeypatch.setenv("MEGAREASON_VERBOSE", "1")  # the console as it is: no log file in the folder
+    users = _users(tmp_path / "home")
+    for command in ("train", "sft"):
+        assert main([command, f"model.path={tiny_qwen2}", f"trainer.output_dir={users}"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: trainer.output_dir {users} is neither empty nor a run folder" in err, err
+    assert sorted(os.listdir(users)) == ["notes_0.txt", "projects"]
+
+
+def test_a_benchmark_refuses_a_users_folder_under_a_combinations_name_before_any_engine(tmp_path, monkeypatch):
+    from megareason.config import load_config
+    from megareason.evaluation import benchmark
+    from megareason.rollout import engine
+
+    def started(*args, **kwargs):
+        raise AssertionError("an engine started")
+
+    monkeypatch.setattr(engine, "VLLMEngine", started)
+    out = tmp_path / "bench"
+    cfg = load_config("eval_multihop", [f"benchmark.output_dir={out}", "benchmark.models=[my_model]",
+                                        "benchmark.retrievers=[bm25]"])
+    users = _users(out / benchmark.run_name("my_model", "bm25"))
+    with pytest.raises(OccupiedFolder, match=r"my_model__bm25 is neither empty nor an earlier benchmark result "
+                                             r"folder \(it holds notes_0\.txt, projects\)"):
+        benchmark.run_benchmark(cfg)
+    assert sorted(os.listdir(users)) == ["notes_0.txt", "projects"]
+    earlier = out / benchmark.run_name("my_model", "golden")  # an unfinished combination of its own is rewritten
+    earlier.mkdir()
+    (earlier / "samples.jsonl").write_text("")
+    check_replaceable(earlier, benchmark.BENCHMARK_RUN)
+
+
+def test_fetching_a_model_refuses_a_users_folder_in_the_cache_before_converting(tmp_path, monkeypatch):
+    from megareason.models import hub
+
+    def converted(*args, **kwargs):
+        raise AssertionError("the conversion started")
+
+    monkeypatch.setenv("MEGAREASON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hub, "_gguf_path", converted)
+    name = sorted(hub.KNOWN_MODELS)[0]
+    users = _users(hub.model_dir(name))
+    with pytest.raises(OccupiedFolder, match=r"notes_0\.txt, projects"):
+        hub.fetch(name, force=True)
+    assert sorted(os.listdir(users)) == ["notes_0.txt", "projects"]

@@ -19,10 +19,16 @@ ALL = ["console", "tensorboard", "wandb", "mlflow"]
 
 
 @pytest.fixture
-def offline(monkeypatch):
-    for var in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT"):
+def offline(monkeypatch, tmp_path_factory):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT",
+                "WANDB_ENTITY", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # no `wandb login` of the person running the tests counts: an empty netrc and wandb settings folder
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("NETRC", str(home / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb"))
+    return home
 
 
 def _wandb_records(path: str) -> list:
@@ -151,3 +157,94 @@ def test_unknown_logger_and_missing_package(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install 'megareason\\[trackers\\]'"):
         Tracker(tmp_path, ["wandb"], 0)
+
+
+class _FakeWandb:
+    """wandb's ``init``/``Settings`` as the tracker calls them, recording the arguments (no network)."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def Settings(self, **kwargs):  # noqa: N802 (wandb's name)
+        return kwargs
+
+    def init(self, **kwargs):
+        import types
+
+        self.calls.append(kwargs)
+        return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    import sys
+
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return fake
+
+
+def test_wandb_login_credentials_go_online_with_the_configured_run(tmp_path, offline, fake_wandb, caplog):
+    from megareason.config.schema import WandbConfig
+
+    # what `wandb login` writes: a netrc entry for the wandb server
+    (offline / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    (offline / ".netrc").chmod(0o600)
+    settings = WandbConfig(project="gsm8k-grpo", entity="my-team", name="lr1e-6", group="sweep", tags=["8b"])
+    with caplog.at_level("INFO", logger="megareason.trainer.tracking"):
+        Tracker(tmp_path, ["wandb"], 0, config={"a": 1}, wandb=settings).close()
+    (call,) = fake_wandb.calls
+    assert {k: call[k] for k in ("project", "entity", "name", "group", "tags", "mode", "config")} == {
+        "project": "gsm8k-grpo", "entity": "my-team", "name": "lr1e-6", "group": "sweep", "tags": ["8b"],
+        "mode": "online", "config": {"a": 1}}
+    assert call["id"] == (tmp_path / "wandb_run_id").read_text().strip()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert "logs online" in line and ".netrc (wandb login)" in line and "k" * 40 not in line
+
+
+def test_wandb_without_credentials_logs_offline_and_says_so(tmp_path, offline, fake_wandb, caplog):
+    with caplog.at_level("INFO", logger="megareason.trainer.tracking"):
+        Tracker(tmp_path, ["wandb"], 0).close()
+    (call,) = fake_wandb.calls
+    assert (call["mode"], call["project"], call["name"], call["entity"]) == ("offline", "megareason", tmp_path.name,
+                                                                             None)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wandb:")]
+    assert "logs offline" in line and "wandb sync" in line and "wandb login" in line
+
+
+@pytest.mark.parametrize("env, settings, mode", [
+    ({"WANDB_API_KEY": "k" * 40}, {}, "online"),
+    ({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "offline"}, {}, "offline"),  # wandb's own switch, in auto
+    ({"WANDB_API_KEY": "k" * 40}, {"mode": "offline"}, "offline"),  # asked for in the config
+    ({}, {"mode": "online"}, "online"),
+    ({"WANDB_PROJECT": "from-env"}, {}, "offline"),
+])
+def test_wandb_mode_and_project_follow_the_config_then_wandbs_variables(tmp_path, offline, fake_wandb, monkeypatch,
+                                                                        env, settings, mode):
+    from megareason.config.schema import WandbConfig
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    Tracker(tmp_path, ["wandb"], 0, wandb=WandbConfig(**settings)).close()
+    (call,) = fake_wandb.calls
+    assert call["mode"] == mode
+    assert call["project"] == env.get("WANDB_PROJECT", "megareason")
+
+
+def test_wandb_settings_file_api_key_counts_as_credentials(offline, monkeypatch):
+    from megareason.trainer.tracking import wandb_mode
+
+    (offline / "wandb").mkdir()
+    (offline / "wandb" / "settings").write_text("[default]\napi_key = " + "k" * 40 + "\n")
+    assert wandb_mode("auto")[0] == "online"
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(offline / "elsewhere"))
+    assert wandb_mode("auto")[0] == "offline"
+
+
+def test_wandb_keys_load_from_the_config():
+    from megareason.config import load_config
+
+    cfg = load_config("grpo_quickstart", ["trainer.wandb.project=p", "trainer.wandb.name=n",
+                                          "trainer.wandb.tags=[a,b]", "trainer.wandb.mode=offline"])
+    w = cfg.trainer.wandb
+    assert (w.project, w.name, w.tags, w.mode, w.entity) == ("p", "n", ["a", "b"], "offline", "")

@@ -1,13 +1,20 @@
-"""Compose a config with hydra from ``configs/`` and turn it into the typed dataclasses.
+"""Compose a config with hydra from ``configs/`` (or a user's YAML anywhere) and turn it into the typed
+dataclasses.
 
-Hydra does the composition (defaults lists, ``key=value`` overrides); the conversion here is strict:
-an unknown key names the valid keys, a wrong type names the field and the expected type, and value
-checks name the field and the allowed range.
+Hydra does the composition (defaults lists, ``key=value`` overrides). A YAML outside ``configs/`` may
+inherit a bundled recipe by naming it in its defaults list (``defaults: [grpo_quickstart, _self_]``): the
+bundled folder is on hydra's search path after the YAML's own folder.
+
+The conversion is strict and reports every problem of a config at once (one ``ConfigError`` listing
+them): an unknown key names the nearest valid key and the valid keys, a wrong type names the field and
+the expected type, and value checks name the field and the allowed range.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 import string
 import types
 import typing
@@ -35,58 +42,120 @@ GSPO_SETTINGS = {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 3e-4,
 
 
 class ConfigError(ValueError):
-    """A user error in a config file or override; the message names the field."""
+    """A user error in a config file or override: one problem or several (``problems``), each naming its
+    field; the message lists them all, one per line."""
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\nerror: ".join(self.problems))
 
 
-def _check_override_key(override: str) -> None:
-    """Reject ``key=value`` overrides whose key is not a schema field, listing the valid keys."""
+def _nearest(word: str, choices: typing.Iterable[str]) -> str | None:
+    """The choice closest to ``word`` (difflib's ratio >= 0.6), if any."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _unknown_key(key: str, part: str, names: typing.Iterable[str], where: str, suffix: str = "") -> str:
+    """``unknown key 'a.b'[ in override ...]; did you mean 'a.c'? valid keys of a: ...``."""
+    names = list(names)
+    near = _nearest(part, names)
+    hint = f" (did you mean '{key[: len(key) - len(part)]}{near}'?)" if near else ""
+    return f"unknown key '{key}'{suffix}{hint}; valid keys of {where}: {', '.join(names)}"
+
+
+def _override_problems(override: str) -> list[str]:
+    """What is wrong with the key of a ``key=value`` override: not a schema field (naming the nearest one
+    and the valid keys) or a replaced key; empty when it is fine."""
     key = override.split("=", 1)[0].lstrip("+~")
-    _refuse_replaced(key)
+    if key in REPLACED_KEYS:
+        return [_replaced(key)]
     cls: Any = Config
-    for depth, part in enumerate(key.split(".")):
-        names = {f.name for f in dataclasses.fields(cls)}
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        names = sorted(f.name for f in dataclasses.fields(cls))
         if part not in names:
-            parts = key.split(".")
             where = ".".join(parts[:depth]) or "the config"
-            bad = ".".join(parts[: depth + 1])
-            raise ConfigError(f"unknown key '{bad}' in override '{override}'; valid keys of {where}: "
-                              f"{', '.join(sorted(names))}")
+            return [_unknown_key(".".join(parts[: depth + 1]), part, names, where, f" in override '{override}'")]
         cls = typing.get_type_hints(cls)[part]
         if not dataclasses.is_dataclass(cls):
-            return  # lists and mappings: their items are checked after composition
+            break  # lists and mappings: their items are checked after composition
+    return []
+
+
+def resolve_config_path(name: str, config_dir: str | Path | None = None) -> tuple[str, Path]:
+    """``(config name, its folder)`` for a ``--config-name``: a bundled recipe's name, a name in
+    ``config_dir``, or the path of a YAML file anywhere (``my/exp.yaml``: name ``exp`` in ``my/``)."""
+    if name.endswith((".yaml", ".yml")):
+        path = Path(name).expanduser()
+        if not path.is_absolute() and config_dir is not None and not path.is_file():
+            path = Path(config_dir) / path
+        if not path.is_file():
+            raise ConfigError(f"no config file {path}")
+        if path.suffix != ".yaml":
+            raise ConfigError(f"config file {path}: hydra reads .yaml files only; rename it to {path.stem}.yaml")
+        return path.stem, path.resolve().parent
+    return name, Path(config_dir or CONFIG_DIR).resolve()
 
 
 def load_config(
-    name: str = "eval", overrides: list[str] | None = None, config_dir: str | Path | None = None
+    name: str = "eval", overrides: list[str] | None = None, config_dir: str | Path | None = None,
+    training: bool = False,
 ) -> Config:
-    """Compose ``<config_dir>/<name>.yaml`` with ``overrides`` and return a validated :class:`Config`."""
+    """Compose ``<config_dir>/<name>.yaml`` (``name`` may also be a YAML file's path) with ``overrides``
+    and return a validated :class:`Config` (with ``training``, also ``validate_training``'s checks).
+    Every problem found is reported in one ``ConfigError``."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    config_dir = Path(config_dir or CONFIG_DIR).resolve()
-    if not (config_dir / f"{name}.yaml").is_file():
-        names = sorted(p.stem for p in config_dir.glob("*.yaml"))
-        raise ConfigError(f"no config '{name}' in {config_dir}; available: {', '.join(names)}")
+    name, config_dir = resolve_config_path(name, config_dir)
+    folders = [config_dir] + ([CONFIG_DIR] if config_dir != CONFIG_DIR.resolve() else [])
+    available = sorted({p.stem for d in folders for p in d.glob("*.yaml")})
+    if not any((d / f"{name}.yaml").is_file() for d in folders):
+        near = _nearest(name, available)
+        hint = f" (did you mean '{near}'?)" if near else ""
+        raise ConfigError(f"no config '{name}' in {' or '.join(map(str, folders))}{hint}; available: "
+                          f"{', '.join(available)}")
+    problems: list[str] = []
+    kept = []
     for override in overrides or []:
-        _check_override_key(override)
-    # Every YAML starts its defaults list with this node: all schema fields exist before the YAML
+        found = _override_problems(override)
+        problems += found
+        if not found:
+            kept.append(override)
+    # Every recipe starts its defaults list with this node: all schema fields exist before the YAML
     # and the overrides are applied, so `key=value` works for fields the YAML does not mention.
     ConfigStore.instance().store(name=DEFAULTS_NODE, node=OmegaConf.create(dataclasses.asdict(Config())))
+    # A YAML outside configs/ finds the bundled recipes after its own folder's files.
+    search = [f"hydra.searchpath=[file://{CONFIG_DIR.resolve()}]"] if len(folders) > 1 else []
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-            composed = compose(config_name=name, overrides=list(overrides or []))
+            composed = compose(config_name=name, overrides=search + kept)
         raw = OmegaConf.to_container(composed, resolve=True)
+    except MissingConfigException as e:
+        missing = re.search(r"Could not (?:find|load) '([^']+)'", str(e))
+        near = _nearest(missing.group(1), available + [DEFAULTS_NODE]) if missing else None
+        hint = f" (did you mean '{near}'?)" if near else ""
+        raise ConfigError(problems + [f"config '{name}' in {config_dir}: {str(e).splitlines()[0]}{hint}; a defaults "
+                                      f"list names {DEFAULTS_NODE} or one of: {', '.join(available)}"]) from e
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(f"config '{name}' with overrides {overrides or []}: {e}") from e
-    return from_dict(raw)
+        raise ConfigError(problems + [f"config '{name}' with overrides {kept}: {e}"]) from e
+    return from_dict(raw, training, problems)
 
 
-def from_dict(raw: dict[str, Any]) -> Config:
-    cfg = _build(Config, raw, "")
-    validate(cfg)
+def from_dict(raw: dict[str, Any], training: bool = False, problems: list[str] | None = None) -> Config:
+    """The :class:`Config` of a composed mapping, checked by ``validate`` (and with ``training``,
+    ``validate_training``); ``problems`` found before (the overrides') are reported with its own."""
+    problems = list(problems or [])
+    cfg = _build(Config, raw, "", problems)
+    problems += value_problems(cfg)
+    if training:
+        problems += training_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 
@@ -94,7 +163,11 @@ def saved_config(raw: dict[str, Any]) -> Config:
     """A config an earlier run wrote (its run folder's config.json) as this version reads it: a field it
     lacks takes its default, a field this version no longer has is dropped; types are checked, values not
     (``ConfigError`` names the field)."""
-    return _build(Config, _known(Config, raw), "")
+    problems: list[str] = []
+    cfg = _build(Config, _known(Config, raw), "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
 
 
 def _known(tp: Any, value: Any) -> Any:
@@ -108,55 +181,73 @@ def _known(tp: Any, value: Any) -> Any:
     return value
 
 
-def _build(cls: type, raw: Any, path: str) -> Any:
+def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
+    """``cls`` from the mapping ``raw`` (at ``path``); each unknown key and each field of the wrong type is
+    added to ``problems`` and left at its default, so that every problem of a config is found in one pass."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_show(raw)}")
+        problems.append(f"{path or '<root>'}: expected a mapping for {cls.__name__}, got {_show(raw)}")
+        return cls()
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        where = f"{path}." if path else ""
-        for key in unknown:
-            _refuse_replaced(f"{where}{key}")
-        raise ConfigError(
-            f"unknown key '{where}{unknown[0]}'; valid keys of {path or 'the config'}: {', '.join(fields)}"
-        )
-    kwargs = {k: _coerce(hints[k], v, f"{path}.{k}" if path else k) for k, v in raw.items()}
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    where = f"{path}." if path else ""
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            full = f"{where}{key}"
+            problems.append(_replaced(full) if full in REPLACED_KEYS
+                            else _unknown_key(full, key, fields, path or "the config"))
+            continue
+        try:
+            kwargs[key] = _coerce(hints[key], value, f"{where}{key}", problems)
+        except ConfigError as e:
+            problems += e.problems
     return cls(**kwargs)
 
 
-def _refuse_replaced(key: str) -> None:
-    if key in REPLACED_KEYS:
-        raise ConfigError(f"'{key}' is not a key: set {REPLACED_KEYS[key]} instead")
+def _replaced(key: str) -> str:
+    return f"'{key}' is not a key: set {REPLACED_KEYS[key]} instead"
 
 
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+def _coerce(tp: Any, value: Any, path: str, problems: list[str] | None = None) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected. A
+    wrong value raises ``ConfigError``; a dataclass's or a list's items add theirs to ``problems``."""
+    problems = [] if problems is None else problems
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, value, path)
+        return _build(tp, value, path, problems)
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {_show(value)}")
+            near = _nearest(value, [a for a in allowed if isinstance(a, str)]) if isinstance(value, str) else None
+            hint = f" (did you mean {near!r}?)" if near else ""
+            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {_show(value)}{hint}")
         return value
     if origin in (typing.Union, types.UnionType):
         for arm in typing.get_args(tp):
             try:
-                return _coerce(arm, value, path)
+                arm_problems: list[str] = []
+                out = _coerce(arm, value, path, arm_problems)
             except ConfigError:
                 continue
+            if not arm_problems:
+                return out
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {_show(value)}")
         (item,) = typing.get_args(tp)
-        return [_coerce(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_coerce(item, v, f"{path}[{i}]", problems))
+            except ConfigError as e:
+                problems += e.problems
+        return items
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {_show(value)}")
         _, item = typing.get_args(tp)
-        return {k: _coerce(item, v, f"{path}.{k}") for k, v in value.items()}
+        return {k: _coerce(item, v, f"{path}.{k}", problems) for k, v in value.items()}
     if tp is type(None):
         if value is not None:
             raise ConfigError(f"{path}: expected null, got {_show(value)}")
@@ -179,7 +270,34 @@ def _show(value: Any) -> str:
 
 
 def validate(cfg: Config) -> None:
-    """Value checks the types cannot express. Raises :class:`ConfigError` naming the field."""
+    """Value checks the types cannot express. Raises :class:`ConfigError` naming each field that fails."""
+    problems = value_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+def validate_training(cfg: Config) -> None:
+    """The checks only training needs (``megareason train`` runs them before any worker starts); raises
+    :class:`ConfigError` naming each field that fails."""
+    problems = training_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+class _Checks:
+    """Collects the failed checks of a config, one line each: ``<field> <what>, got <value>``."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def __call__(self, ok: bool, path: str, what: str, value: Any) -> None:
+        if not ok:
+            self.problems.append(f"{path} {what}, got {value!r}")
+
+
+def value_problems(cfg: Config) -> list[str]:
+    """The value checks every command needs, one line per failed check (empty: all pass)."""
+    _check = _Checks()
     r, d = cfg.rollout, cfg.data
     _check(r.n >= 1, "rollout.n", "must be >= 1", r.n)
     _check(r.temperature >= 0, "rollout.temperature", "must be >= 0", r.temperature)
@@ -237,10 +355,11 @@ def validate(cfg: Config) -> None:
            "with reward.tinyv.verifier=rrm (a rubric reward model replies with a graded text, not True/False)",
            v.constrain_choices)
     if v.rrm_template:
-        _check_rrm_template(v.rrm_template)
+        _check_rrm_template(v.rrm_template, _check)
+    return _check.problems
 
 
-def _check_rrm_template(template: str) -> None:
+def _check_rrm_template(template: str, _check: _Checks) -> None:
     """The grading template must name {criteria} and {solution}, and no placeholder but {question},
     {criteria} and {solution} (other braces are written doubled)."""
     try:
@@ -253,8 +372,9 @@ def _check_rrm_template(template: str) -> None:
            f"doubled: {{{{ }}}}); found {sorted(names)}", template[:200])
 
 
-def validate_training(cfg: Config) -> None:
-    """The checks only training needs (``megareason train`` runs them before any worker starts)."""
+def training_problems(cfg: Config) -> list[str]:
+    """The checks only training needs, one line per failed check (empty: all pass)."""
+    _check = _Checks()
     par, alg, opt, t = cfg.parallel, cfg.algorithm, cfg.optim, cfg.trainer
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
                  "expert_model_parallel_size"):
@@ -336,7 +456,7 @@ def validate_training(cfg: Config) -> None:
     if alg.policy_loss == "gspo":
         wrong = {k: getattr(alg, k) for k, v in GSPO_SETTINGS.items() if getattr(alg, k) != v}
         if wrong:
-            raise ConfigError(
+            _check.problems.append(
                 f"algorithm.policy_loss=gspo needs GSPO's settings: {_settings(GSPO_SETTINGS)} (its paper, "
                 "Zheng et al. 2025, clips the length-normalised sequence ratio at 3e-4 / 4e-4, where PPO's 0.2 "
                 f"never binds; verl forces that aggregation); got {_settings(wrong)}")
@@ -366,10 +486,11 @@ def validate_training(cfg: Config) -> None:
         _check(len(set(lora.targets)) == len(lora.targets) >= 1, "lora.targets", "must list distinct targets "
                "(linear_qkv, linear_proj, linear_fc1, linear_fc2), at least one", lora.targets)
     if alg.name == "raro":
-        _validate_raro(cfg)
+        _validate_raro(cfg, _check)
+    return _check.problems
 
 
-def _validate_raro(cfg: Config) -> None:
+def _validate_raro(cfg: Config, _check: _Checks) -> None:
     r = cfg.raro
     _check(cfg.rollout.n >= 2, "rollout.n", "must be >= 2 for RARO (policy groups need a baseline)", cfg.rollout.n)
     _check(r.critic_n >= 2, "raro.critic_n", "must be >= 2 (critic groups need a baseline)", r.critic_n)
@@ -400,14 +521,9 @@ def _validate_raro(cfg: Config) -> None:
         try:
             r.expert_template.format(solution="", answer="")
         except (KeyError, IndexError, ValueError) as e:
-            raise ConfigError(f"raro.expert_template {r.expert_template!r}: {e}; it may use {{solution}} and "
-                              "{answer} (write {{ and }} for literal braces)") from None
+            _check.problems.append(f"raro.expert_template {r.expert_template!r}: {e}; it may use {{solution}} and "
+                                   "{answer} (write {{ and }} for literal braces)")
 
 
 def _settings(values: dict[str, Any]) -> str:
     return ", ".join(f"algorithm.{k}={v}" for k, v in values.items())
-
-
-def _check(ok: bool, path: str, what: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{path} {what}, got {value!r}")

@@ -379,6 +379,21 @@ class OptimConfig:
 
 
 @dataclass
+class WandbConfig:
+    """The wandb run of ``trainer.loggers: [..., wandb]``. Credentials are wandb's own: ``wandb login``
+    (its entry in ~/.netrc or $NETRC), ``WANDB_API_KEY`` or wandb's settings file; never kept here."""
+
+    project: str = ""  # empty: $WANDB_PROJECT, else "megareason"
+    entity: str = ""  # a team or user name; empty: $WANDB_ENTITY, else your account's default entity
+    name: str = ""  # the run's display name; empty: the run folder's name
+    group: str = ""  # runs of one experiment shown together; empty: none
+    tags: list[str] = field(default_factory=list)
+    # auto: online when credentials exist, else offline ($WANDB_MODE, when set, decides instead); offline:
+    # a run under <trainer.output_dir>/wandb/ that `wandb sync` uploads later. A log line says which.
+    mode: Literal["auto", "online", "offline"] = "auto"
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 20
     # Megatron roles (actor, reference, critic): fp32, or bf16 parameters and activations with fp32 main
@@ -420,10 +435,11 @@ class TrainerConfig:
     val_every: int = 10
     val_before_train: bool = True
     dump_rollouts_every: int = 1  # rollout samples as JSONL; 0 disables
-    # Any of console, tensorboard, wandb (offline without WANDB_API_KEY), mlflow (<output_dir>/mlruns unless
-    # MLFLOW_TRACKING_URI is set); the same metric names in each. See megareason/trainer/tracking.py.
+    # Any of console, tensorboard, wandb (trainer.wandb), mlflow (<output_dir>/mlruns unless MLFLOW_TRACKING_URI
+    # is set); the same metric names in each. See megareason/trainer/tracking.py.
     loggers: list[Literal["console", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "tensorboard"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     # Ray: empty starts a local cluster on 127.0.0.1; "auto" or host:port joins a running one.
     ray_address: str = ""
     weight_sync_bucket_mb: int = 256

@@ -21,10 +21,13 @@ from tqdm import tqdm
 from megareason.config import ConfigError
 from megareason.config.schema import Config
 from megareason.data.records import DataError
-from megareason.utils import atomic_write
+from megareason.utils import OutputKind, atomic_write, check_replaceable
 
 log = logging.getLogger(__name__)
 
+# One combination's folder: samples.jsonl, then summary.json (atomic_write's temporary files beside them).
+BENCHMARK_RUN = OutputKind("benchmark result folder", marks=(),
+                           entries=("samples.jsonl", "summary.json", ".samples.jsonl.*", ".summary.json.*"))
 METRICS = ("em", "f1", "retrieval_recall", "citation_precision", "searches", "answered")
 
 
@@ -48,6 +51,8 @@ def run_benchmark(cfg: Config) -> Path:
     out = Path(b.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     todo = [(m, r) for m in models for r in b.retrievers if not (out / run_name(m, r) / "summary.json").is_file()]
+    for m, r in todo:  # before any engine starts: a folder of someone else's under that name is left alone
+        check_replaceable(out / run_name(m, r), BENCHMARK_RUN)
     if len(todo) < len(models) * len(b.retrievers):
         log.info("%d of %d combinations already in %s; running the other %d", len(models) * len(b.retrievers)
                  - len(todo), len(models) * len(b.retrievers), out, len(todo))
@@ -71,6 +76,7 @@ def run_benchmark(cfg: Config) -> Path:
 
 
 def _write_run(folder: Path, model: str, retriever: str, report, cfg: Config) -> None:
+    check_replaceable(folder, BENCHMARK_RUN)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write(folder / "samples.jsonl", "".join(json.dumps(asdict(s)) + "\n" for s in report.samples))
     summary = {"model": model, "retriever": retriever, "hop_rows": report.hop_rows,

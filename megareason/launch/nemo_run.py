@@ -275,7 +275,7 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
               f"launcher environment with `{sys.executable} -m megareason.launch.launch_env` "
               f"({launch_env.venv_dir()}), then run this command again.", file=sys.stderr)
         return 2
-    from megareason.config import ConfigError, load_config, validate_training
+    from megareason.config import ConfigError, load_config
 
     if args.executor == "slurm" and args.subcommand != "train":
         raise ConfigError(f"--run {args.subcommand}: the Slurm executor runs `megareason train` (its job brings "
@@ -286,10 +286,8 @@ def run_cli(args: argparse.Namespace, argv: list[str]) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 0:
         raise ConfigError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
     path = Path(args.recipe)
-    cfg = load_config(path.stem if _is_file(args.recipe) else args.recipe, args.overrides,
-                      path.parent if _is_file(args.recipe) else None)
-    if args.subcommand == "train":
-        validate_training(cfg)
+    load_config(path.stem if _is_file(args.recipe) else args.recipe, args.overrides,
+                path.parent if _is_file(args.recipe) else None, training=args.subcommand == "train")
     spec = LaunchSpec(recipe=args.recipe, overrides=list(args.overrides), executor=args.executor,
                       command=args.subcommand, python=args.python, job_dir=args.job_dir, nodes=args.nodes,
                       gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task, time=args.time,

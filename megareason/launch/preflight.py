@@ -54,6 +54,10 @@ def check_run(cfg: Config, command: str) -> None:
     out_key = {"eval": "eval.output_dir", "benchmark": "benchmark.output_dir"}.get(command, "trainer.output_dir")
     out = {"eval": cfg.eval.output_dir, "benchmark": cfg.benchmark.output_dir}.get(command, cfg.trainer.output_dir)
     _collect(problems, lambda: check_writable(out, out_key))
+    if megatron:
+        from megareason.trainer.run_dir import check_run_folder
+
+        _collect(problems, lambda: check_run_folder(out))
     if problems:
         raise PreflightError(problems)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 
 def run_dir(argv: list[str]) -> int:
-    from megareason.config import ConfigError, load_config, validate_training
+    from megareason.config import ConfigError, load_config
 
     p = argparse.ArgumentParser(prog="slurm_job run-dir")
     p.add_argument("--config-name", required=True)
@@ -29,8 +29,7 @@ def run_dir(argv: list[str]) -> int:
     from megareason.models.hub import resolve_model_path
 
     try:
-        cfg = load_config(args.config_name, args.overrides, args.config_dir)
-        validate_training(cfg)
+        cfg = load_config(args.config_name, args.overrides, args.config_dir, training=True)
         resolve_model_path(cfg.model.path)  # the driver's first check too
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

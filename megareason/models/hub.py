@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megareason.utils import atomic_directory, is_hub_id
+from megareason.utils import atomic_directory, check_replaceable, is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ def fetch(name: str, force: bool = False) -> Path:
     if (target / "config.json").is_file() and not force:
         log.info("%s already provisioned at %s", name, target)
         return target
+    from megareason.models.convert import HF_MODEL
+
+    check_replaceable(target, HF_MODEL)  # before the conversion: a folder of someone else's there is refused
     gguf = _gguf_path(KNOWN_MODELS[name])
 
     import torch
@@ -160,8 +163,6 @@ def fetch(name: str, force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
-    from megareason.models.convert import HF_MODEL
-
     with atomic_directory(target, HF_MODEL) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

@@ -111,7 +111,7 @@ class Driver:
         self.run.root.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run.root / "config.json", json.dumps(asdict(self.cfg), indent=2) + "\n")
         self.sampler = PromptSampler(self.num_prompts, t.seed, self.state.sampler.epoch, self.state.sampler.position)
-        self.tracker = Tracker(self.run.root, t.loggers, self.state.step, config=asdict(self.cfg))
+        self.tracker = Tracker(self.run.root, t.loggers, self.state.step, config=asdict(self.cfg), wandb=t.wandb)
         if t.val_before_train and self.state.step == 0 and self.validate is not None:
             self.tracker.log(0, self.validate(0))
         self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here

@@ -11,7 +11,9 @@
   plots/                 `megareason report` output
 ```
 
-One process writes a run folder at a time: ``hold_run_lock`` takes an exclusive ``flock`` on its
+A run writes only into a folder of its own: ``hold_run_lock`` refuses a folder that is neither empty nor
+a run folder (``check_run_folder``), so a user's files named config.json or metrics.jsonl are never
+overwritten. One process writes a run folder at a time: ``hold_run_lock`` takes an exclusive ``flock`` on its
 ``.lock`` file for the rest of the process's life (the kernel drops it when the process dies, however it
 dies, so a stale lock never blocks), and a second ``train`` / ``sft`` on the folder stops at once naming
 the holder.
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from megareason.config import Config, ConfigError, saved_config
-from megareason.utils import OutputKind, atomic_write, replace_directory
+from megareason.utils import OccupiedFolder, OutputKind, atomic_write, replace_directory
 
 _STEP = re.compile(r"^step_(\d+)$")
 # A checkpoints/step_N folder: trainer_state.json, a folder per trained role (trainer/handles.py names
@@ -67,14 +69,34 @@ class RunFolderBusy(ConfigError):
     """Another live process holds the run folder's lock (``hold_run_lock``)."""
 
 
+def check_run_folder(root: str | Path, key: str = "trainer.output_dir") -> None:
+    """A run may write into ``root`` (the config's ``key``): it does not exist, is an empty folder, or is a
+    run folder (its ``.lock``, its ``metrics.jsonl``, a complete checkpoint, or the ``ray_logs`` its Slurm
+    job keeps). ``OccupiedFolder`` otherwise, naming a few of the entries."""
+    root = Path(root)
+    if root.is_symlink() and not root.exists() or root.exists() and not root.is_dir():
+        raise OccupiedFolder(f"{key} {root} is not a folder; name a new or empty folder")
+    if not root.exists():
+        return
+    names = sorted(p.name for p in root.iterdir())
+    if not names or {".lock", "metrics.jsonl", "ray_logs"} & set(names) or RunDir(root).steps():
+        return
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise OccupiedFolder(f"{key} {root} is neither empty nor a run folder (it holds {shown}); a run writes "
+                         "config.json, metrics.jsonl, checkpoints/ and more there, so it takes only a new or empty "
+                         "folder, or an earlier run's to resume it: name another trainer.output_dir")
+
+
 def hold_run_lock(root: str | Path) -> None:
     """Take ``root/.lock`` (exclusive, non-blocking ``flock``) and keep it until this process exits; write
     the holder's PID, host and start time into it. Taking it again in the same process is a no-op. Raises
-    ``RunFolderBusy`` naming the holder when another live process has it. The descriptor is not inherited
+    ``RunFolderBusy`` naming the holder when another live process has it, ``OccupiedFolder`` when ``root``
+    is a folder of someone else's (``check_run_folder``). The descriptor is not inherited
     by programs this process execs (Python opens files non-inheritable); the reward pool spawns."""
     root = Path(root).resolve()
     if root in _LOCKS:
         return
+    check_run_folder(root)
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -186,7 +208,7 @@ class RunDir:
 # other field is the experiment: the run folder's config.json must agree on it.
 RESUMABLE_CHANGES = (
     "trainer.steps", "trainer.output_dir", "trainer.resume_mode", "trainer.save_every", "trainer.save_every_minutes",
-    "trainer.keep_last", "trainer.loggers", "trainer.val_every", "trainer.val_before_train",
+    "trainer.keep_last", "trainer.loggers", "trainer.wandb", "trainer.val_every", "trainer.val_before_train",
     "trainer.dump_rollouts_every", "trainer.ray_address", "trainer.weight_sync_bucket_mb",
     "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.recompute", "trainer.recompute_num_layers",
     "parallel", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",

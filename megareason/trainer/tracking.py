@@ -1,9 +1,11 @@
 """Metrics to ``metrics.jsonl`` (which ``megareason report`` plots) and to the loggers of
 ``trainer.loggers``: the console, tensorboard, wandb and MLflow, under the same metric names everywhere.
 
-* **wandb**: offline (a run folder under ``<run>/wandb/``, synced later with ``wandb sync``) unless
-  credentials are configured (``WANDB_API_KEY``) or ``WANDB_MODE`` says otherwise; project
-  ``$WANDB_PROJECT`` (default "megareason"), run name = the run folder's name.
+* **wandb**: project, entity, run name, group and tags from ``trainer.wandb``. Online when wandb finds
+  credentials the way its own tools do (``wandb login``'s entry in ``~/.netrc`` or ``$NETRC``,
+  ``WANDB_API_KEY``, the api_key of wandb's settings file), else offline (a run folder under
+  ``<run>/wandb/``, uploaded later with ``wandb sync``); ``trainer.wandb.mode`` or ``$WANDB_MODE`` choose
+  instead. One log line says which and why.
 * **MLflow**: ``$MLFLOW_TRACKING_URI`` if set, else a local file store in ``<run>/mlruns`` (MLflow 3 keeps
   that backend in maintenance mode behind ``MLFLOW_ALLOW_FILE_STORE``, which is set for it); experiment
   ``$MLFLOW_EXPERIMENT_NAME`` (default "megareason"), one batch of metrics per step.
@@ -14,16 +16,23 @@ resumed run continues the same wandb and MLflow runs (their ids are kept in the 
 
 from __future__ import annotations
 
+import configparser
 import json
+import logging
 import math
+import netrc
 import os
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from megareason.config.schema import WandbConfig
 from megareason.utils import atomic_write
+
+log = logging.getLogger(__name__)
 
 LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 
@@ -48,16 +57,56 @@ def _saved_id(path: Path) -> str | None:
     return path.read_text().strip() or None if path.is_file() else None
 
 
+def wandb_credentials() -> str | None:
+    """Where wandb would find an API key for its server ($WANDB_BASE_URL, default api.wandb.ai), read the
+    way ``wandb login`` stores it; None when nowhere. The key itself is never read into this process."""
+    if os.environ.get("WANDB_API_KEY"):
+        return "WANDB_API_KEY"
+    if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "WANDB_IDENTITY_TOKEN_FILE"
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
+    try:
+        if path.is_file() and netrc.netrc(str(path)).authenticators(host):
+            return f"{path} (wandb login)"
+    except (netrc.NetrcParseError, OSError):
+        pass
+    settings = Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings"
+    parser = configparser.ConfigParser()
+    try:
+        parser.read(settings)
+    except configparser.Error:
+        return None
+    return str(settings) if parser.get("default", "api_key", fallback="") else None
+
+
+def wandb_mode(mode: str) -> tuple[str, str]:
+    """(wandb's mode, the reason) for ``trainer.wandb.mode``: auto follows $WANDB_MODE when set, else goes
+    online with credentials and offline without."""
+    if mode != "auto":
+        return mode, f"trainer.wandb.mode={mode}"
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"], f"WANDB_MODE={os.environ['WANDB_MODE']}"
+    found = wandb_credentials()
+    if found:
+        return "online", f"credentials from {found}"
+    return "offline", "no credentials (run `wandb login` or set WANDB_API_KEY to log online)"
+
+
 class _Wandb:
-    def __init__(self, root: Path, config: dict | None):
+    def __init__(self, root: Path, config: dict | None, settings: WandbConfig):
         wandb = _need("wandb", "wandb")
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode, why = wandb_mode(settings.mode)
         id_file = root / "wandb_run_id"
         run_id = _saved_id(id_file) or uuid.uuid4().hex[:8]  # wandb ids: 8 lowercase alphanumerics
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "megareason"), name=root.resolve().name,
-                              id=run_id, resume="allow", dir=str(root), mode=mode, config=config,
-                              settings=wandb.Settings(console="off", save_code=False, silent=True))
+        project = settings.project or os.environ.get("WANDB_PROJECT") or "megareason"
+        self.run = wandb.init(project=project, entity=settings.entity or None,
+                              name=settings.name or root.resolve().name, group=settings.group or None,
+                              tags=list(settings.tags) or None, id=run_id, resume="allow", dir=str(root), mode=mode,
+                              config=config, settings=wandb.Settings(console="off", save_code=False, silent=True))
         atomic_write(id_file, run_id + "\n")
+        later = f" into {root / 'wandb'} (`wandb sync {root / 'wandb'}` uploads it)" if mode == "offline" else ""
+        log.info("wandb: run %s of project %s logs %s%s: %s", run_id, project, mode, later, why)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -128,9 +177,10 @@ class Tracker:
     """Appends one record per ``log`` call. On a resume from step ``start_step`` the records of later
     steps (written after that checkpoint by the interrupted run) are dropped first, so the file and the
     tensorboard curves hold each step once. ``config`` (the run's resolved config) goes to wandb and
-    MLflow as the run's parameters."""
+    MLflow as the run's parameters; ``wandb`` names the wandb run (default: ``WandbConfig()``)."""
 
-    def __init__(self, root: Path, loggers: list[str], start_step: int, config: dict | None = None):
+    def __init__(self, root: Path, loggers: list[str], start_step: int, config: dict | None = None,
+                 wandb: WandbConfig | None = None):
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
             raise ValueError(f"trainer.loggers: unknown {unknown}; expected some of {list(LOGGERS)}")
@@ -147,7 +197,11 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(root / "tensorboard"), purge_step=start_step + 1)
-        self.remote = [cls(root, config) for name, cls in (("wandb", _Wandb), ("mlflow", _Mlflow)) if name in loggers]
+        self.remote: list[_Wandb | _Mlflow] = []
+        if "wandb" in loggers:
+            self.remote.append(_Wandb(root, config, wandb or WandbConfig()))
+        if "mlflow" in loggers:
+            self.remote.append(_Mlflow(root, config))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """One row of ``metrics.jsonl`` (non-finite values dropped) and the same values to every logger."""
