@@ -261,3 +261,11 @@ def test_the_cli_prints_every_problem_once(capsys):
     err = capsys.readouterr().err
     assert "error: unknown key 'trainer.stpes' in override 'trainer.stpes=3' (did you mean 'trainer.steps'?)" in err
     assert "\nerror: rollout.top_p must be in (0, 1], got 2.0" in err
+
+
+def test_a_mapping_field_takes_new_keys_from_a_plain_override():
+    """hydra's struct mode refuses new keys in a mapping unless the override says `+`/`++`; a user writes
+    `reward.by_source={src: f.py}` as for any other field."""
+    cfg = load_config("grpo_quickstart", ["reward.by_source={mine: /x/a.py, theirs: /x/b.py:fn}",
+                                          "reward.by_source.third=/x/c.py"])
+    assert cfg.reward.by_source == {"mine": "/x/a.py", "theirs": "/x/b.py:fn", "third": "/x/c.py"}

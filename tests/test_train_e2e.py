@@ -42,8 +42,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_env())
+def _run(args: list[str], timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -122,20 +122,78 @@ def test_a_bad_setup_exits_2_before_any_worker_starts(tiny_qwen2, tmp_path):
     assert "PolicyWorker" not in proc.stderr  # no worker was started
 
 
-def test_reinforce_pp_baseline_with_tis_trains_two_steps_and_logs_its_metrics(tiny_qwen2, tmp_path):
-    """REINFORCE++-baseline with the KL in the reward (off-policy old log-probs) and as a loss term too,
-    token-level TIS, Dr. GRPO's constant normaliser. (GSPO, MIS and DAPO: the colocated TP 2 run.)"""
+VERL_REWARD = """\
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return sum(ch in "aeiou" for ch in solution_str) / max(len(solution_str), 1)
+"""
+TRL_REWARD = """\
+def consonants(prompts, completions, solution, **kwargs):
+    assert len(prompts) == len(completions) == len(solution) and all(isinstance(p, str) for p in prompts)
+    return [sum(ch in "bcdfg" for ch in c) / max(len(c), 1) for c in completions]
+"""
+
+
+def _hub_snapshot(cache: Path, repo_type: str, repo_id: str, files: Path) -> None:
+    """``files`` as the cached revision ``main`` of ``repo_id`` in a Hugging Face Hub cache."""
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(files, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_reinforce_pp_on_a_hub_model_and_hub_data_with_verl_and_trl_rewards_beside_a_built_in(tiny_qwen2, tmp_path):
+    """What a verl or TRL user brings, in one run: the model as a Hub id and a Hub data set in verl's row
+    format (both from a Hugging Face cache, offline), TRL prompt-only rows, a verl-signature and a TRL batch
+    reward routed by data source beside the built-in gsm8k reward. The algorithm: REINFORCE++-baseline with the
+    KL in the reward (off-policy old log-probs) and as a loss term too, token-level TIS, Dr. GRPO's constant
+    normaliser. (GSPO, MIS and DAPO: the colocated TP 2 run.)"""
+    cache = tmp_path / "hf_hub"
+    _hub_snapshot(cache, "model", "tiny-org/tiny-qwen2", tiny_qwen2)
+    verl_rows = tmp_path / "gsm8k" / "data"
+    verl_rows.mkdir(parents=True)
+    (verl_rows / "train.jsonl").write_text("".join(json.dumps({
+        "data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {a} + {a}?"}],
+        "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * a)},
+        "extra_info": {"split": "train", "index": a}}) + "\n" for a in range(4)))
+    _hub_snapshot(cache, "dataset", "tiny-org/tiny-gsm8k", tmp_path / "gsm8k")
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text("".join(json.dumps({"prompt": f"Spell {w}.", "solution": w}) + "\n"
+                           for w in ("cab", "dog", "fig", "bed")))
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    (tmp_path / "trl_reward.py").write_text(TRL_REWARD)
     out = tmp_path / "alg"
-    _run(_args(tiny_qwen2, tmp_path, out, "trainer.steps=2", "trainer.save_every=0", "trainer.val_every=0",
-               "data.val_sources=[]", "algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01",
-               "algorithm.kl_in_reward=true", "algorithm.kl_loss_coef=0.01",
-               "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.rollout_tis_cap=2.0"))
+    args = [a for a in _args(tiny_qwen2, tmp_path, out) if not a.startswith(("reward.custom=", "model.path="))]
+    _run([*args, "model.path=tiny-org/tiny-qwen2", "trainer.steps=2", "trainer.prompts_per_step=6",
+          "trainer.save_every=0", "trainer.val_every=0", "data.val_sources=[]", "data.system_prompt=''",
+          "data.sources=[{kind: hf, name: tiny-org/tiny-gsm8k}, "
+          f"{{kind: file, path: {trl}, data_source: trl_consonants}}, "
+          "{kind: reasoning_gym, name: basic_arithmetic, size: 4, data_source: vowels_verl}]",
+          f"reward.by_source={{vowels_verl: {tmp_path / 'verl_reward.py'}, "
+          f"trl_consonants: {tmp_path / 'trl_reward.py'}:consonants}}",
+          "algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01",
+          "algorithm.kl_in_reward=true", "algorithm.kl_loss_coef=0.01",
+          "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.rollout_tis_cap=2.0"],
+         env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
     m = _metrics(out)
     assert sorted(m) == [1, 2] and all(m[s]["actor/grad_norm"] > 0 for s in (1, 2))
     for key in ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated", "actor/kl"):
         assert key in m[1] and key in m[2], key
     # fp32 training against fp32 generation: the correction's ratios are ~1 and nothing is cut
     assert all(abs(m[s]["actor/is_ratio"] - 1) < 1e-3 and m[s]["actor/is_truncated"] == 0 for s in (1, 2))
+    # every source trained (two steps of 6 prompts: the 12 rows once), each scored by its own function
+    from megareason.rewards.registry import compute_score
+
+    rows = [json.loads(x) for s in (1, 2)
+            for x in (out / "rollouts" / f"step_{s:08d}.jsonl").read_text().splitlines()]
+    assert {r["data_source"] for r in rows} == {"openai/gsm8k", "trl_consonants", "vowels_verl"}
+    assert not any(r["score_error"] for r in rows) and all(m[s].get("reward/errors", 0) == 0 for s in (1, 2))
+    for r in rows:
+        text = r["response"]
+        expected = {"vowels_verl": lambda: sum(ch in "aeiou" for ch in text) / max(len(text), 1),
+                    "trl_consonants": lambda: sum(ch in "bcdfg" for ch in text) / max(len(text), 1),
+                    "openai/gsm8k": lambda: compute_score("gsm8k", text, r["ground_truth"], {}).score}
+        assert r["reward"] == pytest.approx(expected[r["data_source"]](), abs=1e-9), r
 
 
 def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:

@@ -83,6 +83,21 @@ def _override_problems(override: str) -> list[str]:
     return []
 
 
+def _in_mapping(override: str) -> bool:
+    """A plain ``key=value`` that sets a mapping field (e.g. ``reward.by_source={a: f.py}``) or one of its
+    entries: hydra's struct mode would refuse the mapping's new keys, so it is applied as ``++key=value``."""
+    if override.startswith(("+", "~")):
+        return False
+    cls: Any = Config
+    for part in override.split("=", 1)[0].split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        cls = typing.get_type_hints(cls).get(part)
+        if typing.get_origin(cls) is dict:
+            return True
+    return False
+
+
 def resolve_config_path(name: str, config_dir: str | Path | None = None) -> tuple[str, Path]:
     """``(config name, its folder)`` for a ``--config-name``: a bundled recipe's name, a name in
     ``config_dir``, or the path of a YAML file anywhere (``my/exp.yaml``: name ``exp`` in ``my/``)."""
@@ -125,7 +140,7 @@ def load_config(
         found = _override_problems(override)
         problems += found
         if not found:
-            kept.append(override)
+            kept.append(f"++{override}" if _in_mapping(override) else override)
     # Every recipe starts its defaults list with this node: all schema fields exist before the YAML
     # and the overrides are applied, so `key=value` works for fields the YAML does not mention.
     ConfigStore.instance().store(name=DEFAULTS_NODE, node=OmegaConf.create(dataclasses.asdict(Config())))
