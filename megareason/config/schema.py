@@ -55,7 +55,7 @@ class DataSourceConfig:
     # Overrides the data_source of every row (selects the reward function); empty keeps the rows'.
     data_source: str = ""
     # Keys added to every row's extra_info (a row's own value wins): e.g. a reward family's settings for
-    # the whole source, {reward_type: correct} for the arithmetic reward (README "Rewards").
+    # the whole source, {reward_type: correct} for the arithmetic reward (docs/rewards.md).
     extra_info: dict[str, int | float | str | bool] = field(default_factory=dict)
 
 
