@@ -1,4 +1,4 @@
-"""tools/compare_methods.py (issue 25): its statistics against hand-computed values, and the recipe's first
+"""tools/compare_methods.py: its statistics against hand-computed values, and the recipe's first
 steps on the tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
 the SmolLM2 comparison itself is a long experiment, not a test: docs/results/compare_methods.md)."""
 

@@ -1,4 +1,4 @@
-"""The rollout worker's watch on its vLLM engine core (issue 24): whichever sees the core die first (the
+"""The rollout worker's watch on its vLLM engine core: whichever sees the core die first (the
 watch's poll, or vLLM raising ``EngineDeadError`` from the call in flight) the worker exits with code 70
 and one log line naming the dead process; an ordinary error from a live engine is raised as it is.
 

@@ -177,7 +177,7 @@ def test_retrieval_qa_episode_end_to_end(tmp_path):
     assert ep.messages[3] == {"role": "tool", "content": "[0] Ada Vell\nAda Vell works at Quorel Labs."}
     assert ep.messages[5]["content"] == "Error: unknown tool 'lookup'; available: search"
     info = ep.result.info
-    # retrieved {0} of supporting {0, 2}: reward (EM 1 + F1 1) / 2 + 0.5 * 1/2 (multihop_qa defaults, seed 003)
+    # retrieved {0} of supporting {0, 2}: reward (EM 1 + F1 1) / 2 + 0.5 * 1/2 (multihop_qa defaults, MuSiQue RLVR's)
     assert ep.result.reward == 1.25 and ep.result.correct
     assert (info["em"], info["f1"], info["retrieval_recall"], info["retrieval_precision"]) == (1.0, 1.0, 0.5, 1.0)
     assert info["cited_ids"] == ["2", "0"] and info["citation_recall"] == 1.0  # [7] is not a document

@@ -35,7 +35,8 @@ from megareason.trainer.loop import compute_advantages
     ("VERDICT: TIE", "tie"),
     ("so the answer is \\boxed{A}", "A"),
     ("Verdict: A\n(repeating) Verdict: A", "A"),
-    # the final verdict line decides (seed 000): the format quoted first, then the critic's own verdict
+    # the final verdict line decides (as in RARO's verl implementation): the format quoted first, then the
+    # critic's own verdict
     ("I must end with 'Verdict: A', 'Verdict: B' or 'Verdict: Tie'.\nB is sloppier.\nVerdict: A", "A"),
     ("Verdict: A ... on reflection, no.\nVerdict: B", "B"),
     ("Verdict: B\nBecause the first answer repeats the question.", "B"),
@@ -333,7 +334,7 @@ def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, 
 
 
 def test_seed_order_stores_the_fresh_triplets_before_drawing_the_historical_half():
-    """Seed 000's loop (the default): store (q, a_exp, a_pol), then build the critic batch 50% fresh + 50%
+    """RARO's training loop (the default): store (q, a_exp, a_pol), then build the critic batch 50% fresh + 50%
     from the buffer. On the first step the buffer holds only this step's 8 triplets, so the historical half
     is exactly those 8 (each judged twice, answers shuffled independently)."""
     assert RaroConfig().replay_order == "store_first" and RaroConfig().replay_buffer_kind == "fifo"
@@ -493,7 +494,7 @@ def test_summarize_reports_the_reranked_accuracy():
 
 @pytest.mark.parametrize("n_pol", [8, 3])  # 3: the mini-batches hold 1 and 2 policy rows, weighed apart
 def test_every_mini_batch_weighs_the_roles_lambda_pol_to_lambda_crit(n_pol):
-    """Seed 000's joint objective in every optimizer step: 8 policy rows of 10 tokens and 32 critic rows of
+    """RARO's joint objective in every optimizer step: 8 policy rows of 10 tokens and 32 critic rows of
     3, token-mean, 2 mini-batches. Cut contiguously, the first mini-batch held 8 policy + 12 critic rows
     (effective weights 0.169 / 0.506) and the second only critic rows (0.0 / 1.63); each mini-batch now
     holds 4 + 16 rows, and its rows' weights give 1/9 and 8/9."""

@@ -158,11 +158,11 @@ def test_countdown_invalid_numbers_raises(extra):
         compute_score("countdown", "<answer>3 + 5</answer>", "8", extra)
 
 
-# --- arithmetic (seed 004: "= answer <eoe>", reward_type boxed | correct | combined) ---------------
+# --- arithmetic (simplexity's RLVR: "= answer <eoe>", reward_type boxed | correct | combined) -------
 @pytest.mark.parametrize(
     ("response", "gold", "expected"),
     [  # defaults: combined, 0.3 * format_ok + 0.7 * correct
-        ("3 + 4 = 7 <eoe>", "7", R(1.0, True)),  # the seed's format
+        ("3 + 4 = 7 <eoe>", "7", R(1.0, True)),  # simplexity's format
         ("3 + 4 = 7<eoe>", "7", R(1.0, True)),
         ("3 + 4 = 8 <eoe>", "7", R(0.3, False)),  # well formed, wrong
         ("3 + 4 = 7 <eoe> Hope that helps!", "7", R(1.0, True)),  # after the last <eoe>: ignored
@@ -184,7 +184,7 @@ def test_countdown_invalid_numbers_raises(extra):
         ("1 - 4 = -3", "-3.0", R(1.0, True)),
         ("so x = 1,250", "1250", R(1.0, True)),
         ("2 + 5 = 8", "7", R(0.3, False)),
-        ("I guess the result is 7", "7", R(0.0, False)),  # the example: not a formatted answer
+        ("I guess the result is 7", "7", R(0.0, False)),  # a bare number in prose: not a formatted answer
         ("The answer is 7 I think", "7", R(0.0, False)),
         ("= 7 is the result", "7", R(0.0, False)),  # "= 7" not at the end
         ("I don't know", "7", R(0.0, False)),

@@ -106,7 +106,7 @@ RETRIEVAL = {"retrieved_ids": ["d1", "d2", "d3"], "supporting_ids": ["d2", "d4"]
         ("Let me think.\nParis.", "Paris", {}, 1.0, True),
         ("", "Paris", {}, 0.0, False),
         ("<answer>Paris</answer>", "Paris", {"recall_weight": 1.0, **RETRIEVAL}, 1.5, True),
-        # the default is seed 003's combined reward: (EM + F1) / 2 + 0.5 * recall
+        # the default is the MuSiQue RLVR project's combined reward: (EM + F1) / 2 + 0.5 * recall
         ("<answer>Paris</answer>", "Paris", RETRIEVAL, 1.25, True),  # (1 + 1) / 2 + 0.5 * 1/2
         ("<answer>Obama</answer>", "Barack Obama", RETRIEVAL, 7 / 12, False),  # (0 + 2/3) / 2 + 0.5 * 1/2
         ("<answer>Lyon</answer>", "Paris", {"retrieved_ids": ["d4", "d2"], "supporting_ids": ["d2", "d4"]}, 0.5,

@@ -1,5 +1,6 @@
-"""Hand-computed expectations for the grade (rubric) reward, seed 001's: (1 - |min(X, 10)/10 - target|)**2, X read
-after the last "Total Score"; the seed's own reading restated as a reference that must agree."""
+"""Hand-computed expectations for the grade (rubric) reward of the RRM + TinyV recipe:
+(1 - |min(X, 10)/10 - target|)**2, X read after the last "Total Score"; the recipe's own reading restated as a
+reference that must agree."""
 
 from fractions import Fraction
 
@@ -25,7 +26,7 @@ def test_registered_under_both_names():
         ("Total Score: 10", "0", R(0.0, False)),  # error 1
         ("Total Score: 0", "0", R(1.0, True)),
         ("Total Score: 10", "1", R(1.0, True)),
-        # seed 001's reading: after the last "Total Score", drop : [ points point * | ', cut at "/", float
+        # the recipe's reading: after the last "Total Score", drop : [ points point * | ', cut at "/", float
         ("Total Score: 12", "1", R(1.0, True)),  # clamped at 10
         ("Total Score: 12", "0.8", R(0.64, False)),  # 10 vs 0.8: (1 - 0.2)**2
         ("Total Score 7/10", "0.7", R(1.0, True)),  # no colon
@@ -39,7 +40,7 @@ def test_registered_under_both_names():
         ("Total Score: |7|", "0.7", R(1.0, True)),
         ("Total Score: '7'", "0.7", R(1.0, True)),
         ("Total Score: [7", "0.7", R(1.0, True)),
-        ("7", "0.7", R(1.0, True)),  # no marker: the seed reads the whole text
+        ("7", "0.7", R(1.0, True)),  # no marker: the recipe reads the whole text
         ("8/10", "0.8", R(1.0, True)),
         ("**Total Score**: 8/10", "0.8", R(1.0, True)),
         ("**Total Score:** **6**/10", "1", R(0.36, False)),
@@ -55,16 +56,16 @@ def test_registered_under_both_names():
         # departures from the seed, for values it reads
         ("Total Score: -1", "0", R(1.0, True)),  # clamped at 0 (seed: -0.1 -> (1 - 0.1)**2 = 0.81)
         ("Total Score: -10", "1", R(0.0, False)),  # seed: -1 -> (1 - 2)**2 = 1.0
-        ("Total Score: nan", "1", R(0.0, False)),  # seed: min(10.0, nan) = 10 -> 1.0
-        ("Total Score: inf", "1", R(1.0, True)),  # as the seed: clamped at 10
-        # lenient: readable grades the seed scores 0
+        ("Total Score: nan", "1", R(0.0, False)),  # recipe: min(10.0, nan) = 10 -> 1.0
+        ("Total Score: inf", "1", R(1.0, True)),  # as the recipe: clamped at 10
+        # lenient: readable grades the recipe scores 0
         ("Total Score = 7.5", "0.5", R(0.5625, False)),  # error 0.25 -> 0.75**2
         ("total score: 3", "0.25", R(0.9025, True)),  # error 0.05 -> 0.95**2
         ("TOTAL SCORE: 5", "0.5", R(1.0, True)),
         ("The total score is 7", "0.7", R(1.0, True)),
         ("Total Score: 8 out of 10 -- solid work", "0.8", R(1.0, True)),
         ("Total Score (out of 10): 8", "0.8", R(1.0, True)),
-        ("Total Score: [7]", "0.7", R(1.0, True)),  # the seed removes "[", not "]"
+        ("Total Score: [7]", "0.7", R(1.0, True)),  # the recipe removes "[", not "]"
         ("Total Score: [6 points]/10", "0.6", R(1.0, True)),
         ("Total Score: 8 points overall", "0.8", R(1.0, True)),
         ("total score: **9**/10", "0.9", R(1.0, True)),
@@ -84,7 +85,7 @@ def test_rubric(judge, target, expected):
 
 
 def _seed_score(judge: str, target: float) -> float | None:
-    """Seed 001's grade reward restated (its README): None where its float() fails."""
+    """The RRM + TinyV recipe's grade reward restated (its README): None where its float() fails."""
     text = judge.split("Total Score")[-1]
     for s in (":", "[", "points", "point", "*", "|", "'"):
         text = text.replace(s, "")

@@ -121,8 +121,8 @@ def test_sft_with_lora_lowers_the_validation_loss(tiny_qwen2, tmp_path):
 @pytest.mark.slow
 def test_sft_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve(tiny_qwen2, tmp_path):
     """Slurm's pre-emption: SIGTERM during a step -> that step finishes, a checkpoint, exit code 75; the
-    rerun resumes from it and the whole curve equals the golden one of a run never stopped (recorded before
-    the refactor of issue 21), whose first loss is transformers' NLL of the same tokens."""
+    rerun resumes from it and the whole curve equals the golden one of a run never stopped, whose first loss
+    is transformers' NLL of the same tokens."""
     import os
     import signal
     import time

@@ -161,7 +161,7 @@ def test_tinyv_scores_by_hand(mode, scores, correct):
 
 
 def test_addon_true_is_worth_the_weight_as_in_seed_001():
-    # seed 001's tinyv.py, addon: rule right -> 1; rule wrong -> verdict * tinyv_weight
+    # the RRM + TinyV recipe's tinyv.py, addon: rule right -> 1; rule wrong -> verdict * tinyv_weight
     right, wrong = Out(1.0, True), Out(0.0, False)
     out = tinyv_scores([right, wrong, wrong], [None, True, False], "addon", weight=0.5)
     assert [(o.score, o.correct) for o in out] == [(1.0, True), (0.5, True), (0.0, False)]

@@ -83,7 +83,7 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
         assert o_mixed.score == pytest.approx((1 - WEIGHT) * r.score + WEIGHT * float(v))
 
     # The server is gone: every sample asked scores as if the verifier said False (the default fallback,
-    # seed 001's), or keeps its rule outcome with fallback=rule; counted either way.
+    # the RRM + TinyV recipe's), or keeps its rule outcome with fallback=rule; counted either way.
     gone = replace(cfg, mode="tinyv_only", timeout_s=5.0, backoff_s=0.1)
     outcomes, stats = apply_tinyv(requests, rule, gone)
     assert stats == {"asked": 4, "upgraded": 0, "fallbacks": 4, "timeouts": 0}

@@ -107,7 +107,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     raise AssertionError(f"processes of the killed run survive: {left}")
 
 
-# How large models train (issue 18): bf16 mixed precision, the distributed optimizer over 2 data-parallel
+# How large models train: bf16 mixed precision, the distributed optimizer over 2 data-parallel
 # ranks and full activation recomputation; the vLLM engines generate in fp32.
 AT_SCALE = ("trainer.precision=bf16", "optim.use_distributed_optimizer=true", "parallel.data_parallel_size=2",
             "trainer.recompute=full", "trainer.save_every=2")
@@ -225,7 +225,7 @@ def test_raro_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qw
                 "rollout/token_mult_prob_error"):
         assert key in reference[3], key
     assert all(reference[s]["raro/format_error_rate"] == 0 for s in (1, 2, 3))  # constrained verdicts
-    # Seed 000's order: the step's triplets enter the buffer (capacity 6) before the historical half is drawn.
+    # RARO's order: the step's triplets enter the buffer (capacity 6) before the historical half is drawn.
     assert reference[1]["raro/critic_historical"] == min(reference[1]["raro/critic_fresh"], 6) > 0
     assert reference[3]["raro/buffer_size"] == 6  # full: capacity 6 < the triplets of three steps
     assert reference[2]["actor/grad_norm"] > 1e-4

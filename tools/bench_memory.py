@@ -12,7 +12,7 @@ step on a packed row of ``--tokens`` tokens (so Adam's state exists), and report
 next to ``megareason.launch.plan_memory.memory_per_rank`` for the same config, with the ratio
 measured / planned. Goal: states within 5% of the plan, activations within 25%.
 
-    python tools/bench_memory.py                      # SmolLM2-135M, the three settings of issue 18
+    python tools/bench_memory.py                      # SmolLM2-135M, every setting of SETTINGS
     python tools/bench_memory.py --model tiny --tokens 128
 """
 

@@ -364,8 +364,8 @@ def ipc(model_dir):
 
 @check("bf16_distributed_optimizer_recompute_memory")
 def scale_memory(model_dir):
-    """One training step in bf16 with the distributed optimizer and full recomputation (issue 18): its peak
-    allocated memory beside megareason plan's bytes for the same config, model and micro-batch."""
+    """One training step in bf16 with the distributed optimizer and full recomputation (the large-model
+    setting): its peak allocated memory beside megareason plan's bytes for the same config, model and micro-batch."""
     from megareason.config.load import load_config
     from megareason.launch.plan_memory import memory_per_rank
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights, uses_transformer_engine

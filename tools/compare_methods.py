@@ -1,9 +1,9 @@
 """Base vs SFT vs GRPO (rule verifier) vs RARO (no verifier) vs RARO + critic reranking, on one model, one
-task, one set of training prompts with expert demonstrations and one held-out set (issue 25; seed 000's
-comparison at small scale). Every arm is ``configs/compare_smollm2_cpu.yaml`` plus the overrides below;
-each trains ``--steps`` steps of ``--prompts`` prompts (GRPO and RARO sample ``rollout.n`` responses per
-prompt, SFT imitates one demonstration per prompt) and is evaluated greedily on the held-out prompts
-every ``trainer.val_every`` steps by the trainer itself (``rollouts/val_step_N.jsonl``).
+task, one set of training prompts with expert demonstrations and one held-out set (the comparison of the RARO
+paper, "Escaping the Verifier", at small scale). Every arm is ``configs/compare_smollm2_cpu.yaml`` plus the
+overrides below; each trains ``--steps`` steps of ``--prompts`` prompts (GRPO and RARO sample ``rollout.n``
+responses per prompt, SFT imitates one demonstration per prompt) and is evaluated greedily on the held-out
+prompts every ``trainer.val_every`` steps by the trainer itself (``rollouts/val_step_N.jsonl``).
 
     .venv/bin/python tools/compare_methods.py                    # SmolLM2-135M, ~1.5 h on 2 cores
     .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --runs /tmp/cmp --results /tmp/cmp

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The train/generation mismatch on SmolLM2-135M (CPU) and what rollout correction does with it (issue 22):
+# The train/generation mismatch on SmolLM2-135M (CPU) and what rollout correction (TIS/MIS) does with it:
 # GRPO on the grpo_smollm2_cpu recipe with bf16 Megatron training against fp32 vLLM generation (a real
 # mismatch), with TIS/MIS at loose (2.0) and tight (1.1 / 1.02) caps, and the fp32/fp32 baseline.
 # Writes OUT/<run>/metrics.jsonl and prints the table of docs/results/rollout_correction_smollm2_cpu.md.

@@ -41,9 +41,9 @@ _BOXED = re.compile(r"\\boxed\{\s*(A|B|[Tt]ie|TIE)\s*\}")
 
 
 def parse_label(text: str) -> str | None:
-    """The critic's label, ``"A"``, ``"B"`` or ``"tie"``, read from the reply's last line that names one
-    (seed 000: the final verdict line, so a reply that first quotes the format, "answer with Verdict: A,
-    B or Tie", still counts); None when no line does or that line names different labels (ambiguous).
+    """The critic's label, ``"A"``, ``"B"`` or ``"tie"``, read from the reply's last line that names one (as RARO's
+    verl implementation reads it: the final verdict line, so a reply that first quotes the format, "answer with
+    Verdict: A, B or Tie", still counts); None when no line does or that line names different labels (ambiguous).
     Repeating one label is fine."""
     for line in reversed(text.splitlines()):
         found = {"tie" if m.lower() == "tie" else m for m in _LABEL.findall(line) + _BOXED.findall(line)}
@@ -92,7 +92,7 @@ def role_mini_batches(is_critic_B: torch.Tensor, mini_batches: int) -> list[torc
     """Row indices of each of ``mini_batches`` optimizer steps, every one holding its share of both roles:
     the policy rows cut into ``mini_batches`` contiguous parts, the critic rows likewise, part m of each
     (policy rows first) in mini-batch m. With weights from ``role_advantage_scale`` on each part, every
-    optimizer step's objective is ``lambda_pol * J_pol + lambda_crit * J_crit`` (seed 000), not only the
+    optimizer step's objective is ``lambda_pol * J_pol + lambda_crit * J_crit`` (RARO's joint objective), not only the
     step's sum. One mini-batch of policy-first rows: ``arange(B)``."""
     if is_critic_B.dtype != torch.bool or is_critic_B.dim() != 1 or mini_batches < 1:
         raise ValueError(f"need a bool [B] is_critic_B and mini_batches >= 1, got {is_critic_B.dtype} "

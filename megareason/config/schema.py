@@ -320,13 +320,13 @@ class RaroConfig:
     # <think> blocks): the expert answers in the demonstration's words, the ones SFT imitates.
     expert_template: str = ""
     # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
-    # filtered: not judged, no gradient. The defaults here are seed 000's (its raro.yaml).
+    # filtered: not judged, no gradient. The defaults here are RARO's verl implementation's (its raro.yaml).
     max_response_length: int = 4096
-    # Fraction of the critic's batch drawn from the replay buffer (seed 000: 50% fresh + 50% historical).
+    # Fraction of the critic's batch drawn from the replay buffer (RARO: 50% fresh + 50% historical).
     replay_buffer_ratio: float = 0.5
     replay_buffer_size: int = 10_000
     replay_buffer_kind: Literal["fifo", "reservoir"] = "fifo"
-    # store_first (seed 000's loop): the step's triplets enter the buffer, then the historical half is
+    # store_first (RARO's training loop): the step's triplets enter the buffer, then the historical half is
     # drawn from it (this step's triplets included); sample_first: drawn from earlier steps' only.
     replay_order: Literal["store_first", "sample_first"] = "store_first"
     shuffle_answers: bool = True

@@ -6,10 +6,10 @@ turns; a message without a tool call is its final answer, scored by the reward r
 ``multihop_qa`` family (EM, token F1, retrieval recall, hop weighting; or ``reward.custom``) with the
 documents the model's own searches returned as ``retrieved_ids``; a scorer that raises gives 0 and
 ``score_error``. With ``initial_search`` the episode opens with a search the environment makes for the
-question: its documents are shown to the model but not counted as retrieved by it (seed 003's recall
-rewards retrieval, and a search the model did not make would pay every episode alike) unless one of
-the model's own searches returns them again. The environment tracks the queries, the documents shown,
-and the documents the answer cites (``[id]``), for the evaluation tables.
+question: its documents are shown to the model but not counted as retrieved by it (the recall term, from the
+MuSiQue RLVR project, rewards retrieval, and a search the model did not make would pay every episode alike)
+unless one of the model's own searches returns them again. The environment tracks the queries, the documents
+shown, and the documents the answer cites (``[id]``), for the evaluation tables.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ process still alive, and to their descendants, then SIGKILL to those left 3 s la
 
 Why a watcher: once the command's process dies, its children are re-parented to init and the tree that
 linked them to it is lost (Ray's dashboard and runtime-env agents, and the vLLM engine core of a Ray
-worker, outlive a SIGKILLed driver by minutes: measured in issue 24). ``PR_SET_PDEATHSIG`` only reaches
+worker, outlive a SIGKILLed driver by minutes, as measured). ``PR_SET_PDEATHSIG`` only reaches
 direct children the command forks itself, and Ray and vLLM start most of these. Recording (pid, start time)
 means a recycled pid is never killed. Linux only (``/proc``); elsewhere the call does nothing.
 """

@@ -5,8 +5,8 @@
 1. drops policy responses over ``raro.max_response_length`` tokens (or cut by ``rollout.max_tokens``);
 2. builds a triplet (question, expert answer, policy answer) for every other response, and mixes in
    historical triplets from the replay buffer so that they make ``raro.replay_buffer_ratio`` of the
-   critic's batch; with ``raro.replay_order=store_first`` (seed 000's order) the fresh triplets enter
-   the buffer first, so the historical ones may include them;
+   critic's batch; with ``raro.replay_order=store_first`` (the order of RARO's verl implementation) the
+   fresh triplets enter the buffer first, so the historical ones may include them;
 3. shows the critic each triplet's two answers in random order (``raro.shuffle_answers``), samples
    ``raro.critic_n`` judgements per triplet, parses the labels and maps them back to roles;
 4. pays both roles from the reward matrix (``algorithms.raro``): a policy response gets the mean policy

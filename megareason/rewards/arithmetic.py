@@ -1,12 +1,12 @@
-"""Arithmetic reward (basic arithmetic, chain sums): seed 004's format / correct / combined reward.
+"""Arithmetic reward (basic arithmetic, chain sums): simplexity's RLVR format / correct / combined reward.
 
-Seed 004 (simplexity's ``training/reward_functions.py``, RLVR on arithmetic) rewards a sequence whose
+simplexity's RLVR recipe (TRL, arithmetic; its ``training/reward_functions.py``) rewards a sequence whose
 last ``<eoe>`` (end of expression) is immediately preceded by ``=`` and an operand: ``... = answer
 <eoe>``. Here the response's **final answer** is, of its markers, the one that comes last:
 
 * ``= <number> <eoe>``: the text before the LAST ``<eoe>`` ends with ``= <number>`` (spaces, bold and
   a final ``.`` allowed); if it does not, there is no final answer, even when an earlier ``<eoe>`` was
-  well formed (as in the seed); text after that ``<eoe>`` is ignored;
+  well formed (as in simplexity); text after that ``<eoe>`` is ignored;
 * ``\\boxed{<number>}``: the last box (a box that holds no number is no final answer);
 * with neither marker, the response ending with ``= <number>`` (``2 + 5 = 7.``): the end of the text
   stands for ``<eoe>``.
@@ -17,10 +17,10 @@ Nothing else is a final answer: ``I guess the result is 7`` is not, nor is the l
 * ``correct``: it has one and it equals the ground truth numerically (exact rationals: ``-3 == -3.0``,
   ``3/4 == 0.75``, ``1,250 == 1250``).
 
-``reward_type`` picks the score, as in the seed: ``boxed`` = ``format_ok`` (0/1), ``correct`` =
-``correct`` (0/1), ``combined`` = ``boxed_weight * format_ok + correct_weight * correct`` (the seed's
+``reward_type`` picks the score, as in simplexity: ``boxed`` = ``format_ok`` (0/1), ``correct`` =
+``correct`` (0/1), ``combined`` = ``boxed_weight * format_ok + correct_weight * correct`` (simplexity's
 ``boxed_weight * boxed + correct_weight * boxed * correct``: here ``correct`` implies ``format_ok``).
-Defaults: ``combined`` with ``boxed_weight`` 0.3 and ``correct_weight`` 0.7, seed 004's (its
+Defaults: ``combined`` with ``boxed_weight`` 0.3 and ``correct_weight`` 0.7, simplexity's (its
 ``rlvr_small.yaml`` and ``combined_reward``'s defaults). Each is overridable per row through the
 ``extra_info`` key of the same name (``reward_type`` one of the three; weights finite non-negative
 numbers, else ``ValueError``), or with ``make_arithmetic_reward``.
@@ -38,7 +38,7 @@ from megareason.rewards.math import last_boxed
 from megareason.rewards.registry import RewardFn, RewardOutput, register
 
 REWARD_TYPES = ("boxed", "correct", "combined")
-# Seed 004's defaults (simplexity configs/training/rlvr_small.yaml).
+# simplexity's RLVR defaults (its configs/training/rlvr_small.yaml).
 REWARD_TYPE = "combined"
 BOXED_WEIGHT = 0.3
 CORRECT_WEIGHT = 0.7

@@ -18,9 +18,9 @@ a/an/the, collapse whitespace.
   extra_info["hops"]`` (a positive integer, default 2).
 
 Defaults: em_weight 0.5, f1_weight 0.5, recall_weight 0.5, hop_bonus 0.0, so
-``score = (EM + F1) / 2 + 0.5 * recall``: seed 003's "combined reward
-[that] balances answer quality and retrieval", as its MuSiQue environment
-computes it (bdsaglam/rlvr, ``vf_musique``'s ``MuSiQueRubric``; its hop
+``score = (EM + F1) / 2 + 0.5 * recall``: the MuSiQue RLVR project's "combined
+reward [that] balances answer quality and retrieval", as its MuSiQue
+environment computes it (bdsaglam/rlvr, on the ``verifiers`` library, ``vf_musique``'s ``MuSiQueRubric``; its hop
 factor ``min(hops / 2, 1)`` is 1 for MuSiQue's 2-4 hops).  Each is
 overridable through the ``extra_info`` key of the same name (a finite
 non-negative number; ``recall_weight: 0`` scores the answer alone).

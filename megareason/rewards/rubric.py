@@ -1,7 +1,7 @@
-"""Rubric-grading reward (seed 001's ``grade``): a judge's ``Total Score`` out of 10 against a target in [0, 1].
+"""Rubric-grading reward (the RRM recipe's ``grade``): a judge's ``Total Score`` out of 10 against a target in [0, 1].
 
-The response is a judge's text. Its grade ``X`` is read as seed 001's reward does (its
-``verl/utils/reward_score/__init__.py``, ``data_source == 'grade'``):
+The response is a judge's text. Its grade ``X`` is read as the rubric reward model (RRM) + TinyV
+recipe on verl does (its ``verl/utils/reward_score/__init__.py``, ``data_source == 'grade'``):
 
 1. take the text after the LAST ``Total Score`` (case-sensitive; a text without one is taken whole);
 2. remove ``:`` ``[`` ``points`` ``point`` ``*`` ``|`` ``'``;
@@ -10,21 +10,21 @@ The response is a judge's text. Its grade ``X`` is read as seed 001's reward doe
 
 So ``Total Score: 7``, ``**Total Score:** **8**/10``, ``Total Score 7/10`` (no colon) and a bare ``7``
 all read as grades. Where that fails, one more lenient reading is tried, for grades a person reads at
-once but the seed scores 0: after the last ``total score`` in any case (a whole word; optionally
+once but the recipe scores 0: after the last ``total score`` in any case (a whole word; optionally
 followed by a parenthesis, ``:``, ``=``, ``is``, ``of``, brackets or bold), a number, optionally ``/ N`` or
 ``out of N`` (ignored as above) and ``points``, then anything but more of the number or arithmetic:
 ``total score = 7.5``, ``The total score is 7``, ``Total Score: 8 out of 10 -- solid work``,
-``Total Score (out of 10): 8``, ``Total Score: [7]``. It is never used where the seed reads a number.
+``Total Score (out of 10): 8``, ``Total Score: [7]``. It is never used where the recipe reads a number.
 
 With ``target = ground_truth`` (a number in [0, 1], else ``ValueError``) and ``X`` clamped to
-``[0, 10]`` (the seed clamps at 10: ``Total Score: 12`` reads 10)::
+``[0, 10]`` (the recipe clamps at 10: ``Total Score: 12`` reads 10)::
 
     score = (1 - |X/10 - target|) ** 2
 
-on exact rationals, and ``correct`` iff ``|X/10 - target| <= 0.1`` (not in the seed, which only
-scores). An unreadable grade scores 0.0 and is incorrect. Two departures from the seed, both for
-values it reads: a negative grade is clamped to 0 (the seed's formula pays ``-10`` as much as ``10``
-at target 1), and ``nan`` is unreadable (the seed's ``min(10.0, nan)`` is 10).
+on exact rationals, and ``correct`` iff ``|X/10 - target| <= 0.1`` (not in the recipe, which only
+scores). An unreadable grade scores 0.0 and is incorrect. Two departures from the recipe, both for
+values it reads: a negative grade is clamped to 0 (the recipe's formula pays ``-10`` as much as ``10``
+at target 1), and ``nan`` is unreadable (the recipe's ``min(10.0, nan)`` is 10).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ CORRECT_TOLERANCE = Fraction(1, 10)
 MAX_GRADE = 10
 
 SEED_MARKER = "Total Score"
-# Removed in this order by the seed ("points" before "point").
+# Removed in this order by the recipe ("points" before "point").
 SEED_REMOVED = (":", "[", "points", "point", "*", "|", "'")
 
 _MARKER = re.compile(r"\btotal\s+score\b", re.IGNORECASE)
@@ -57,7 +57,7 @@ _NUMBER = re.compile(
 
 
 def seed_grade(judge_text: str) -> Fraction | None:
-    """The grade as seed 001 reads it (see the module docstring), unclamped; None if it reads none or NaN."""
+    """The grade as the RRM + TinyV recipe reads it (see the module docstring), unclamped; None if none or NaN."""
     tail = judge_text.split(SEED_MARKER)[-1]
     for s in SEED_REMOVED:
         tail = tail.replace(s, "")
@@ -87,7 +87,7 @@ def lenient_grade(judge_text: str) -> Fraction | None:
 
 
 def extract_grade(judge_text: str) -> Fraction | None:
-    """The judge's grade, unclamped: the seed's reading, else the lenient one; None if neither reads one."""
+    """The judge's grade, unclamped: the recipe's reading, else the lenient one; None if neither reads one."""
     grade = seed_grade(judge_text)
     return grade if grade is not None else lenient_grade(judge_text)
 

@@ -1,4 +1,4 @@
-"""Rollout: the vLLM engine behind one small interface (weight sync comes with the Megatron issue)."""
+"""Rollout: the vLLM engine behind one small interface (weight sync lives in megareason.trainer)."""
 
 from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
 

@@ -6,7 +6,7 @@ and greedy validation through vLLM (after a weight sync). The loss is the token-
 log-likelihood of the response tokens only (``algorithm.loss_agg_mode`` applies, exact under any split).
 
 A demonstration is a record whose chat ends with the assistant's answer (that message is the
-response), or a seed/reasoning-gym record: the response is ``sft.response_template`` filled with the
+response), or a question/answer or reasoning-gym record: the response is ``sft.response_template`` filled with the
 record's ``solution`` (the expert's reasoning, may be empty) and ``answer`` (``extra_info
 ["expert_answer"]`` when set, else ``ground_truth``). Per step: ``trainer.prompts_per_step``
 demonstrations from a seeded, resumable order; ``val/loss`` on the ``data.val_sources`` demonstrations
