@@ -333,7 +333,7 @@ def test_replay_mix_follows_the_ratio_and_uses_earlier_steps_only(ratio, fresh, 
     assert sampling.stop == ()  # the policy's stop strings are not the critic's
 
 
-def test_seed_order_stores_the_fresh_triplets_before_drawing_the_historical_half():
+def test_raro_order_stores_the_fresh_triplets_before_drawing_the_historical_half():
     """RARO's training loop (the default): store (q, a_exp, a_pol), then build the critic batch 50% fresh + 50%
     from the buffer. On the first step the buffer holds only this step's 8 triplets, so the historical half
     is exactly those 8 (each judged twice, answers shuffled independently)."""

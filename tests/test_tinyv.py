@@ -160,7 +160,7 @@ def test_tinyv_scores_by_hand(mode, scores, correct):
     assert out[3] == RULE[3]  # no verdict: the rule outcome, its error and timeout kept
 
 
-def test_addon_true_is_worth_the_weight_as_in_seed_001():
+def test_addon_true_is_worth_the_weight_as_in_the_rrm_recipe():
     # the RRM + TinyV recipe's tinyv.py, addon: rule right -> 1; rule wrong -> verdict * tinyv_weight
     right, wrong = Out(1.0, True), Out(0.0, False)
     out = tinyv_scores([right, wrong, wrong], [None, True, False], "addon", weight=0.5)
