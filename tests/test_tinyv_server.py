@@ -2,7 +2,8 @@
 
 The tiny model's verdicts are arbitrary, so the reply is constrained to "True"/"False" (greedy, hence
 deterministic) and the test checks consistency: every verdict is a bool, the same on a second ask,
-and each mode's scores and counts follow from the verdicts by the mode's arithmetic. Then the server
+and each mode's scores and counts follow from the verdicts by the mode's arithmetic; the rubric reward model's
+mode grades the full response against the row's rubric on the same server. Then the server
 is stopped by its pid (the whole process group gone) and a stopped server must lead to the fallback.
 """
 
@@ -25,7 +26,9 @@ from megareason.rewards.tinyv import (
     apply_tinyv,
     final_answer,
     needs_verdict,
+    parse_rrm_score,
     tinyv_scores,
+    verifier_prompt,
 )
 from megareason.rewards.verifier_server import group_alive, serve_verifier
 from megareason.utils import free_port
@@ -62,6 +65,14 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
         again = client.verify_batch(items)
         results = {mode: apply_tinyv(requests, rule, replace(cfg, mode=mode))
                    for mode in ("tinyv_only", "addon", "mixed")}
+        # The rubric reward model's mode on the same server: the full response graded against the row's
+        # rubric, a free-text reply read by the `grade` rule ("Total Score: X" -> min(10, X) / 10).
+        rubric = [replace(r, extra_info={**r.extra_info, "criteria": "One point per correct step."})
+                  for r in requests]
+        rrm_cfg = replace(cfg, verifier="rrm", constrain_choices=False, rrm_max_tokens=24, mode="tinyv_only")
+        rrm, rrm_stats = apply_tinyv(rubric, rule, rrm_cfg)
+        prompts = [verifier_prompt(r, rrm_cfg) for r in rubric]
+        grades = VerifierClient.from_config(rrm_cfg).ask_batch(prompts, parse_rrm_score)
         pid = server.pid
     assert server.process.returncode is not None
     assert group_alive(pid) == []  # the API server and its engine-core process
@@ -76,6 +87,13 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
         assert outcomes == tinyv_scores(rule, expected, mode, WEIGHT), mode
         upgraded = sum(v and not o.correct for v, o, a in zip(verdicts, rule, asked, strict=True) if a)
         assert stats == {"asked": sum(asked), "upgraded": upgraded, "fallbacks": 0, "timeouts": 0}, mode
+    # Each sample is graded (greedy: the same reply as the second ask) or counted as a fallback scoring 0.
+    assert all("One point per correct step." in p and r.response in p for p, r in zip(prompts, rubric, strict=True))
+    assert rrm_stats == {"asked": 4, "upgraded": sum(g.value is not None and g.value >= 0.5 and not o.correct
+                                                     for g, o in zip(grades, rule, strict=True)),
+                         "fallbacks": sum(g.value is None for g in grades), "timeouts": 0}
+    assert [o.score for o in rrm] == [0.0 if g.value is None else g.value for g in grades]
+    assert all(o.error.startswith(FALLBACK_ERROR) == (g.value is None) for o, g in zip(rrm, grades, strict=True))
     only, addon, mixed = (results[m][0] for m in ("tinyv_only", "addon", "mixed"))
     for v, r, o_only, o_addon, o_mixed in zip(verdicts, rule, only, addon, mixed, strict=True):
         assert o_only.score == float(v) and o_only.correct == v
