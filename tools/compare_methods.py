@@ -270,7 +270,8 @@ def report(results: Path, table: dict, curves: dict[str, dict[int, float]], prom
            critic: dict, rerank: dict | None, commands: dict[str, list[str]], budget: str) -> None:
     results.mkdir(parents=True, exist_ok=True)
     _write(results / "compare_methods.json", json.dumps({"arms": table, "held_out_curves": curves,
-                                                          "raro_critic": critic, "rerank": rerank}, indent=2) + "\n")
+                                                          "held_out_prompts": prompts, "raro_critic": critic,
+                                                          "rerank": rerank}, indent=2) + "\n")
     lines = ["| arm | held-out accuracy (95% CI) | paired diff vs base (95% CI) | McNemar p | wall time |",
              "|---|---|---|---|---|"]
     for name, row in table.items():
