@@ -5,9 +5,11 @@ import subprocess
 import sys
 
 import pytest
+from matplotlib.container import BarContainer, ErrorbarContainer
+from test_plots import error_bars, wilson_by_hand
 
 from megareason.envs.runner import format_rows, hop_rows
-from megareason.evaluation.benchmark import analyze, load_results, run_name, tables
+from megareason.evaluation.benchmark import analyze, figures, load_results, run_name, tables
 from megareason.rewards.scoring import SampleResult
 
 
@@ -58,6 +60,21 @@ def test_analyze_tables_and_plots(tmp_path):
     cli = subprocess.run([sys.executable, "-m", "megareason.cli", "analyze", str(res)], capture_output=True,
                          text=True, timeout=120)
     assert cli.returncode == 0 and "by hop count:" in cli.stdout, cli.stderr
+
+    # One metric per figure; exact match (a proportion of each run's 2 questions) with its Wilson interval
+    figs = figures(overall, by_hop)
+    assert list(figs) == ["em", "f1", "retrieval_recall", "f1_by_hops"]
+    assert all(len(fig.axes) == 1 for fig in figs.values())
+    (em,) = figs["em"].axes
+    assert em.get_ylabel() == "em" and [type(c) for c in em.containers] == [BarContainer, ErrorbarContainer]
+    assert error_bars(em) == pytest.approx([0, *wilson_by_hand(1, 2), 1, *wilson_by_hand(1, 2),
+                                               2, *wilson_by_hand(1, 2)])
+    assert "95% Wilson score interval over each run's questions (n=2)" in figs["em"].get_supxlabel()
+    for name in ("f1", "retrieval_recall", "f1_by_hops"):  # means of scores, not proportions: no interval
+        (ax,) = figs[name].axes
+        assert ax.containers and all(isinstance(c, BarContainer) for c in ax.containers)
+        assert figs[name].get_supxlabel().startswith("No interval")
+
 
 
 def test_analyze_bad_folders(tmp_path):

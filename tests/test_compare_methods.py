@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from golden_curves import check_golden
+from test_plots import error_bars, wilson_by_hand
 from test_train_e2e import _env, _metrics
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "compare_methods.py"
@@ -126,3 +127,32 @@ def test_critic_votes_and_the_policy_reward_gap_by_hand(tmp_path, capsys, monkey
     votes.main()
     out = capsys.readouterr().out
     assert "     1        4        2      +0.500    0.75    0.00      0.25      0.67" in out
+
+
+def test_heldout_and_critic_figures_one_panel_each_with_wilson_intervals():
+    cm = _tool()
+    curves = {"grpo": {0: 0.25, 1: 0.5, 2: 0.75}, "raro": {0: 0.25, 2: 0.5}}
+    prompts = {"grpo": {0: 4, 1: 4, 2: 4}, "raro": {0: 4}}  # raro's step 2 has no prompt count
+    fig = cm.heldout_figure(curves, prompts)
+    grpo, raro = fig.axes
+    assert [ax.get_title() for ax in fig.axes] == ["grpo", "raro"]
+    for ax in fig.axes:  # one arm per panel, one line each, whole steps, the accuracy's own label
+        assert len(ax.lines) == 1 and ax.get_ylabel() == "held-out greedy accuracy"
+        assert all(float(t).is_integer() for t in ax.xaxis.get_major_locator().tick_values(0, 2))
+    # k of 4 held-out prompts correct (1, 2, 3): the Wilson interval of k/4, computed by hand
+    assert error_bars(grpo) == pytest.approx([0, *wilson_by_hand(1, 4), 1, *wilson_by_hand(2, 4),
+                                              2, *wilson_by_hand(3, 4)])
+    assert error_bars(raro) == pytest.approx([0, *wilson_by_hand(1, 4)])
+    note = fig.get_supxlabel()
+    assert "95% Wilson score interval over the held-out prompts (n=4)" in note
+    assert "No interval (held-out prompt count unknown): raro step 2." in note
+
+    critic = {"raro/critic_accuracy": [(1, 0.5), (2, 0.75)], "raro/tie_rate": [(1, 0.1), (2, 0.0)],
+              "raro/format_error_rate": []}
+    fig = cm.critic_figure(critic)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["raro/critic_accuracy", "raro/tie_rate"]
+    for ax in fig.axes:
+        assert len(ax.lines) == 1 and ax.containers == [] and ax.get_ylim() == (0, 1)
+        assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert fig.get_supxlabel().startswith("No interval")
+    assert cm.critic_figure({"raro/critic_accuracy": []}) is None

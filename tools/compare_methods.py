@@ -21,8 +21,9 @@ Interrupted, it picks up where it stopped: a finished arm is not rerun, an unfin
 last checkpoint (the trainer's own resume). Writes, under ``--results``: ``compare_methods.md`` (the table:
 accuracy with its 95% bootstrap interval, the paired difference vs base with its interval and McNemar's
 exact p, wall time, the command of each arm), ``compare_methods.json``, ``compare_methods_heldout.png``
-(held-out accuracy vs step, every arm) and ``compare_methods_raro_critic.png`` (the critic's accuracy,
-tie rate and format-error rate per step).
+(held-out accuracy vs step, a panel per arm, with its 95% Wilson score interval over the held-out prompts)
+and ``compare_methods_raro_critic.png`` (the critic's accuracy, tie rate and format-error rate per step, a
+panel each; when RARO ran).
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from megareason.plotting import (  # noqa: E402
+    accuracy_with_interval,
+    caption,
+    counts_text,
+    integer_steps,
+    panel_grid,
+    save,
+)
+
 CONFIG = "compare_smollm2_cpu"
 BOOTSTRAP = 10_000
 
@@ -202,11 +214,64 @@ def critic_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def report(results: Path, table: dict, curves: dict[str, dict[int, float]], critic: dict, rerank: dict | None,
-           commands: dict[str, list[str]], budget: str) -> None:
+def heldout_figure(curves: dict[str, dict[int, float]], prompts: dict[str, dict[int, int]]):
+    """Held-out greedy accuracy against the training step, one panel per arm (a shared y axis), with the
+    95% Wilson score interval over the step's held-out prompts (``prompts[arm][step]``; a step missing
+    there is drawn without one, as the caption says)."""
+    fig, axes = panel_grid(list(curves), ncols=4, sharex=True, sharey=True, panel_size=(3.2, 2.8))
+    notes, counted, missing = [], [], []
+    for ax, (name, curve) in zip(axes, curves.items(), strict=True):
+        steps = sorted(curve)
+        known = [s for s in steps if s in prompts.get(name, {})]
+        missing += [f"{name} step {s}" for s in steps if s not in known]
+        if len(known) == len(steps):
+            accuracy_with_interval(ax, steps, [curve[s] for s in steps], [prompts[name][s] for s in steps])
+        else:
+            ax.plot(steps, [curve[s] for s in steps], marker="o", markersize=3)
+            if known:
+                accuracy_with_interval(ax, known, [curve[s] for s in known], [prompts[name][s] for s in known],
+                                       fmt="none")
+        counted += [prompts[name][s] for s in known]
+        ax.set_ylabel("held-out greedy accuracy", fontsize=8)
+        integer_steps(ax, "training step")
+    axes[0].set_ylim(0, 1)
+    fig.suptitle("Held-out accuracy by training step", fontsize=10)
+    if counted:
+        notes.append(f"Error bars: 95% Wilson score interval over the held-out prompts ({counts_text(counted)}).")
+    if missing:
+        notes.append(f"No interval (held-out prompt count unknown): {', '.join(missing)}.")
+    caption(fig, notes)
+    return fig
+
+
+CRITIC_TITLES = {"raro/critic_accuracy": "critic accuracy (names the expert)", "raro/tie_rate": "tie rate",
+                 "raro/format_error_rate": "format-error rate"}
+
+
+def critic_figure(critic: dict[str, list[tuple[int, float]]]):
+    """RARO's critic per training step, one rate per panel (0 to 1); None when no step has a rate."""
+    critic = {k: v for k, v in critic.items() if v}
+    if not critic:
+        return None
+    fig, axes = panel_grid([CRITIC_TITLES.get(k, k) for k in critic], sharex=True, panel_size=(3.4, 2.8))
+    for ax, (key, points) in zip(axes, critic.items(), strict=True):
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o" if len(points) < 30 else None,
+                markersize=3)
+        ax.set(ylim=(0, 1), yticks=[0, 0.25, 0.5, 0.75, 1])  # the grid line at 0.5: a coin flip
+        ax.set_ylabel(key, fontsize=8)
+        integer_steps(ax, "training step")
+    fig.suptitle("RARO critic", fontsize=10)
+    caption(fig, ["No interval: rates over each step's training judgements, whose count per rate is not "
+                  "in metrics.jsonl."])
+    return fig
+
+
+def report(results: Path, table: dict, curves: dict[str, dict[int, float]], prompts: dict[str, dict[int, int]],
+           critic: dict, rerank: dict | None, commands: dict[str, list[str]], budget: str) -> None:
     results.mkdir(parents=True, exist_ok=True)
     _write(results / "compare_methods.json", json.dumps({"arms": table, "held_out_curves": curves,
-                                                          "raro_critic": critic, "rerank": rerank}, indent=2) + "\n")
+                                                          "held_out_prompts": prompts, "raro_critic": critic,
+                                                          "rerank": rerank}, indent=2) + "\n")
     lines = ["| arm | held-out accuracy (95% CI) | paired diff vs base (95% CI) | McNemar p | wall time |",
              "|---|---|---|---|---|"]
     for name, row in table.items():
@@ -229,28 +294,9 @@ def report(results: Path, table: dict, curves: dict[str, dict[int, float]], crit
     _write(results / "compare_methods.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, curve in curves.items():
-        steps = sorted(curve)
-        ax.plot(steps, [curve[s] for s in steps], marker="o", label=name)
-    ax.set(xlabel="training step", ylabel="held-out greedy accuracy", title="SmolLM2-135M, basic_arithmetic")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(results / "compare_methods_heldout.png", dpi=120)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, points in critic.items():
-        if points:
-            ax.plot([s for s, _ in points], [v for _, v in points], label=key.split("/")[1])
-    ax.axhline(0.5, color="grey", lw=0.5)
-    ax.set(xlabel="training step", ylabel="rate", title="RARO critic", ylim=(0, 1))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(results / "compare_methods_raro_critic.png", dpi=120)
+    save(heldout_figure(curves, prompts), results / "compare_methods_heldout.png", dpi=120)
+    if (fig := critic_figure(critic)) is not None:
+        save(fig, results / "compare_methods_raro_critic.png", dpi=120)
 
 
 def _write(path: Path, text: str) -> None:
@@ -304,13 +350,15 @@ def main() -> None:
     if "raro" in finals:
         table["raro"]["vs_grpo"] = paired(finals["raro"], finals["grpo"], rng)
     as_means = {name: {s: float(v.mean()) for s, v in c.items()} for name, c in curves.items()}
+    prompts = {name: {s: len(v) for s, v in c.items()} for name, c in curves.items()}
     for name in as_means:
         as_means[name].setdefault(0, float(base.mean()))  # every arm starts from the base model
+        prompts[name].setdefault(0, len(base))
     critic = critic_curves(a.runs / "raro") if "raro" in wanted else {}
     n = json.loads((a.runs / "grpo" / "config.json").read_text())["rollout"]["n"]
     budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
               f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
-    report(a.results, table, {k: dict(sorted(v.items())) for k, v in as_means.items()}, critic, rerank,
+    report(a.results, table, {k: dict(sorted(v.items())) for k, v in as_means.items()}, prompts, critic, rerank,
            {k: commands[k] for k in wanted}, budget)
 
 

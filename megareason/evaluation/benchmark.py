@@ -5,7 +5,7 @@ A benchmark evaluates every model of ``benchmark.models`` with every retriever o
 combination is written to ``<benchmark.output_dir>/<model>__<retriever>/`` (``summary.json``,
 ``samples.jsonl``) as soon as it finishes, atomically; a rerun skips the combinations already there,
 so a crash loses at most the one in progress. ``analyze`` reads such a folder back, prints the tables
-(overall and per hop count) and saves bar plots.
+(overall and per hop count) and saves bar plots, exact match with its 95% Wilson score interval.
 """
 
 from __future__ import annotations
@@ -15,13 +15,18 @@ import logging
 import re
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from megareason.config import ConfigError
 from megareason.config.schema import Config
 from megareason.data.records import DataError
+from megareason.plotting import caption, counts_text, panel_grid, save, wilson_interval
 from megareason.utils import OutputKind, atomic_write, check_replaceable
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
@@ -126,43 +131,53 @@ def analyze(results: str | Path) -> tuple[str, list[Path]]:
 
 
 def _plots(out: Path, overall: list[dict], by_hop: list[dict]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out.mkdir(exist_ok=True)
-    written = []
+    return [save(fig, out / f"{name}.png") for name, fig in figures(overall, by_hop).items()]
+
+
+# What each bar plot shows of its metric: exact match is a proportion of questions (a Wilson interval);
+# F1 and retrieval recall are means of per-question scores in [0, 1] (no interval is drawn for them).
+PLOTTED = {"em": "exact match", "f1": "answer F1", "retrieval_recall": "retrieval recall"}
+
+
+def figures(overall: list[dict], by_hop: list[dict]) -> dict[str, Figure]:
+    """{file stem: Figure}: one bar plot per metric of ``PLOTTED`` (a bar per model and retriever), and F1
+    by hop count (``f1_by_hops``)."""
+    figs = {}
     labels = [f"{r['model']}\n{r['retriever']}" for r in overall]
-    for metric in ("em", "f1", "retrieval_recall"):
-        fig, ax = plt.subplots(figsize=(max(5, 1.6 * len(overall)), 4))
-        ax.bar(range(len(overall)), [r[metric] for r in overall], color="tab:blue")
-        ax.set_xticks(range(len(overall)), labels, fontsize=7)
-        ax.set_ylabel(metric)
-        ax.set_ylim(0, max(1.0, max((r[metric] for r in overall), default=1.0)))
-        ax.set_title(f"{metric} by model and retriever")
-        written.append(_save(fig, out / f"{metric}.png"))
+    x = range(len(overall))
+    for metric, name in PLOTTED.items():
+        fig, (ax,) = panel_grid([f"{name} by model and retriever"], sharex=False,
+                                panel_size=(max(5.0, 1.6 * len(overall)), 3.6))
+        values = [r[metric] for r in overall]
+        ax.bar(x, values, color="tab:blue")
+        if metric == "em":
+            lows, highs = zip(*(wilson_interval(r["em"] * r["questions"], r["questions"]) for r in overall),
+                              strict=True)
+            ax.errorbar(x, values, yerr=[[v - lo for v, lo in zip(values, lows, strict=True)],
+                                         [hi - v for v, hi in zip(values, highs, strict=True)]],
+                        fmt="none", ecolor="black", capsize=4)
+            caption(fig, [f"Error bars: 95% Wilson score interval over each run's questions "
+                          f"({counts_text([r['questions'] for r in overall])})."])
+        else:
+            caption(fig, [f"No interval: {name} is a mean of per-question scores in [0, 1], not a proportion."])
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.set_ylim(0, max(1.0, max(values, default=1.0)))
+        figs[metric] = fig
     hops = sorted({r["hops"] for r in by_hop})
     runs = list(dict.fromkeys((r["model"], r["retriever"]) for r in by_hop))
     if hops and runs:
-        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(hops) * len(runs)), 4))
+        fig, (ax,) = panel_grid(["answer F1 by hop count"], sharex=False,
+                                panel_size=(max(5.0, 1.2 * len(hops) * len(runs)), 3.6))
         width = 0.8 / len(runs)
         for i, (model, retriever) in enumerate(runs):
             vals = {r["hops"]: r["f1"] for r in by_hop if (r["model"], r["retriever"]) == (model, retriever)}
             ax.bar([h + i * width for h in range(len(hops))], [vals.get(h, 0.0) for h in hops], width,
                    label=f"{Path(model).name} / {retriever}")
         ax.set_xticks([h + width * (len(runs) - 1) / 2 for h in range(len(hops))], [f"{h} hops" for h in hops])
-        ax.set_ylabel("f1")
-        ax.set_title("answer F1 by hop count")
+        ax.set_ylabel("f1", fontsize=8)
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / "f1_by_hops.png"))
-    plt.close("all")
-    return written
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    tmp.replace(path)
-    return path
+        caption(fig, ["No interval: answer F1 is a mean of per-question scores in [0, 1], not a proportion."])
+        figs["f1_by_hops"] = fig
+    return figs
