@@ -223,6 +223,11 @@ class WorkerGroup:
                 raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {first_line(e)}"
                                  f"{f'; its last error: {cause}' if cause else ''} (its log: "
                                  f"logs/{role}_rank{rank}.log in the run folder)") from None
+            except ray.exceptions.RayTaskError as e:
+                self.failed = True
+                if isinstance(e.cause, RunError):  # its message is the report (a weight sync that failed on a rank)
+                    raise e.cause from None
+                raise
             except Exception:
                 self.failed = True
                 raise
