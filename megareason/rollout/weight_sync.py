@@ -68,15 +68,20 @@ class SyncGuard:
     def check(self) -> None:
         """One all-reduce of a failure flag over the world; raises ``WeightSyncError`` on every rank when
         any rank failed, naming the lowest failed rank and its error."""
-        on_gpu = "nccl" in dist.get_backend()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        flag = torch.tensor([0 if self.error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, self.error)
+        if not dist.is_initialized():  # one process: nothing to agree with
+            errors: list[str | None] = [self.error]
+        else:
+            on_gpu = "nccl" in dist.get_backend()
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+            flag = torch.tensor([0 if self.error is None else 1], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, self.error)
         failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if not failed:
+            return
         rank, error = failed[0]
         others = f" (and on rank{'s' if len(failed) > 2 else ''} {', '.join(str(r) for r, _ in failed[1:])})" \
             if len(failed) > 1 else ""
