@@ -189,3 +189,61 @@ def test_each_data_parallel_replica_feeds_its_own_engine(tiny_llama, tmp_path):
                 for ids in prompts]
     for r in results:
         assert r["greedy"] == want
+
+
+def _failing_load_worker(model_dir: str):
+    """TP=2: a load that raises on one rank, mid-stream and after the stream's last tensor; then a clean sync."""
+    import time
+
+    import torch.distributed as dist
+
+    from megareason.config.schema import Config, OptimConfig
+    from megareason.models.build import HFCheckpoint
+    from megareason.models.parallel import init_parallel
+    from megareason.models.roles import Actor
+    from megareason.rollout.weight_sync import SyncGuard, WeightSyncError, guarded_sync, stream_hf_tensors
+    from megareason.settings import optimizer_settings
+
+    init_parallel(2, 1)
+    ckpt = HFCheckpoint(model_dir)
+    actor = Actor(ckpt, optimizer_settings(Config(), OptimConfig.lr))
+    rank, out = dist.get_rank(), {}
+
+    def sync(every_rank: bool, fails_at: int | None, failing_rank: int) -> tuple[str | None, float, int]:
+        guard, loaded = SyncGuard(), []
+
+        def load():  # what an engine's update_weights does with the stream
+            stream = stream_hf_tensors(actor.model, ckpt.arch, every_rank=every_rank, guard=guard)
+            guard.streams.append(stream)
+            for name, _ in stream:
+                if rank == failing_rank and len(loaded) == fails_at:
+                    raise ValueError(f"vLLM refused {name}: shape mismatch")
+                loaded.append(name)
+            if rank == failing_rank and fails_at == -1:  # the last bucket, after the stream's end
+                raise RuntimeError("CUDA out of memory while waking the KV cache")
+
+        start = time.monotonic()
+        try:
+            guarded_sync(guard, load)
+            error = None
+        except WeightSyncError as e:
+            error = str(e)
+        return error, time.monotonic() - start, len(loaded)
+
+    out["mid_stream"] = sync(True, 2, failing_rank=1)  # colocated: every rank loads every tensor
+    out["after_stream"] = sync(False, -1, failing_rank=0)  # per replica: the consumer's last load fails
+    out["clean"] = sync(True, None, failing_rank=1)
+    return out
+
+
+def test_a_load_that_fails_on_one_rank_stops_every_rank_with_its_error(tiny_llama):
+    ranks = run_workers(2, _failing_load_worker, str(tiny_llama), timeout=120)
+    for case, message in (("mid_stream", "weight sync failed on rank 1: ValueError: vLLM refused"),
+                          ("after_stream", "weight sync failed on rank 0: RuntimeError: CUDA out of memory")):
+        for rank, out in enumerate(ranks):
+            error, seconds, _ = out[case]
+            assert error is not None and error.startswith(message), (case, rank, error)
+            assert seconds < 5, (case, rank, seconds)
+    assert ranks[1]["mid_stream"][2] == 2  # rank 1 stopped loading where it failed
+    assert ranks[0]["mid_stream"][2] < ranks[0]["clean"][2]  # rank 0 stopped too, at the next check
+    assert all(out["clean"][0] is None for out in ranks) and ranks[0]["clean"][2] == ranks[1]["clean"][2] > 0

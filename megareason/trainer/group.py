@@ -5,18 +5,23 @@ rank and returns the results in rank order; ``replicas`` keeps the result of eac
 replica's first rank (where a replica's outputs are complete), in replica order.
 
 Placement is explicit: one placement-group bundle per rank (a CPU on CPU, a GPU on GPU), shared by every
-role's rank i, so colocated roles (PPO's actor and critic) sit in the same process slot and the ranks
-spread over the cluster's nodes as their resources require (PACK: consecutive ranks, a TP group, fill a
-node before the next one is used).
+role's rank i, so colocated roles (PPO's actor and critic) sit in the same process slot. Ray reserves the
+bundles on nodes in no particular order (a PACK group's equal bundles are sorted unstably, so bundle i and
+i+1 may sit on different nodes), so ranks are not bundle indices: ``ranks_to_bundles`` reads which node
+holds each bundle and gives consecutive ranks the bundles of one node, so every tensor-parallel group (and
+every colocated vLLM engine) lies on one node, and refuses a cluster where one cannot.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+from megareason.config.load import ConfigError
 from megareason.config.schema import Config
 from megareason.logs import last_worker_error
 from megareason.trainer.run_dir import RunError, first_line
@@ -69,21 +74,77 @@ def cluster_size() -> tuple[int, int]:
     return int(res.get("CPU", 0)), int(res.get("GPU", 0))
 
 
-# (Ray job id, ranks, on GPU) -> the placement group every role of that driver shares.
-_placements: dict[tuple[str, int, bool], object] = {}
+def ranks_to_bundles(bundle_nodes: Sequence[str], block: int, what: str) -> list[int]:
+    """The bundle each rank runs in (``result[rank]``), given the node that holds each bundle
+    (``bundle_nodes[bundle]``), such that every ``block`` consecutive ranks starting at a multiple of
+    ``block`` (a tensor-parallel group, a colocated engine) hold bundles of one node. Bundles are taken node
+    by node (nodes in the order of their first bundle, each node's bundles in index order), as NeMo-RL's
+    ``RayVirtualCluster`` sorts them; on one node this is the identity. Raises ``ConfigError`` naming
+    ``what`` (the fields that set ``block``) when a node holds a number of bundles that is not a multiple of
+    ``block``: then some group must span two nodes, whatever the order."""
+    by_node: dict[str, list[int]] = {}
+    for bundle, node in enumerate(bundle_nodes):
+        by_node.setdefault(node, []).append(bundle)
+    if any(len(b) % block for b in by_node.values()):
+        counts = ", ".join(f"{len(b)} on node {node[:12]}" for node, b in by_node.items())
+        raise ConfigError(f"{what}: each group of {block} consecutive ranks must lie on one node, but Ray placed "
+                          f"the {len(bundle_nodes)} ranks {counts}: give every node a multiple of {block} GPUs")
+    return [bundle for bundles in by_node.values() for bundle in bundles]
+
+
+def node_block(cfg: Config) -> tuple[int, str]:
+    """How many consecutive ranks must share a node (Megatron's TP group and, with colocated engines, vLLM's
+    TP group: both are runs of consecutive ranks), and the fields that set it."""
+    from megareason.trainer.workers import colocated_rollout
+
+    tp = cfg.parallel.tensor_model_parallel_size
+    if not colocated_rollout(cfg):
+        return tp, f"parallel.tensor_model_parallel_size={tp}"
+    vtp = cfg.rollout.tensor_parallel_size
+    return math.lcm(tp, vtp), (f"parallel.tensor_model_parallel_size={tp} with "
+                               f"rollout.tensor_parallel_size={vtp}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A placement group of one bundle per rank, and the bundle of each rank (``ranks_to_bundles``)."""
+
+    pg: object
+    bundles: list[int]
+
+    def strategy(self, rank: int):
+        """Ray's scheduling strategy that puts an actor in ``rank``'s bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank])
+
+
+# (Ray job id, ranks, on GPU, block) -> the placement every role of that driver shares.
+_placements: dict[tuple[str, int, bool, int], Placement] = {}
 _PLACEMENT_TIMEOUT_S = 300.0
 
 
-def rank_placement(world: int, gpus: bool):
-    """The placement group with one bundle per rank ({"GPU": 1} or {"CPU": 1}), created on first use by
-    this Ray job and reused by its other roles; raises ``RuntimeError`` if the cluster cannot hold it."""
+def rank_placement(world: int, gpus: bool, block: int = 1, what: str = "") -> Placement:
+    """The placement group with one bundle per rank ({"GPU": 1} or {"CPU": 1}) and the bundle of each rank,
+    created on first use by this Ray job and reused by its other roles; raises ``RuntimeError`` if the
+    cluster cannot hold it, ``ConfigError`` (before any worker starts) if Ray spread it so that a group of
+    ``block`` consecutive ranks cannot lie on one node (``ranks_to_bundles``)."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, placement_group_table
 
-    key = (ray.get_runtime_context().get_job_id(), world, gpus)
+    key = (ray.get_runtime_context().get_job_id(), world, gpus, block)
     if key not in _placements:
         pg = placement_group([{"GPU": 1} if gpus else {"CPU": 1}] * world, strategy="PACK")
-        _placements[key] = placement_ready(pg, f"{world} ranks of 1 {'GPU' if gpus else 'CPU'} each")
+        placement_ready(pg, f"{world} ranks of 1 {'GPU' if gpus else 'CPU'} each")
+        # Which node holds each bundle, once the group is reserved: Ray 2.60's GCS table
+        # (python/ray/_private/state.py, placement_group_table: "bundles_to_node_id", bundle index -> node id).
+        nodes = placement_group_table(pg)["bundles_to_node_id"]
+        try:
+            bundles = ranks_to_bundles([nodes[i] for i in range(world)], block, what)
+        except ConfigError:
+            ray.util.remove_placement_group(pg)
+            raise
+        _placements[key] = Placement(pg, bundles)
     return _placements[key]
 
 
@@ -119,25 +180,19 @@ class WorkerGroup:
 
     def __init__(self, worker_cls, cfg: Config, name: str, gpus_per_worker: float, threads: int):
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         p = cfg.parallel
         self.world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
         self.name, self.worker_cls = name, worker_cls
-        pg = rank_placement(self.world, gpus_per_worker > 0)
+        placement = rank_placement(self.world, gpus_per_worker > 0, *node_block(cfg))
         # num_cpus=0: on CPU the bundle's CPU is the rank's slot, shared by the colocated roles, and the
         # bundle still pins the actor to its node. On GPU the roles split the bundle's GPU.
         self.workers = [ray.remote(worker_cls).options(
-            num_cpus=0, num_gpus=gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+            num_cpus=0, num_gpus=gpus_per_worker, scheduling_strategy=placement.strategy(rank),
         ).remote(cfg, rank, self.world) for rank in range(self.world)]
         nodes = ray.get([w.__ray_call__.remote(_node_of) for w in self.workers])
         log.info("%s: ranks on %d Ray node(s): %s", name, len({node for _, node in nodes}),
                  ", ".join(f"rank {r} -> {ip} ({node[:12]})" for r, (ip, node) in enumerate(nodes)))
-        tp = p.tensor_model_parallel_size
-        if any(len({node for _, node in nodes[g:g + tp]}) > 1 for g in range(0, self.world, tp)):
-            log.warning("%s: a tensor-parallel group spans nodes (slow): give each node a multiple of TP=%d "
-                        "GPUs", name, tp)
         master = ray.get(self.workers[0].address.remote())
         log.info("%s: %d workers, rendezvous at %s:%d", name, self.world, *master)
         ranks = ray.get([w.setup.remote(master, threads) for w in self.workers])
@@ -168,6 +223,11 @@ class WorkerGroup:
                 raise WorkerDied(f"{self.name} rank {rank} died during {method}(): {first_line(e)}"
                                  f"{f'; its last error: {cause}' if cause else ''} (its log: "
                                  f"logs/{role}_rank{rank}.log in the run folder)") from None
+            except ray.exceptions.RayTaskError as e:
+                self.failed = True
+                if isinstance(e.cause, RunError):  # its message is the report (a weight sync that failed on a rank)
+                    raise e.cause from None
+                raise
             except Exception:
                 self.failed = True
                 raise

@@ -233,7 +233,14 @@ class PolicyWorker(_Worker):
         return self._train(self.actor, exp, ["mask_BT"], loss_fn, lr, SftStats, responses_only=True)
 
     def sync_weights(self) -> WeightUpdate | None:
-        """Stream the actor's weights into this replica's engine (every rank takes part)."""
+        """Stream the actor's weights into this replica's engine (every rank takes part). A failure on any
+        rank raises ``WeightSyncError`` on every rank, naming it (``weight_sync.guarded_sync``)."""
+        from megareason.rollout.weight_sync import SyncGuard, guarded_sync
+
+        self._guard = SyncGuard()  # the streams of this sync (the separate engines' sender keeps _hf_weights)
+        return guarded_sync(self._guard, self._sync)
+
+    def _sync(self) -> WeightUpdate | None:
         if self.remote is not None:  # vLLM's weight-transfer API into the separate engines
             from megareason.models.weight_map import hf_shapes
 
@@ -251,9 +258,14 @@ class PolicyWorker(_Worker):
     def _hf_weights(self):
         from megareason.rollout.weight_sync import stream_hf_tensors
 
+        guard = self._guard
         if colocated_rollout(self.cfg):  # every rank loads every tensor, in the engine's dtype, into its vLLM rank
-            return stream_hf_tensors(self.actor.model, self.actor.arch, every_rank=True, dtype=self.engine.engine.dtype)
-        return stream_hf_tensors(self.actor.model, self.actor.arch)
+            stream = stream_hf_tensors(self.actor.model, self.actor.arch, every_rank=True,
+                                       dtype=self.engine.engine.dtype, guard=guard)
+        else:
+            stream = stream_hf_tensors(self.actor.model, self.actor.arch, guard=guard)
+        guard.streams.append(stream)  # read to its end after a failed load (``guarded_sync``)
+        return stream
 
     def shutdown(self) -> None:
         if self.engine is not None:
