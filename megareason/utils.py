@@ -20,6 +20,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class RunError(RuntimeError):
+    """A run stopped by a failure under it (a worker died, a checkpoint could not be written, a weight sync
+    failed on a rank); its last complete checkpoint is intact and the same command resumes from it."""
+
+
 class OccupiedFolder(FileExistsError):
     """An output folder that holds something megareason did not write there: it is never replaced."""
 

@@ -34,7 +34,7 @@ from megareason.models import weight_map
 from megareason.models.arch import ModelArch
 from megareason.models.lora import merged_state
 from megareason.models.parallel import current_layout
-from megareason.trainer.run_dir import RunError
+from megareason.utils import RunError
 
 T = TypeVar("T")
 

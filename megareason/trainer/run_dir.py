@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from megareason.config import Config, ConfigError, saved_config
-from megareason.utils import OccupiedFolder, OutputKind, atomic_write, replace_directory
+from megareason.utils import OccupiedFolder, OutputKind, RunError, atomic_write, replace_directory
 
 _STEP = re.compile(r"^step_(\d+)$")
 # A checkpoints/step_N folder: trainer_state.json, a folder per trained role (trainer/handles.py names
@@ -49,11 +49,6 @@ _STEP = re.compile(r"^step_(\d+)$")
 STEP_CHECKPOINT = OutputKind("step checkpoint", marks=("trainer_state.json",),
                              entries=("trainer_state.json", "actor", "critic", "rollout_inflight.pt"))
 _LOCKS: dict[Path, int] = {}  # run folder -> the descriptor holding its lock, for the process's life
-
-
-class RunError(RuntimeError):
-    """A run stopped by a failure under it (a worker died, a checkpoint could not be written); its last
-    complete checkpoint is intact and the same command resumes from it."""
 
 
 def first_line(error: BaseException) -> str:
