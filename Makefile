@@ -9,12 +9,12 @@ ARGS   ?=
 PYTEST_ARGS ?=
 N ?= 3
 # Tests run in JOBS processes (pytest-xdist): an end-to-end run spends most of its ~40 s starting Ray, vLLM and
-# megatron-core, one core's work, so two of them share 2 cores well. JOBS=0 runs them one at a time. The
-# longest tests start first (tests/durations.json); the Slurm cluster's tests share one process (tests/conftest.py).
+# megatron-core, one core's work, so two of them share 2 cores well. JOBS=0 runs them one at a time. The Slurm
+# cluster's tests share one process (tests/conftest.py).
 JOBS ?= 2
 XDIST := -n $(JOBS) --dist loadgroup
 
-.PHONY: setup run test test-fast test-slow-repeat test-durations lint bench bench-trl clean
+.PHONY: setup run test test-fast test-slow-repeat lint bench bench-trl clean
 
 setup: $(VENV)/.installed
 	$(BIN)/megareason models fetch $(MODEL)
@@ -44,9 +44,6 @@ test-fast: setup  ## the unit tier: everything but the end-to-end runs (the inne
 test-slow-repeat: setup  ## the end-to-end tier N times in a row (default 3): a flaky comparison shows here
 	@for i in $$(seq $(N)); do echo "== slow tier, run $$i of $(N)"; \
 	  $(BIN)/python -m pytest -ra -m slow -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) || exit 1; done
-
-test-durations: setup  ## re-measure the end-to-end tests' seconds (tests/durations.json: longest start first)
-	$(BIN)/python -m pytest -ra -m slow -p no:cacheprovider --record-durations $(XDIST) $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

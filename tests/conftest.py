@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -57,19 +56,6 @@ def tiny_mixtral(tmp_path_factory):
 _PREPARING: dict[str, Future] = {}
 
 
-# Seconds each end-to-end test took (tests/durations.json, written by `make test-durations`). Under pytest-xdist
-# the longest work starts first (the longest-processing-time-first rule): the two processes then finish together
-# instead of one waiting for a long run that started last.
-DURATIONS = Path(__file__).with_name("durations.json")
-_UNKNOWN_SLOW_S = 60.0  # a new end-to-end test not yet in the file: about one start-up and two steps
-_CLUSTER_RANK = 2  # the Slurm tests wait for the cluster's install (~1.5 min on a fresh machine): not first
-
-
-def pytest_addoption(parser):
-    parser.addoption("--record-durations", action="store_true",
-                     help=f"write each slow test's set-up + call seconds to tests/{DURATIONS.name}")
-
-
 @functools.cache
 def _cluster_tests() -> frozenset[str]:
     """``file::function`` of every test that takes the ``slurm`` fixture: they share one process (one cluster)."""
@@ -92,8 +78,8 @@ def _work_unit(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadgroup` with the units above, taken in collection order (longest first: see `longest_first`).
-    xdist's own grouping marks tests by editing ``item._nodeid``, which pytest 9 no longer reads."""
+    """`--dist loadgroup` with the units above, in collection order. xdist's own grouping (the ``xdist_group``
+    mark) edits ``item._nodeid``, which pytest 9 no longer reads: the mark alone would split these tests."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -104,45 +90,6 @@ def pytest_xdist_make_scheduler(config, log):
 
     config.option.loadscopereorder = False  # (it would sort the units by their number of tests)
     return UnitScheduling(config, log)
-
-
-def pytest_collection_modifyitems(config, items):
-    items[:] = longest_first(items, json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {})
-
-
-def longest_first(items: list, seconds: dict[str, float]) -> list:
-    """The end-to-end tests first, longest unit of work first (the Slurm unit costs its tests' sum; third, as it
-    waits for an install), then the unit tests in their usual order."""
-    units: dict[str, list] = {}
-    for item in items:
-        units.setdefault(_work_unit(item.nodeid), []).append(item)
-
-    def cost(unit: list) -> float:
-        return sum(seconds.get(item.nodeid, _UNKNOWN_SLOW_S) for item in unit if item.get_closest_marker("slow"))
-
-    slow = sorted((unit for unit in units.values() if cost(unit) > 0), key=lambda unit: -cost(unit))
-    if "slurm" in units and units["slurm"] in slow:
-        slow.remove(units["slurm"])
-        slow.insert(min(_CLUSTER_RANK, len(slow)), units["slurm"])
-    return [item for unit in slow for item in unit] + [
-        item for unit in units.values() if cost(unit) == 0 for item in unit]
-
-
-_RECORDED: dict[str, float] = {}
-
-
-def pytest_runtest_logreport(report):
-    if "slow" in report.keywords and report.when in ("setup", "call"):
-        _RECORDED[report.nodeid] = _RECORDED.get(report.nodeid, 0.0) + report.duration
-
-
-def pytest_sessionfinish(session):
-    if session.config.getoption("record_durations") and not os.environ.get("PYTEST_XDIST_WORKER") and _RECORDED:
-        old = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-        new = {**old, **{nodeid: round(s, 1) for nodeid, s in _RECORDED.items()}}
-        tmp = DURATIONS.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(sorted(new.items())), indent=1) + "\n")
-        tmp.replace(DURATIONS)
 
 
 def pytest_collection_finish(session):
