@@ -305,9 +305,18 @@ def _train(args: argparse.Namespace) -> int:
     hold_run_lock(cfg.trainer.output_dir)  # before the log: a busy run folder is left as it is
     with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
         run = train(cfg)
-    plots = render(run)
-    print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
+    print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
+
+
+def _plots(render, run) -> str:
+    """The run's PNG curves, drawn after it finished: a drawing error is reported, never fails a finished run."""
+    try:
+        return f"{len(render(run))} plots in {run}/plots"
+    except Exception as e:  # noqa: BLE001 (the run and its checkpoints are complete whatever the plot does)
+        print(f"warning: the plots were not drawn ({type(e).__name__}: {e}); redraw them with: megareason report "
+              f"{run}", file=sys.stderr)
+        return "no plots"
 
 
 def _sft(args: argparse.Namespace) -> int:
@@ -326,8 +335,7 @@ def _sft(args: argparse.Namespace) -> int:
     hold_run_lock(cfg.trainer.output_dir)
     with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
         run = sft(cfg)
-    plots = render(run)
-    print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {len(plots)} plots in {run}/plots)")
+    print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
 
 

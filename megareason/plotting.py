@@ -66,8 +66,8 @@ def accuracy_with_interval(ax, steps: Sequence[int], accuracy: Sequence[float], 
     lows, highs = [], []
     for p, n in zip(accuracy, prompts, strict=True):
         lo, hi = wilson_interval(p * n, n)
-        lows.append(p - lo)
-        highs.append(hi - p)
+        lows.append(max(0.0, p - lo))  # (at p = 0 or 1 the bound equals p up to rounding, either side)
+        highs.append(max(0.0, hi - p))
     kw.setdefault("marker", "o")
     return ax.errorbar(list(steps), list(accuracy), yerr=[lows, highs], capsize=0, markersize=3, elinewidth=1,
                        **kw)

@@ -101,3 +101,17 @@ def test_report_without_the_prompt_count_draws_no_interval_and_says_so(tmp_path)
     assert val.containers == [] and len(val.lines) == 1
     assert "Wilson" not in figs["reward"].get_supxlabel()
     assert "no interval at step(s) 0, 2, 3" in figs["reward"].get_supxlabel()
+
+
+def test_an_accuracy_of_0_or_1_draws_a_one_sided_interval():
+    """At k = 0 the Wilson low bound is 0 up to rounding (0/6: 2.8e-17 above it), at k = n the high bound
+    1: matplotlib refuses a negative error bar, so the bars are clipped at the point."""
+    from megareason.plotting import accuracy_with_interval, panel_grid
+
+    fig, (ax,) = panel_grid(["val/accuracy"])
+    bars = accuracy_with_interval(ax, [0, 1, 2], [0.0, 1.0, 0.5], [6, 6, 6])
+    segments = bars.lines[2][0].get_segments()
+    lo, hi = wilson_interval(0, 6)
+    assert segments[0][0][1] == 0.0 and segments[0][1][1] == pytest.approx(hi)
+    lo, hi = wilson_interval(6, 6)
+    assert segments[1][0][1] == pytest.approx(lo) and segments[1][1][1] == 1.0
