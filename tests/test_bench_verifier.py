@@ -106,9 +106,11 @@ def test_outcomes_and_rates_from_hand_made_outcomes():
 
     cost = bv.Cost(calls=4, concurrency=8, wall_s=2.0, warmup_s=1.0, prompt_tokens=1000, completion_tokens=8)
     text = bv.summary(outcomes, cost, command="python tools/bench_verifier.py", machine="2 CPU cores",
-                      model="m", date="2026-01-01", pairs_path="p.tsv", cfg=TinyVConfig(mode="addon"))
+                      model="m", date="2026-01-01", pairs_path="p.tsv", jsonl_name="o.jsonl",
+                      cfg=TinyVConfig(mode="addon"))
     assert "| units | 2/2 | 50.0% (1/2) | 100.0% (2/2) | 100.0% (2/2) | 50.0% (1/2) | 3 | 0 |" in text
     assert "| **all** | 3/3 | 33.3% (1/3) | 66.7% (2/3) | 66.7% (2/3) | 33.3% (1/3) | 4 | 1 |" in text
+    assert "answered True to 2 of its 4 calls" in text
     assert "0.500 s per asked sample" in text and "250 prompt + 2.0 completion" in text
 
 

@@ -49,6 +49,7 @@ ALL = "all"  # the key of the overall rates
 SERVED = "smollm2-135m-instruct"  # the verifier served when no --base-url is given: the bundled model
 # vLLM's Prometheus counters of prompt and generated tokens (summed over their label sets).
 PROMPT_TOKENS, GENERATION_TOKENS = "vllm:prompt_tokens_total", "vllm:generation_tokens_total"
+_STATS_LAG_S = 2.0  # vLLM counts a request's tokens just after answering it: wait before reading the counters
 _WARMUP = VerifyItem("What is 1 + 1?", "2", "2")  # not a pair: pays the first request's one-off costs
 
 
@@ -234,6 +235,7 @@ def measure(pairs: Sequence[Pair], cfg: TinyVConfig) -> tuple[list[PairOutcome],
     t0 = time.perf_counter()
     addon, stats = apply_tinyv(requests, rule, cfg)
     wall_s = time.perf_counter() - t0
+    time.sleep(_STATS_LAG_S)
     after = read_token_counters(cfg.base_url)
     tokens = (None, None) if before is None or after is None else (after[0] - before[0], after[1] - before[1])
     return outcomes_of(pairs, rule, addon, cfg.mode), Cost(stats["asked"], cfg.concurrency, wall_s, warmup_s, *tokens)
@@ -278,7 +280,7 @@ def flips(outcomes: Sequence[PairOutcome]) -> tuple[int, int]:
 
 
 def summary(outcomes: Sequence[PairOutcome], cost: Cost, *, command: str, machine: str, model: str, date: str,
-            pairs_path: str, cfg: TinyVConfig) -> str:
+            pairs_path: str, jsonl_name: str, cfg: TinyVConfig) -> str:
     by_kind = rates(outcomes)
     rescued, let_through = flips(outcomes)
     lines = [
@@ -289,13 +291,14 @@ def summary(outcomes: Sequence[PairOutcome], cost: Cost, *, command: str, machin
         f"Measured {date} on {machine}; verifier `{model}`, TinyV's True/False question in `addon` mode "
         f"(asked only where the rule says wrong; weight {cfg.weight:g}, fallback `{cfg.fallback}`, "
         f"constrain_choices {'on' if cfg.constrain_choices else 'off'}, concurrency {cfg.concurrency}). "
-        f"{len(outcomes)} hand-written pairs from `{pairs_path}` (per-pair outcomes: "
-        "`verifier_addon_pairs.jsonl`). Tables and cost written by `tools/bench_verifier.py`.",
+        f"{len(outcomes)} hand-written pairs from `{pairs_path}` (per-pair outcomes: `{jsonl_name}`). Tables and "
+        "cost written by `tools/bench_verifier.py`.",
         "",
         *table(by_kind),
         "",
-        f"The verifier rescued {rescued} equivalent answers the rule rejected and let through {let_through} "
-        "wrong answers the rule rejected.",
+        f"The verifier answered True to {rescued + let_through} of its {by_kind[ALL].calls} calls: it rescued "
+        f"{rescued} equivalent answers the rule rejected and let through {let_through} wrong answers the rule "
+        "rejected.",
         "",
         "## Cost of the verifier",
         "",
@@ -354,7 +357,7 @@ def run(args: argparse.Namespace, base_url: str, model: str) -> None:
     pairs_path = os.path.relpath(args.pairs.resolve(), ROOT)
     command = shlex.join(["python", "tools/bench_verifier.py", *sys.argv[1:]])
     text = summary(outcomes, cost, command=command, machine=args.machine or default_machine(),
-                   model=model, pairs_path=pairs_path, cfg=cfg,
+                   model=model, pairs_path=pairs_path, jsonl_name=args.jsonl.name, cfg=cfg,
                    date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"))
     write_outputs(outcomes, text, args.jsonl, args.markdown)
     print(f"wrote {args.jsonl} and {args.markdown}")
