@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megareason.algorithms import aggregate
-from megareason.models.packing import pack, plan_micro_batches, unpack_rows
+from megareason.models.packing import pack, plan_micro_batches, plan_shared, split_plan, unpack_rows
 
 
 def test_first_fit_decreasing_by_hand():
@@ -20,6 +20,26 @@ def test_every_sequence_once_and_within_budget():
     assert sorted(i for b in plan for i in b) == list(range(40))
     assert all(sum(lengths[i] for i in b) <= 64 for b in plan)
     assert len(plan) <= -(-sum(lengths) // 64) * 2  # far from one micro-batch per sequence
+
+
+def test_split_plan_halves_the_largest_micro_batch_until_the_expert_parallel_groups_count():
+    # Ranks of an expert-parallel group must run as many micro-batches as the rank with the most. Budget 10:
+    # first-fit decreasing gives [[0, 3], [1, 2]] (9 + 1, 6 + 3); asked for 3, the larger one (10 tokens)
+    # is halved; asked for 4, then [1, 2], the only one left with two sequences.
+    lengths = [9, 6, 3, 1]
+    plan = plan_micro_batches(lengths, 10)
+    assert plan == [[0, 3], [1, 2]]
+    assert split_plan(plan, 2, lambda b: lengths[b]) == plan  # already there: unchanged
+    assert split_plan(plan, 3, lambda b: lengths[b]) == [[1, 2], [0], [3]]
+    assert split_plan(plan, 4, lambda b: lengths[b]) == [[0], [3], [1], [2]]
+    with pytest.raises(ValueError, match="4 sequences cannot fill the 5 micro-batches.*trainer.micro_batch_tokens"):
+        split_plan(plan, 5, lambda b: lengths[b])
+    # Units that share a prompt (plan_shared): a micro-batch holding one unit is cut inside it.
+    shared = plan_shared([4, 4, 4, 2], [[0, 1, 2], [3]], 16)
+    assert shared == [[[0, 1, 2], [3]]]
+    two = split_plan(shared, 2, lambda unit: sum([4, 4, 4, 2][b] for b in unit))
+    assert two == [[[0, 1, 2]], [[3]]]
+    assert split_plan(two, 3, lambda unit: sum([4, 4, 4, 2][b] for b in unit)) == [[[3]], [[0]], [[1, 2]]]
 
 
 def test_too_long_sequence_is_named():

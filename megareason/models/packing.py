@@ -81,6 +81,31 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def split_plan(plan: list[list], count: int, size) -> list[list]:
+    """``plan`` cut into ``count`` micro-batches: the largest one that holds two or more items (``size(item)``
+    tokens each) is halved until there are ``count``. A micro-batch of ``plan_shared`` whose single item is a
+    unit of several sequences is cut inside that unit (its parts read the prefix once each).
+
+    Every rank of an expert-parallel group must run the same number of micro-batches: each one's MoE layers
+    exchange tokens with the other ranks (all-to-all), so a rank with fewer would leave the others waiting
+    forever. verl's dynamic batching makes the same agreement (the maximum over the data-parallel group)."""
+    plan = [list(b) for b in plan]
+    shared = bool(plan) and isinstance(plan[0][0], list)
+    while len(plan) < count:
+        cuts = [k for k, b in enumerate(plan) if len(b) > 1 or (shared and len(b[0]) > 1)]
+        if not cuts:
+            raise ValueError(f"{sum(len(b) for b in plan)} sequences cannot fill the {count} micro-batches that "
+                             f"another rank of the expert-parallel group runs; raise trainer.micro_batch_tokens")
+        k = max(cuts, key=lambda k: (sum(size(x) for x in plan[k]), -k))
+        b = plan.pop(k)
+        if len(b) > 1:
+            plan += [b[: len(b) // 2], b[len(b) // 2 :]]
+        else:
+            unit = b[0]
+            plan += [[unit[: len(unit) // 2]], [unit[len(unit) // 2 :]]]
+    return plan
+
+
 def pack(seqs: Sequence[torch.Tensor], plan: list[list[int]], pad_id: int = 0,
          width: int | None = None, multiple: int = 1) -> list[PackedMicroBatch]:
     """One packed row per micro-batch of ``plan``, all padded to ``width`` (default: the longest),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from megareason.data.records import TokenizedPrompt
-from megareason.models.packing import PackedMicroBatch, pack, pack_shared, plan_micro_batches, plan_shared
+from megareason.models.packing import PackedMicroBatch, pack, pack_shared, plan_micro_batches, plan_shared, split_plan
 from megareason.rollout.engine import Completion
 
 
@@ -85,7 +85,7 @@ def prompt_lengths(mask_BT: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tens
 
 def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[str] = (),
                     share_prefix: bool = False, responses_only: bool = False,
-                    width_multiple: int = 1) -> list[MicroBatch]:
+                    width_multiple: int = 1, count: int = 0) -> list[MicroBatch]:
     """Pack ``exp``'s rows into micro-batches of at most ``micro_batch_tokens`` tokens, all of one
     width (a pipeline sends fixed-size activations), carrying the per-token fields ``names``.
 
@@ -93,7 +93,8 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
     reads their prompt once (``models.packing.pack_shared``); the outputs are the same.
     ``responses_only``: outputs only where they score a response token (``keep_W``; 0 elsewhere), so
     the LM head skips the prompts. ``width_multiple``: the width the model runs on is a multiple of it
-    (TP under sequence parallelism)."""
+    (TP under sequence parallelism). ``count``: at least this many micro-batches (``packing.split_plan``:
+    what the other ranks of an expert-parallel group run)."""
     lengths = exp.lengths_B.tolist()
     seqs = [exp.tokens_BT[b, :n] for b, n in enumerate(lengths)]
     prompt_lens = prompt_lengths(exp.mask_BT, exp.lengths_B).tolist()
@@ -101,10 +102,12 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
         units: dict[tuple, list[int]] = {}
         for b, p in enumerate(prompt_lens):
             units.setdefault((p, *seqs[b][:p].tolist()), []).append(b)
-        batches = pack_shared(seqs, prompt_lens, plan_shared(lengths, list(units.values()), micro_batch_tokens),
-                              multiple=width_multiple)
+        plan = plan_shared(lengths, list(units.values()), micro_batch_tokens)
+        plan = split_plan(plan, count, lambda unit: sum(lengths[b] for b in unit))
+        batches = pack_shared(seqs, prompt_lens, plan, multiple=width_multiple)
     else:
-        batches = pack(seqs, plan_micro_batches(lengths, micro_batch_tokens), multiple=width_multiple)
+        plan = split_plan(plan_micro_batches(lengths, micro_batch_tokens), count, lambda b: lengths[b])
+        batches = pack(seqs, plan, multiple=width_multiple)
     out = []
     for mb in batches:
         packed = {}

@@ -88,11 +88,26 @@ class _Worker:
 
         return self.cfg.trainer.share_prompt_prefix and not uses_transformer_engine(model)
 
+    def _pack(self, mine: Experience, model, names=(), responses_only: bool = False) -> list:
+        """This replica's share in micro-batches of ``trainer.micro_batch_tokens`` tokens. With experts spread
+        over data-parallel ranks (EP > 1) every rank runs the largest rank's number of micro-batches: each
+        micro-batch's MoE layers exchange tokens over the expert-parallel group (``packing.split_plan``)."""
+        def pack(count: int = 0) -> list:
+            return pack_experience(mine, self.cfg.trainer.micro_batch_tokens, names,
+                                   share_prefix=self._share_prefix(model), responses_only=responses_only,
+                                   width_multiple=self._width_multiple(), count=count)
+
+        micro = pack()
+        if self.layout.ep > 1:
+            count = _max_over_data_parallel(len(micro))
+            if count > len(micro):
+                micro = pack(count)
+        return micro
+
     def _outputs(self, model, head, num: int, exp: Experience, responses_only: bool = False) -> list[torch.Tensor]:
         """``head``'s outputs over this replica's share, as [B_share, T] rows."""
         mine = self._share(exp)
-        micro = pack_experience(mine, self.cfg.trainer.micro_batch_tokens, share_prefix=self._share_prefix(model),
-                                responses_only=responses_only, width_multiple=self._width_multiple())
+        micro = self._pack(mine, model, responses_only=responses_only)
         outs = forward_outputs(model, micro, head, num)
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
@@ -102,9 +117,7 @@ class _Worker:
                responses_only: bool = False) -> TrainStats:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
-        micro = pack_experience(self._share(exp), self.cfg.trainer.micro_batch_tokens, names,
-                                share_prefix=self._share_prefix(role.model), responses_only=responses_only,
-                                width_multiple=self._width_multiple())
+        micro = self._pack(self._share(exp), role.model, names, responses_only=responses_only)
         result = role.train_step(micro, loss_fn)
         return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
@@ -118,6 +131,17 @@ class _Worker:
         from megareason.models.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def _max_over_data_parallel(n: int) -> int:
+    """The largest ``n`` of the data-parallel ranks (on the accelerator under NCCL)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    return int(t.item())
 
 
 class PolicyWorker(_Worker):
