@@ -37,7 +37,11 @@
 #                                always mounted (models, data and output folders are yours to add)
 #   MEGAREASON_RAY_PORT_BASE     first port of the job's block (default: 2000 + 800 x (job id mod 8), so every
 #                                port stays below 9000, where the ephemeral range starts on some DGX nodes);
-#                                node k uses BASE + 200 x (k mod 4) ... + 199, the head's GCS is BASE
+#                                node k uses BASE + 200 x (k mod 4) ... + 199: Ray's own ports (+0..+8; the
+#                                head's GCS is BASE), Ray's worker ports (+10..+135), megareason's services
+#                                (+136..+199: torch.distributed rendezvous, vLLM; megareason/ports.py)
+#   MEGAREASON_RAY_WORKERS_SOFT_LIMIT  idle Ray workers a node keeps (RAY_num_workers_soft_limit; default 32);
+#                                prestarting workers is off
 #   MEGAREASON_RAY_WAIT_S        how long to wait for the Ray cluster (default: 1800 s: unpacking a large
 #                                image on many nodes takes minutes)
 #   MEGAREASON_RAY_START_RETRIES more `ray start` attempts per node while the cluster is not up (ray_node.py's
@@ -51,6 +55,7 @@
 
 MEGAREASON_EXIT_STOPPED=75  # the driver's exit code after a signal-requested checkpoint (trainer/loop.py)
 MR_NODE_SLOTS=4             # Slurm nodes of one job that may share a host (a test cluster): distinct ports
+MR_RAY_WORKER_PORTS=126     # per node: one for each Ray worker process (an actor or a task's worker)
 
 _mr_log() { echo "$(date +%T) megareason-slurm: $*"; }
 
@@ -79,7 +84,15 @@ _mr_ray_node() {
     local args=(--disable-usage-stats --num-cpus="$SLURM_CPUS_ON_NODE"
                 --node-manager-port=$((b + 3)) --object-manager-port=$((b + 4)) --metrics-export-port=$((b + 5))
                 --dashboard-agent-listen-port=$((b + 6)) --dashboard-agent-grpc-port=$((b + 7))
-                --runtime-env-agent-port=$((b + 8)) --min-worker-port=$((b + 10)) --max-worker-port=$((b + 199)))
+                --runtime-env-agent-port=$((b + 8)) --min-worker-port=$((b + 10))
+                --max-worker-port=$((b + 9 + MR_RAY_WORKER_PORTS)))
+    # The node's last 64 ports: the megareason services its Ray workers start (torch.distributed rendezvous,
+    # vLLM; megareason/ports.py). Ray's workers inherit the variable from the raylet.
+    export MEGAREASON_PORT_BASE=$((b + 136))
+    # One Ray worker process per worker port: Ray would otherwise prestart one per CPU when the driver
+    # connects and keep as many idle (224 on a DGX H100 node with SMT), more than the node's worker ports.
+    export RAY_prestart_worker_first_driver=0 RAY_enable_worker_prestart=0
+    export RAY_num_workers_soft_limit=${MEGAREASON_RAY_WORKERS_SOFT_LIMIT:-32}
     if (( index == 0 )); then
         args+=(--head --node-ip-address="$MR_HEAD_IP" --port="$MR_RAY_PORT_BASE"
                --ray-client-server-port=$((b + 1)) --include-dashboard=false --dashboard-port=$((b + 2)))

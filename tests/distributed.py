@@ -11,10 +11,11 @@ import multiprocessing as mp
 import os
 import queue
 import traceback
+from datetime import timedelta
 
 import torch
 
-from megareason.utils import free_port
+from megareason.ports import rendezvous_store
 
 # What the server imports before it forks the ranks (a module that fails to import is skipped).
 PRELOAD = ["distributed", "megatron.core.parallel_state", "megatron.core.models.gpt", "transformers",
@@ -45,8 +46,11 @@ def _entry(fn, rank, world_size, port, results, args, parent, env):
     _exit_with_parent(parent)
     os.environ.clear()  # the test process's environment now, not the server's from when it started
     os.environ.update(env)
+    # The test process holds the rendezvous store (torch's agent-store mode): every rank is its client, so
+    # no rank has to bind a port that another process may have taken since it was chosen.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         # Serialised to bytes: tensors put on a queue directly travel as shared-memory handles that
         # die with this process.
@@ -67,8 +71,9 @@ def run_workers(world_size: int, fn, *args, timeout: float = 600):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args, os.getpid(), dict(os.environ)))
+    store = rendezvous_store("127.0.0.1", world_size, timedelta(seconds=timeout))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, store.port, results, args, os.getpid(),
+                                              dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -20,8 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megareason.utils import free_port
-
 REPO = Path(__file__).resolve().parent.parent
 
 SLURM_CONF = """\
@@ -104,8 +102,10 @@ def ensure_slurm() -> None:
 
 
 def port_block(size: int) -> int:
-    """The first port of ``size`` consecutive free ports (for Ray's per-node port blocks)."""
-    for base in range(21000, 32000 - size, 1000):
+    """The first port of ``size`` consecutive free ports below 9000, where slurm/ray_cluster.sh's own
+    default blocks lie (below the ephemeral range on any node: nothing but a server asking for a port by
+    number takes one of them)."""
+    for base in range(2000, 9000 - size, 1000):
         socks = []
         try:
             for port in range(base, base + size):
@@ -118,7 +118,7 @@ def port_block(size: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {size} free consecutive ports")
+    raise RuntimeError(f"no {size} free consecutive ports below 9000")
 
 
 def start(base_dir: Path) -> Cluster:
@@ -129,12 +129,13 @@ def start(base_dir: Path) -> Cluster:
         (d / sub).mkdir(parents=True, exist_ok=True)
     conf = d / "slurm.conf"
     name = f"mr{os.getpid()}"
-    conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=free_port("127.0.0.1"),
-                                      n1_port=free_port("127.0.0.1"), n2_port=free_port("127.0.0.1")))
+    # The Ray block holds 4 node slots of 200 ports (slurm/ray_cluster.sh); the daemons take the 3 after it.
+    ray_base = port_block(803)
+    conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=ray_base + 800, n1_port=ray_base + 801,
+                                      n2_port=ray_base + 802))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths are limited
-    # The block holds 4 node slots of 200 ports (slurm/ray_cluster.sh); one per test job at a time.
     env = {**os.environ, "SLURM_CONF": str(conf), "MEGAREASON_PYTHON": sys.executable,
-           "MEGAREASON_RAY_PORT_BASE": str(port_block(800)), "MEGAREASON_RAY_TMPDIR": str(ray_tmp),
+           "MEGAREASON_RAY_PORT_BASE": str(ray_base), "MEGAREASON_RAY_TMPDIR": str(ray_tmp),
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     cluster = Cluster(name, d, env, ray_tmp)
     try:

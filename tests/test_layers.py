@@ -17,8 +17,8 @@ MAX_LINES = 500
 # lower ones. A module belongs to the longest prefix listed; envs.runner (episodes from the config, for
 # train and eval) sits above the settings it builds, the rest of envs below them.
 LAYERS = (
-    ("megareason", "megareason.utils", "megareason.logs", "megareason.plotting", "megareason.config",
-     "megareason.algorithms"),
+    ("megareason", "megareason.utils", "megareason.ports", "megareason.logs", "megareason.plotting",
+     "megareason.config", "megareason.algorithms"),
     ("megareason.data",),
     ("megareason.models",),
     ("megareason.rollout",),

@@ -20,6 +20,7 @@ from megareason.cli import main
 from megareason.config import Config, ConfigError, from_dict, load_config
 from megareason.config.schema import TinyVConfig
 from megareason.data import DataError, PromptRecord, TokenizedPrompt
+from megareason.ports import unused_server_port
 from megareason.rewards import get_reward_fn, register
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest
 from megareason.rewards.registry import base_source
@@ -39,7 +40,6 @@ from megareason.rewards.tinyv import (
 )
 from megareason.rewards.verifier_server import VerifierServer, VerifierServerError, group_alive, serve_verifier
 from megareason.rollout.engine import Completion
-from megareason.utils import free_port
 
 Out = ScoreOutcome
 
@@ -260,7 +260,7 @@ def test_the_defaults_are_seed_001s_tinyv_only_and_no_verdict_scores_0(fake):
 
 @pytest.mark.parametrize("fallback, scores", [("rule", [1.0, 0.0, 0.3, 0.2]), ("zero", [0.0, 0.0, 0.0, 0.0])])
 def test_nothing_listening_falls_back_and_is_counted(fallback, scores):
-    cfg = TinyVConfig(base_url=f"http://127.0.0.1:{free_port()}", mode="tinyv_only", fallback=fallback,
+    cfg = TinyVConfig(base_url=f"http://127.0.0.1:{unused_server_port()}", mode="tinyv_only", fallback=fallback,
                       max_retries=1, backoff_s=0.01, timeout_s=2.0)
     outcomes, stats = apply_tinyv(REQUESTS, RULE4, cfg)
     assert [o.score for o in outcomes] == scores
@@ -316,7 +316,7 @@ def test_runner_sends_only_tinyv_samples_to_the_verifier_in_one_batch(fake, work
 
 def test_runner_without_tinyv_samples_needs_no_server():
     samples = score([_prompt("math", "q", "8")], [_completions("\\boxed{8}")], tinyv=replace(
-        TinyVConfig(), base_url=f"http://127.0.0.1:{free_port()}"))
+        TinyVConfig(), base_url=f"http://127.0.0.1:{unused_server_port()}"))
     assert [s.reward for s in samples] == [1.0] and not samples[0].score_error
 
 
@@ -494,7 +494,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def test_server_waits_until_ready_then_stops_its_whole_process_group(tmp_path):
-    port = free_port()
+    port = unused_server_port()
     cmd = [sys.executable, "-c", STAND_IN, str(port), str(tmp_path / "child.pid")]
     server = VerifierServer(cmd, f"http://127.0.0.1:{port}", tmp_path / "server.log")
     try:
@@ -510,12 +510,12 @@ def test_server_waits_until_ready_then_stops_its_whole_process_group(tmp_path):
 
 def test_server_start_up_failures_say_why(tmp_path):
     crash = VerifierServer([sys.executable, "-c", "print('boom: no such model'); raise SystemExit(3)"],
-                           f"http://127.0.0.1:{free_port()}", tmp_path / "crash.log")
+                           f"http://127.0.0.1:{unused_server_port()}", tmp_path / "crash.log")
     with pytest.raises(VerifierServerError, match=r"(?s)exited with code 3.*boom: no such model"):
         crash.wait_ready(30)
     crash.stop()
     hang = VerifierServer([sys.executable, "-c", "print('still loading', flush=True); import time; time.sleep(600)"],
-                          f"http://127.0.0.1:{free_port()}", tmp_path / "hang.log")
+                          f"http://127.0.0.1:{unused_server_port()}", tmp_path / "hang.log")
     with pytest.raises(VerifierServerError, match=r"(?s)not ready after 1s; stopped it.*still loading"):
         hang.wait_ready(1.0)
     assert group_alive(hang.pid) == [] and hang.process.returncode is not None
@@ -532,4 +532,4 @@ def test_serve_verifier_refuses_a_busy_port_and_an_unknown_model(tmp_path):
     with pytest.raises(FileNotFoundError):
         with serve_verifier(str(tmp_path / "missing")):
             pass
-    assert main(["serve-verifier", str(tmp_path / "missing"), "--port", str(free_port())]) == 2
+    assert main(["serve-verifier", str(tmp_path / "missing"), "--port", str(unused_server_port())]) == 2

@@ -19,6 +19,7 @@ import pytest
 
 from megareason.config.schema import TinyVConfig
 from megareason.models.tiny import build_tokenizer
+from megareason.ports import unused_server_port
 from megareason.rewards import compute_score
 from megareason.rewards.pool import ScoreRequest, score_one
 from megareason.rewards.tinyv import (
@@ -34,7 +35,6 @@ from megareason.rewards.tinyv import (
     verifier_prompt,
 )
 from megareason.rewards.verifier_server import group_alive, serve_verifier
-from megareason.utils import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_tinyv_modes_against_a_real_vllm_server_then_fallback_once_stopped(tiny_
                   for i in items)
     assert longest + 64 < MAX_MODEL_LEN  # room for the chat template and the reply
 
-    with serve_verifier(str(tiny_qwen2), port=free_port(), max_model_len=MAX_MODEL_LEN,
+    with serve_verifier(str(tiny_qwen2), port=unused_server_port(), max_model_len=MAX_MODEL_LEN,
                         start_timeout_s=300) as server:
         cfg = TinyVConfig(base_url=server.base_url, constrain_choices=True, timeout_s=60.0, max_retries=1,
                           backoff_s=0.5, weight=WEIGHT)

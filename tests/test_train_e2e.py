@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from golden_curves import check_golden
+
+from megareason.ports import PORT_BASE_ENV, RENDEZVOUS, run_block
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +167,8 @@ def test_reinforce_pp_on_a_hub_model_and_hub_data_with_verl_and_trl_rewards_besi
     (tmp_path / "trl_reward.py").write_text(TRL_REWARD)
     out = tmp_path / "alg"
     args = [a for a in _args(tiny_qwen2, tmp_path, out) if not a.startswith(("reward.custom=", "model.path="))]
-    _run([*args, "model.path=tiny-org/tiny-qwen2", "trainer.steps=2", "trainer.prompts_per_step=6",
+    block = run_block(os.getpid() + 1)  # not the block this test process's own stores use
+    proc = _run([*args, "model.path=tiny-org/tiny-qwen2", "trainer.steps=2", "trainer.prompts_per_step=6",
           "trainer.save_every=0", "trainer.val_every=0", "data.val_sources=[]", "data.system_prompt=''",
           "data.sources=[{kind: hf, name: tiny-org/tiny-gsm8k}, "
           f"{{kind: file, path: {trl}, data_source: trl_consonants}}, "
@@ -174,7 +178,11 @@ def test_reinforce_pp_on_a_hub_model_and_hub_data_with_verl_and_trl_rewards_besi
           "algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01",
           "algorithm.kl_in_reward=true", "algorithm.kl_loss_coef=0.01",
           "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.rollout_tis_cap=2.0"],
-         env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+         env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", PORT_BASE_ENV: str(block)})
+    # Each role's process group met at a store on the first free rendezvous port of the run's block, below
+    # the ephemeral range (megareason/ports.py).
+    stores = [int(p) for p in re.findall(r"rendezvous at 127\.0\.0\.1:(\d+)", proc.stdout + proc.stderr)]
+    assert stores and all(block <= p < block + RENDEZVOUS for p in stores), (block, stores)
     m = _metrics(out)
     assert sorted(m) == [1, 2] and all(m[s]["actor/grad_norm"] > 0 for s in (1, 2))
     for key in ("actor/is_ratio", "actor/is_ratio_max", "actor/is_kl", "actor/is_truncated", "actor/kl"):

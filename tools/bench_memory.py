@@ -67,7 +67,7 @@ def _config(overrides: tuple[str, ...], s: Setting):
 
 def _measure(rank: int, world: int, port: int, model_dir: str, setting: Setting, tokens: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         results.put((rank, _measure_rank(model_dir, setting, tokens), None))
     except BaseException as e:  # reported by the parent, which then stops
@@ -116,11 +116,14 @@ def _measure_rank(model_dir: str, setting: Setting, tokens: int) -> dict:
 
 
 def measure(model_dir: str, setting: Setting, tokens: int) -> list[dict]:
-    from megareason.utils import free_port
+    from datetime import timedelta
+
+    from megareason.ports import rendezvous_store
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store = rendezvous_store("127.0.0.1", setting.world, timedelta(minutes=10))  # the ranks are its clients
+    port = store.port
     procs = [ctx.Process(target=_measure, args=(r, setting.world, port, model_dir, setting, tokens, results))
              for r in range(setting.world)]
     for p in procs:

@@ -370,11 +370,11 @@ def main(argv=None) -> None:
         run(args, args.base_url, args.model or "")
         return
     model = args.model or SERVED
+    from megareason.ports import unused_server_port
     from megareason.rewards.verifier_server import serve_verifier
-    from megareason.utils import free_port
 
     t0 = time.perf_counter()
-    with serve_verifier(model, free_port(), args.max_model_len) as server:
+    with serve_verifier(model, unused_server_port(), args.max_model_len) as server:
         print(f"verifier {model} serving at {server.base_url} after {time.perf_counter() - t0:.0f} s "
               f"(log {server.log_path})", flush=True)
         run(args, server.base_url, model)

@@ -113,9 +113,12 @@ def vllm_cpu_packing_seconds(arch, repeats: int) -> float:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
-    from megareason.utils import free_port
+    from datetime import timedelta
 
-    os.environ["MASTER_PORT"] = str(free_port())
+    from megareason.ports import rendezvous_store
+
+    store = rendezvous_store("127.0.0.1", 1, timedelta(minutes=10))
+    os.environ["MASTER_PORT"] = str(store.port)
     from megareason.config.schema import Config, ModelConfig, RolloutConfig
     from megareason.models.build import HFCheckpoint
     from megareason.models.hub import resolve_model_path
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
     from megareason.settings import engine_settings
 
     model_dir = resolve_model_path(args.model)
-    init_parallel(1, 1)
+    init_parallel(1, 1, store=store)
     ckpt = HFCheckpoint(model_dir)
     policy = Reference(ckpt)  # any role: the sync reads the Megatron module's tensors
     engine = VLLMEngine(engine_settings(Config(model=ModelConfig(path=str(model_dir)),

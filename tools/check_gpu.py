@@ -15,6 +15,7 @@ if any failed:
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -479,11 +480,12 @@ def main() -> int:
     from megareason.models.build import transformer_engine_available
     from megareason.models.parallel import init_parallel
     from megareason.models.tiny import build_tiny_model
-    from megareason.utils import free_port
+    from megareason.ports import rendezvous_store
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    init_parallel(1, 1)
+    store = rendezvous_store("127.0.0.1", 1, datetime.timedelta(minutes=10))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    init_parallel(1, 1, store=store)
     import torch.distributed as dist
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {dist.get_backend()} "

@@ -53,9 +53,9 @@ SLURM_DIR = launch_env.REPO / "slurm"
 OWN_DIRECTIVES = {"job-name", "output", "error"}
 # What the job script reads from the environment (slurm/ray_cluster.sh), written into the script when set
 # here: the job then runs the same way after a requeue, or when submitted from elsewhere.
-JOB_ENV = ("MEGAREASON_PYTHON", "MEGAREASON_RAY_PORT_BASE", "MEGAREASON_RAY_WAIT_S", "MEGAREASON_RAY_START_RETRIES",
-           "MEGAREASON_RAY_TMPDIR", "MEGAREASON_RAY_START_ARGS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME",
-           "NCCL_IB_HCA")
+JOB_ENV = ("MEGAREASON_PYTHON", "MEGAREASON_RAY_PORT_BASE", "MEGAREASON_RAY_WORKERS_SOFT_LIMIT",
+           "MEGAREASON_RAY_WAIT_S", "MEGAREASON_RAY_START_RETRIES", "MEGAREASON_RAY_TMPDIR",
+           "MEGAREASON_RAY_START_ARGS", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_HCA")
 
 
 @dataclass

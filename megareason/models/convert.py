@@ -34,14 +34,12 @@ def _ensure_single_process_group() -> None:
 
     from megareason.models.parallel import init_parallel
 
-    if not dist.is_initialized():
-        from megareason.utils import free_port
-
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-    init_parallel(1, 1)
+    store = None
+    if not dist.is_initialized() and "MASTER_PORT" not in os.environ:
+        # One process: an in-memory store, no port (under torchrun, its env:// rendezvous).
+        store = dist.HashStore()
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+    init_parallel(1, 1, store=store)
 
 
 def hf_to_megatron(hf_dir: str | Path, out_dir: str | Path) -> Path:

@@ -35,8 +35,10 @@ class Layout:
         return self.pp_rank == self.pp - 1
 
 
-def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> Layout:
-    """Join the default process group (from torchrun-style env vars) and build megatron's groups.
+def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, store=None) -> Layout:
+    """Join the default process group and build megatron's groups: through ``store`` (a
+    ``torch.distributed.Store``; RANK and WORLD_SIZE from the environment) when given, else torchrun-style
+    environment variables (``env://``).
 
     The world size must be a multiple of ``tp * pp``; the rest is data parallel, of which ``ep`` ranks at
     a time share out the experts of an MoE model (``ep`` must divide the data-parallel size). On a
@@ -51,7 +53,12 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1) -> Layou
     if not dist.is_initialized():
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if on_gpu else "gloo")
+        backend = "nccl" if on_gpu else "gloo"
+        if store is None:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of TP x PP = {tp} x {pp}")

@@ -140,10 +140,16 @@ def _exits_if_the_core_died(method):
 class VLLMEngine:
     """``RolloutEngine`` backed by ``vllm.LLM``."""
 
-    def __init__(self, settings: EngineSettings):
+    def __init__(self, settings: EngineSettings, index: int = 0):
+        """``index``: which of the run's engines on this node this is; it picks the engine's ports."""
         if not (Path(settings.model_path) / "config.json").is_file():
             raise FileNotFoundError(f"no HF checkpoint (config.json) in {settings.model_path}")
         from megareason.config.schema import resolve_enforce_eager
+        from megareason.ports import engine_port
+
+        # vLLM scans upward from VLLM_PORT for its ports (vllm/utils/network_utils.py); without it, it
+        # takes them from the ephemeral range, where another connection may take one first.
+        os.environ.setdefault("VLLM_PORT", str(engine_port(index)))
 
         self.on_cpu = _on_cpu()
         kwargs = dict(

@@ -48,6 +48,13 @@ def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
         "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
         # vLLM's per-request INFO lines would drown the training log.
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")})
+    if not address:
+        # One port block for this run's services on this machine (megareason/ports.py); on a cluster each
+        # node's raylet passes its own (slurm/ray_cluster.sh).
+        from megareason.ports import PORT_BASE_ENV, block_base
+
+        os.environ.setdefault(PORT_BASE_ENV, str(block_base()))
+        env["env_vars"][PORT_BASE_ENV] = os.environ[PORT_BASE_ENV]
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:

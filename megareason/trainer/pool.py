@@ -43,7 +43,7 @@ class RolloutWorker:
 
         settings = engine_settings(cfg)  # the weights arrive through vLLM's weight-transfer API
         settings.extra = {**settings.extra, "weight_transfer_config": {"backend": SHM_BACKEND}}
-        self.index, self.engine = index, VLLMEngine(settings)
+        self.index, self.engine = index, VLLMEngine(settings, index)
 
     def node(self) -> str:
         import ray

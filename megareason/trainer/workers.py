@@ -12,6 +12,7 @@ of the step's rows (``share``), and the first rank of each replica returns that 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 
@@ -21,6 +22,8 @@ from megareason.rollout.engine import WeightUpdate
 from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats, TrainStats
+
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank joins the store within this (torch's default)
 
 
 def share(n: int, dp: int, dp_rank: int) -> slice:
@@ -47,7 +50,9 @@ class _Worker:
         name_worker(type(self).__name__.removesuffix("Worker").lower(), rank)  # logs/policy_rank0.log
 
     def address(self) -> tuple[str, int]:
-        from megareason.utils import free_port
+        """Rank 0: start the group's rendezvous store on this node, at a port of the run's block below the
+        ephemeral range (megareason/ports.py), and return where it listens."""
+        from megareason.ports import rendezvous_store
 
         # A local Ray session lives on loopback; on a cluster, the address Ray reached this node at
         # (gethostbyname(gethostname()) can resolve to 127.0.1.1 there).
@@ -57,19 +62,24 @@ class _Worker:
             import ray
 
             host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        self._store = rendezvous_store(host, self.world, RENDEZVOUS_TIMEOUT)
+        return host, self._store.port
 
     def setup(self, master: tuple[str, int], threads: int) -> tuple[int, int, int]:
         """Join the process group at ``master`` and build the role; returns (dp_rank, tp_rank, pp_rank)."""
+        import torch.distributed as dist
+
         from megareason.models.parallel import init_parallel
 
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        store = getattr(self, "_store", None) or dist.TCPStore(master[0], master[1], self.world, is_master=False,
+                                                               timeout=RENDEZVOUS_TIMEOUT)
         if not torch.cuda.is_available():
             torch.set_num_threads(threads)
         p = self.cfg.parallel
         self.layout = init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                    seed=self.cfg.trainer.seed, ep=p.expert_model_parallel_size)
+                                    seed=self.cfg.trainer.seed, ep=p.expert_model_parallel_size, store=store)
         self._build()
         return self.layout.dp_rank, self.layout.tp_rank, self.layout.pp_rank
 
@@ -180,7 +190,7 @@ class PolicyWorker(_Worker):
             self.engine_index = self.engine.layout.engine
             self.engine_leader = self.engine.layout.leader
         else:  # the first rank of each data-parallel replica holds a whole engine
-            self.engine = VLLMEngine(engine_settings(cfg)) if is_consumer() else None
+            self.engine = VLLMEngine(engine_settings(cfg), self.rank) if is_consumer() else None
             self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
             self.engine = EngineStateMachine(self.engine)
