@@ -89,8 +89,9 @@ _mr_ray_node() {
     # The node's last 64 ports: the megareason services its Ray workers start (torch.distributed rendezvous,
     # vLLM; megareason/ports.py). Ray's workers inherit the variable from the raylet.
     export MEGAREASON_PORT_BASE=$((b + 136))
-    # One Ray worker process per worker port: Ray would otherwise prestart one per CPU when the driver
-    # connects and keep as many idle (224 on a DGX H100 node with SMT), more than the node's worker ports.
+    # Each Ray worker process holds one of the node's 126 worker ports. Ray keeps as many idle workers as the
+    # node has CPUs (RAY_num_workers_soft_limit's default: 224 on a DGX H100 node with SMT) and may prestart
+    # workers for the first driver (ray_config_def.h); both are bounded here.
     export RAY_prestart_worker_first_driver=0 RAY_enable_worker_prestart=0
     export RAY_num_workers_soft_limit=${MEGAREASON_RAY_WORKERS_SOFT_LIMIT:-32}
     if (( index == 0 )); then

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -154,6 +156,76 @@ def test_ray_start_is_retried_until_the_cluster_is_up(tmp_path):
     attempts.unlink()
     assert ray_node.run(failing, job_dir, tmp_path / "t", retries=2, retry_delay=0.1) == 3
     assert attempts.read_text() == "x"
+
+
+RAY_DRIVER = """\
+import os, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+
+@ray.remote(num_cpus=0)
+def node_env():
+    from megareason.ports import block_base
+    return os.environ.get("MEGAREASON_PORT_BASE"), block_base()
+
+print("cpus", int(ray.cluster_resources()["CPU"]), flush=True)
+print("env", *ray.get(node_env.remote()), flush=True)
+input()  # hold the driver while the test counts the node's workers
+"""
+
+
+def _ray_workers(root: int) -> list[int]:
+    """Ray's worker processes (``default_worker.py``) under ``root``."""
+    def cmd(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return ""
+
+    return [p for p in ray_node.process_tree(root) if "default_worker.py" in cmd(p)]
+
+
+def test_a_ray_node_declaring_224_cpus_starts_no_worker_per_cpu_and_gives_its_workers_the_port_block(tmp_path):
+    """A DGX H100 node with SMT: Slurm says 224 CPUs, `ray start --num-cpus=224`. Each Ray worker holds one
+    of the node's 126 worker ports, and Ray's default idle-worker limit is the CPU count: the job's Ray node
+    (slurm/ray_cluster.sh) caps it and turns prestarting off (measured with Ray 2.60: a driver's first task
+    starts one worker, not one per CPU), and its workers inherit the node's service port block."""
+    base = slurm_cluster.port_block(200)
+    job_dir, tmp = tmp_path / "job", Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short socket paths
+    job_dir.mkdir()
+    env = {**os.environ, "MR_NODES": "n1 ", "SLURMD_NODENAME": "n1", "MR_RAY_PORT_BASE": str(base),
+           "MR_HEAD_IP": "127.0.0.1", "MR_PYTHON": sys.executable, "MR_JOBDIR": str(job_dir),
+           "MR_RAY_TMPDIR": str(tmp), "MR_NODE_SLOTS": "4", "SLURM_JOB_ID": "7", "SLURM_CPUS_ON_NODE": "224",
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": str(REPO)}
+    node = subprocess.Popen(["bash", str(REPO / "slurm" / "ray_cluster.sh"), "node"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = None
+    try:
+        (tmp_path / "driver.py").write_text(RAY_DRIVER)
+        driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), f"127.0.0.1:{base}"], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert driver.stdout.readline().split() == ["cpus", "224"], driver.stderr.read()[-3000:]
+        assert driver.stdout.readline().split() == ["env", str(base + 136), str(base + 136)]
+        time.sleep(5)  # prestarted workers would be starting by now
+        workers = _ray_workers(node.pid)
+        assert 1 <= len(workers) <= 4, workers  # the task's worker (and Ray's own), not 224
+        raylet = next(p for p in ray_node.process_tree(node.pid)
+                      if "raylet" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace").split("\0")[0])
+        environ = dict(v.split("=", 1) for v in Path(f"/proc/{raylet}/environ").read_text().split("\0") if "=" in v)
+        assert environ["RAY_prestart_worker_first_driver"] == "0" and environ["RAY_num_workers_soft_limit"] == "32"
+        args = Path(f"/proc/{raylet}/cmdline").read_text()
+        assert f"--min_worker_port={base + 10}" in args and f"--max_worker_port={base + 135}" in args, args
+    finally:
+        if driver is not None:
+            driver.kill()
+            driver.wait()
+        (job_dir / ray_node.STOP_FILE).touch()
+        try:
+            node.wait(timeout=60)
+        finally:
+            if node.poll() is None:
+                node.kill()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 SHIELDED_WORKER = """\
