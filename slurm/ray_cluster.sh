@@ -205,6 +205,13 @@ megareason_slurm_run() {
         _mr_fail "$MR_PYTHON does not run (MEGAREASON_PYTHON)"
     export RAY_AUTH_MODE=token RAY_AUTH_TOKEN RAY_USAGE_STATS_ENABLED=0
     export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP MR_JOBDIR MR_NODE_SLOTS
+    # The job's end time: the driver saves and stops before it without waiting for a signal
+    # (trainer.must_save_by_minutes in megareason/config/schema.py). None for a job without a time limit.
+    local end
+    end=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'EndTime=\K\S+' | head -1)
+    if [[ $end =~ ^[0-9]{4}- ]] && end=$(date -d "$end" +%s 2>/dev/null); then
+        export MEGAREASON_JOB_END_TIME=$end
+    fi
     trap '_mr_on_signal USR1' USR1
     trap '_mr_on_signal TERM' TERM
     trap '_mr_teardown; rm -rf "$MR_JOBDIR"' EXIT
@@ -212,7 +219,8 @@ megareason_slurm_run() {
     local ports="$MR_RAY_PORT_BASE-$((MR_RAY_PORT_BASE + 200 * MR_NODE_SLOTS - 1))"
     _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes ($MR_NODES)," \
             "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports), Ray temp dirs in $MR_RAY_TMPDIR," \
-            "open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
+            "open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}," \
+            "ends: $(date -d "@${MEGAREASON_JOB_END_TIME:-}" +%FT%T 2>/dev/null || echo 'no time limit')"
 
     # 1. every node, one task each: what NCCL/gloo/Ray will use (and the container, created once per node)
     _mr_srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 "$MR_PYTHON" -m megareason.launch.node_check \

@@ -129,6 +129,9 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
         assert re.search(rf"node-check {node}: gloo: \w+ [\d.]+ \(", first), first[:4000]
         assert f"node-check {node}: NCCL sockets: " in first and f"node-check {node}: ephemeral ports: " in first
     assert "Ray is up: 2 nodes" in first
+    # The job's end time (--time 90) reaches the driver, which saves and stops before it unsignalled.
+    ends = re.search(r"the Slurm job ends in (\d+) s", first)
+    assert ends and 0 < int(ends.group(1)) <= 90 * 60, first[-6000:]
     placed = re.search(r"actor: ranks on (\d) Ray node\(s\): (.*)", first)
     assert placed and placed.group(1) == "2", first[-6000:]
     assert len(set(re.findall(r"rank \d -> \S+ \((\w+)\)", placed.group(2)))) == 2

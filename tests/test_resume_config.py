@@ -177,3 +177,66 @@ def test_the_cli_exits_2_naming_the_changed_field(command, tiny_qwen2, tmp_path,
     assert err.startswith(f"error: {tmp_path / 'run'} holds a run to resume") and "optim.lr: 1e-05 -> 0.01" in err
     assert (tmp_path / "run" / "config.json").read_bytes() == saved
     assert sorted(os.listdir(tmp_path / "run")) == [".lock", "checkpoints", "config.json"]
+
+
+class _Clock:
+    """``time`` for the driver: steps and saves take the seconds the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_deadline_saves_and_stops_after_the_last_step_that_leaves_room_for_another_and_a_save(
+        tmp_path, monkeypatch, caplog):
+    """Steps of 100 s, checkpoints of 50 s (every 3 steps), the job ending 1,000 s after the start, a margin of
+    120 s. By hand: step 6 and its checkpoint end at 6 x 100 + 2 x 50 = 700 s; step 7 ends at 800 s with
+    200 s left < 100 + 50 + 120: the run saves step 7 and stops (exit 75), well before the end; run again
+    with a later end, it resumes at step 8 and finishes."""
+    import megareason.trainer.driver as driver_module
+
+    clock = _Clock()
+    monkeypatch.setattr(driver_module, "time", clock)
+
+    class TimedRole(_Role):
+        def save(self, path, meta):
+            clock.now += 50
+            super().save(path, meta)
+
+    def run(end_in_s: float, *extra: str) -> TimedRole:
+        monkeypatch.setenv("MEGAREASON_JOB_END_TIME", str(clock.now + end_in_s))
+        role = TimedRole()
+        driver = Driver(_cfg(tmp_path, "trainer.steps=12", "trainer.save_every=3", "trainer.stop_margin_s=120",
+                             *extra), RunDir(tmp_path), [role], 16, "training", None)
+        driver.start()
+        for step, _ in driver.steps():
+            clock.now += 100
+            driver.end_step(step, {"loss": float(step)})
+        driver.close()
+        return role
+
+    start = clock.now
+    with pytest.raises(SystemExit) as stopped:
+        run(1000)
+    assert stopped.value.code == 75 and RunDir(tmp_path).steps() == [6, 7]
+    assert clock.now - start == 850  # step 7's checkpoint done 150 s before the job's end
+    assert "the deadline is 200 s away, less than a step (100 s), a checkpoint (50 s)" in caplog.text
+    assert "stopped after step 7 with a checkpoint" in caplog.text
+    role = run(10_000)  # the requeued job: time enough for the rest
+    assert role.loaded == "weights of step 7" and RunDir(tmp_path).steps()[-1] == 12
+    # trainer.must_save_by_minutes alone (no Slurm end time): the same rule, from the run's start.
+    monkeypatch.delenv("MEGAREASON_JOB_END_TIME")
+    other = tmp_path / "minutes"
+    driver = Driver(_cfg(other, "trainer.steps=12", "trainer.save_every=0", "trainer.stop_margin_s=0",
+                         "trainer.must_save_by_minutes=4.5"), RunDir(other), [TimedRole()], 16, "training", None)
+    driver.start()
+    with pytest.raises(SystemExit):
+        for step, _ in driver.steps():
+            clock.now += 100
+            driver.end_step(step, {"loss": float(step)})
+    assert RunDir(other).steps() == [2]  # after step 2: 70 s left < a step of 100 s (no save measured yet)

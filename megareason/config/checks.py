@@ -158,6 +158,9 @@ def training_problems(cfg: Config) -> list[str]:
            "micro-batch)", t.micro_batch_tokens)
     _check(t.save_every >= 0, "trainer.save_every", "must be >= 0", t.save_every)
     _check(t.save_every_minutes >= 0, "trainer.save_every_minutes", "must be >= 0 (0: off)", t.save_every_minutes)
+    _check(t.must_save_by_minutes >= 0, "trainer.must_save_by_minutes", "must be >= 0 (0: none)",
+           t.must_save_by_minutes)
+    _check(t.stop_margin_s >= 0, "trainer.stop_margin_s", "must be >= 0", t.stop_margin_s)
     _check(t.keep_last >= 1, "trainer.keep_last", "must be >= 1", t.keep_last)
     _check(t.val_every >= 0, "trainer.val_every", "must be >= 0", t.val_every)
     _check(t.weight_sync_bucket_mb >= 1, "trainer.weight_sync_bucket_mb", "must be >= 1", t.weight_sync_bucket_mb)

@@ -430,6 +430,14 @@ class TrainerConfig:
     # Also save when this many minutes passed since the last checkpoint (0: off): bounds what a job killed
     # without warning (a pre-emption's SIGTERM with a short grace time, a node failure) loses.
     save_every_minutes: float = 0.0
+    # Save and stop (exit code 75, on which a Slurm job requeues) at the end of the last step after which
+    # another step, a checkpoint and stop_margin_s would not fit before the deadline: this many minutes after
+    # the run started (as NeMo-RL's checkpoint_must_save_by; 0: none), or a Slurm job's end time
+    # (slurm/ray_cluster.sh passes it as MEGAREASON_JOB_END_TIME), whichever comes first. Bounds what a
+    # time limit costs without relying on the site's signals. The checkpoint's time is the last one measured
+    # in this process (none yet: the margin must cover it).
+    must_save_by_minutes: float = 0.0
+    stop_margin_s: float = 300.0
     keep_last: int = 2
     # Greedy validation on data.val_sources every val_every steps (0: only before and after training).
     val_every: int = 10

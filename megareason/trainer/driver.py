@@ -7,7 +7,9 @@ tracker, the seeded resumable prompt order, the validation schedule, checkpoints
 ``trainer.save_every`` steps, every ``trainer.save_every_minutes``, the last step) with the algorithm's
 own state inside ``trainer_state.json``, and the stop signals: SIGUSR1/SIGTERM finish the step in
 progress, save a checkpoint and exit with ``EXIT_STOPPED`` (Slurm pre-emption and
-``slurm/ray_cluster.sh``'s requeue). The loops (``loop.py``, ``sft.py``) read::
+``slurm/ray_cluster.sh``'s requeue), and so does a deadline that another step and a checkpoint would not
+meet (``trainer.must_save_by_minutes``, a Slurm job's end time: ``deadline_near``). The loops
+(``loop.py``, ``sft.py``) read::
 
     driver.start()
     for step, rows in driver.steps():
@@ -71,6 +73,27 @@ def stop_signals() -> Iterator[StopRequest]:
             signal.signal(s, handler)
 
 
+JOB_END_ENV = "MEGAREASON_JOB_END_TIME"  # a Slurm job's end time, seconds since the epoch (slurm/ray_cluster.sh)
+
+
+def deadline_near(left_s: float, step_s: float, save_s: float, margin_s: float) -> bool:
+    """Whether to save and stop now, ``left_s`` seconds before the deadline: another step (as long as the
+    last, ``step_s``), a checkpoint (``save_s``) and the margin would not fit."""
+    return left_s < step_s + save_s + margin_s
+
+
+def job_end_time(env=None) -> float | None:
+    """The Slurm job's end time (``MEGAREASON_JOB_END_TIME``, seconds since the epoch), if the job has one."""
+    import os
+
+    text = (os.environ if env is None else env).get(JOB_END_ENV, "")
+    try:
+        return float(text) if text else None
+    except ValueError:
+        log.warning("%s=%r is not a time in seconds since the epoch: ignored", JOB_END_ENV, text)
+        return None
+
+
 def checkpoint_due(cfg: Config, step: int, since_save_s: float) -> bool:
     """Save after ``step``: the last step, every ``trainer.save_every`` steps, or when
     ``trainer.save_every_minutes`` have passed since the last checkpoint (``since_save_s`` seconds)."""
@@ -92,6 +115,7 @@ class Driver:
         # Called with the checkpoint's temporary folder before it is committed: state that is not the
         # roles' models or trainer_state.json (one step off-policy's batch in flight).
         self.save_hooks: list[Callable[[Path], None]] = []
+        self.stop_reason = ""  # why a run stops without a signal (a deadline)
 
     def start(self) -> TrainerState:
         """Resume or start; returns the state of the checkpoint resumed from (step 0: a fresh run)."""
@@ -115,6 +139,8 @@ class Driver:
         if t.val_before_train and self.state.step == 0 and self.validate is not None:
             self.tracker.log(0, self.validate(0))
         self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here
+        self.save_s = 0.0  # the last checkpoint's seconds (deadline_near)
+        self.deadline = self._deadline()
         return self.state
 
     def steps(self) -> Iterator[tuple[int, list[int]]]:
@@ -125,6 +151,7 @@ class Driver:
                          initial=self.state.step, total=t.steps):
             if self._stopping() and step == self.state.step + 1:
                 self._exit(f" before step {step}: stopped")
+            self.step_started = time.monotonic()
             yield step, self.sampler.next(t.prompts_per_step)
 
     def end_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None) -> None:
@@ -134,7 +161,14 @@ class Driver:
         if self.validate is not None and (step == t.steps or (t.val_every and step % t.val_every == 0)):
             metrics.update(self.validate(step))
         self.tracker.log(step, metrics)
-        stopping = self._stopping()  # read once: save and exit agree
+        now = time.monotonic()
+        near = (self.deadline is not None and step < t.steps
+                and deadline_near(self.deadline - now, now - self.step_started, self.save_s, t.stop_margin_s))
+        if near and not self._stopping():
+            self.stop_reason = (f"the deadline is {self.deadline - now:.0f} s away, less than a step "
+                                f"({now - self.step_started:.0f} s), a checkpoint ({self.save_s:.0f} s) and "
+                                f"trainer.stop_margin_s ({t.stop_margin_s:g} s)")
+        stopping = self._stopping() or near  # read once: save and exit agree
         if checkpoint_due(self.cfg, step, time.monotonic() - self.last_save) or stopping:
             self._save(step, algorithm_state or {})
         if stopping and step < t.steps:
@@ -161,15 +195,32 @@ class Driver:
             last = previous or "none (no earlier checkpoint)"
             raise CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
                                   f"{first_line(e)}; the last complete one is {last}") from e
-        log.info("checkpoint of step %d saved in %.1f s", step, time.monotonic() - saving)
+        self.save_s = time.monotonic() - saving
+        log.info("checkpoint of step %d saved in %.1f s", step, self.save_s)
         self.last_save = time.monotonic()
+
+    def _deadline(self) -> float | None:
+        """The deadline on the ``time.monotonic`` clock: ``trainer.must_save_by_minutes`` from now, or the
+        Slurm job's end time, whichever comes first (None: neither)."""
+        t, now = self.cfg.trainer, time.monotonic()
+        deadlines = []
+        if t.must_save_by_minutes > 0:
+            deadlines.append(now + 60 * t.must_save_by_minutes)
+            log.info("trainer.must_save_by_minutes: a checkpoint and a stop before %.0f min from now",
+                     t.must_save_by_minutes)
+        end = job_end_time()
+        if end is not None:
+            deadlines.append(now + end - time.time())
+            log.info("the Slurm job ends in %.0f s (%s): a checkpoint and a stop before then", end - time.time(),
+                     JOB_END_ENV)
+        return min(deadlines) if deadlines else None
 
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.signal is not None
 
     def _exit(self, what: str) -> None:
-        log.warning("%s%s; run again to resume (exit code %d)", signal.Signals(self.stop.signal).name, what,
-                    EXIT_STOPPED)
+        why = signal.Signals(self.stop.signal).name if self._stopping() else self.stop_reason
+        log.warning("%s%s; run again to resume (exit code %d)", why, what, EXIT_STOPPED)
         self.tracker.close()
         raise SystemExit(EXIT_STOPPED)
 
