@@ -123,8 +123,9 @@ class StubPolicy(PolicyWorker):
     def sft_train(self, exp, lr):
         return _stats(SftStats, nll_num=1.0, nll_den=1)
 
-    def save(self, path, metadata):
-        pass
+    def _write_checkpoint(self, path, metadata):
+        assert not self.vllm.kv and self.vllm.weights != "device", "a checkpoint written beside an awake engine"
+        self.vllm.calls.append("save")
 
     def load(self, path):
         return {}
@@ -232,19 +233,23 @@ def _phases(worker: StubPolicy) -> list[str]:
 
 def _check_machine(worker: StubPolicy) -> None:
     """The state machine's own record: generate only when awake, every wake-up right after empty_cache,
-    only level-2 sleeps (every update ends with a sync)."""
+    level-2 sleeps before Megatron computes (every update ends with a sync), level 1 only for a checkpoint
+    (the engine keeps the synced weights); the run ends with the last step's checkpoint."""
     events = worker.engine.events
     assert all(e.state is EngineState.AWAKE for e in events if e.kind == "generate")
     for i, e in enumerate(events):
         if e.kind == "wake_up":
             assert events[i - 1].kind == "empty_cache"
-        if e.kind == "sleep":
-            assert e.detail == "2"
-    assert worker.engine.state is EngineState.AWAKE
+    sleeps = [c for c in worker.vllm.calls if c.startswith("sleep")]
+    levels = [c for i, c in enumerate(worker.vllm.calls) if c == "sleep1" and worker.vllm.calls[i + 1] == "save"]
+    assert len(levels) == sleeps.count("sleep1") and len(sleeps) == sleeps.count("sleep2") + len(levels)
+    assert worker.engine.state is EngineState.ASLEEP_WEIGHTS and worker.vllm.calls[-1] == "save"
 
 
 VAL = ["gen"]
 UPDATE = ["sleep2", "wake:weights", "sync", "wake:kv_cache"]
+SAVE = ["sleep1", "save"]  # every checkpoint is written with the engine asleep, its weights in host memory
+WAKE = ["wake:weights,kv_cache"]  # the generate after a checkpoint
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -253,22 +258,24 @@ def test_grpo_steps_and_validation_never_generate_while_asleep_and_resume_syncs(
     prompts, val = _prompts(tok, 4), _prompts(tok, 2)
     actors = _run(cfg, tmp_path, prompts, val, tok, dp)
     for w in actors.workers:
-        assert _phases(w) == VAL + (["gen"] + UPDATE + VAL) * 2
+        assert _phases(w) == VAL + (["gen"] + UPDATE + VAL) * 2 + SAVE  # step 2: the last, and save_every=2
         _check_machine(w)
     # Resume from step 2's checkpoint: the fresh (awake) engines take the trained weights in place first.
     cfg3 = replace(cfg, trainer=replace(cfg.trainer, steps=3))
     actors = _run(cfg3, tmp_path, prompts, val, tok, dp)
     for w in actors.workers:
-        assert _phases(w) == ["sync"] + ["gen"] + UPDATE + VAL
+        assert _phases(w) == ["sync"] + ["gen"] + UPDATE + VAL + SAVE
         _check_machine(w)
 
 
 def test_ppo_off_policy_epochs_sleep_once_per_update(tok, tmp_path):
     cfg = _cfg("ppo_smollm2_cpu", ["algorithm.ppo_epochs=2", "algorithm.mini_batches=2", "trainer.val_every=0",
-                                   "trainer.val_before_train=false"])
+                                   "trainer.val_before_train=false", "trainer.save_every=1"])
     actors = _run(cfg, tmp_path, _prompts(tok, 4), _prompts(tok, 2), tok)
     (w,) = actors.workers
-    assert _phases(w) == ["gen"] + UPDATE + ["gen"] + UPDATE + VAL  # validation after the last step
+    # Step 1's checkpoint puts the synced engine to sleep; step 2's generate wakes it; validation after the
+    # last step, then its checkpoint.
+    assert _phases(w) == ["gen"] + UPDATE + SAVE + WAKE + ["gen"] + UPDATE + VAL + SAVE
     _check_machine(w)
 
 
@@ -281,7 +288,7 @@ def test_raro_generates_twice_per_step_and_a_skipped_update_leaves_the_engine_aw
                   reply=lambda text, call: _reply(text, call, garbage_call=5))
     (w,) = actors.workers
     raro_step = ["gen", "gen"]
-    assert _phases(w) == VAL + (raro_step + UPDATE + VAL) + (raro_step + VAL) + (raro_step + UPDATE + VAL)
+    assert _phases(w) == VAL + (raro_step + UPDATE + VAL) + (raro_step + VAL) + (raro_step + UPDATE + VAL) + SAVE
     _check_machine(w)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "actor/loss" in m] == [1, 3]  # independent: step 2 trained nothing
@@ -298,7 +305,7 @@ def test_multi_turn_environment_episodes_generate_once_per_turn_on_an_awake_engi
     actors = _run(cfg, tmp_path, prompts[:4], prompts[4:], tok)
     (w,) = actors.workers
     episode = ["gen", "gen"]  # a search, then the answer
-    assert _phases(w) == episode + (episode + UPDATE + episode) * 2
+    assert _phases(w) == episode + (episode + UPDATE + episode) * 2 + SAVE
     _check_machine(w)
 
 
@@ -316,7 +323,7 @@ def test_dynamic_sampling_draws_again_on_an_awake_engine_until_groups_are_inform
                                     "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_tries=3"])
     actors = _run(cfg, tmp_path, _prompts(tok, 6), _prompts(tok, 2), tok, score=score)
     (w,) = actors.workers
-    assert _phases(w) == ["gen", "gen"] + UPDATE + VAL  # two draws, then one update; validation at the end
+    assert _phases(w) == ["gen", "gen"] + UPDATE + VAL + SAVE  # two draws, one update; validation at the end
     _check_machine(w)
     (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (m["dapo/tries"], m["dapo/informative_groups"], m["dapo/drawn_groups"]) == (2, 2, 4)
@@ -331,7 +338,7 @@ def test_dynamic_sampling_out_of_tries_warns_and_skips_an_update_without_rows(to
                                     "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_tries=2"])
     actors = _run(cfg, tmp_path, _prompts(tok, 6), _prompts(tok, 2), tok, score=score)
     (w,) = actors.workers
-    assert _phases(w) == ["gen", "gen"] + VAL  # nothing to train on: no sleep, no sync
+    assert _phases(w) == ["gen", "gen"] + VAL + SAVE  # nothing to train on: no sleep for Megatron, no sync
     (m,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert (m["dapo/tries"], m["dapo/informative_groups"]) == (2, 0) and "actor/loss" not in m
     assert "dynamic sampling found 0 of 2 informative groups in 2 batches" in caplog.text
@@ -349,7 +356,7 @@ def test_sft_sleeps_before_megatron_and_its_validation_syncs_then_generates(tok,
     (w,) = actors.workers
     validation = UPDATE + ["gen"]  # Megatron's validation loss, then the sync and the greedy answers
     # step 1 puts the engine to sleep (awake after validation), then its own validation
-    assert _phases(w) == validation + validation * 2
+    assert _phases(w) == validation + validation * 2 + SAVE
     _check_machine(w)
 
 

@@ -132,6 +132,9 @@ class _Worker:
         return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
     def save(self, path: str, metadata: dict) -> None:
+        self._write_checkpoint(path, metadata)
+
+    def _write_checkpoint(self, path: str, metadata: dict) -> None:
         self.role.save(path, metadata)
 
     def load(self, path: str) -> dict:
@@ -216,6 +219,16 @@ class PolicyWorker(_Worker):
         e = self.engine_index  # the state machine wakes what the engine needs (or refuses discarded weights)
         out = self.engine.generate(prompts_token_ids[e], samplings[e], use_tqdm=False)
         return out if self.engine_leader else None
+
+    def save(self, path: str, metadata: dict) -> None:
+        """Write this rank's share of the checkpoint with the colocated engine asleep: megatron-core's
+        distributed-optimizer save allocates receive buffers on the device for the parameters and both Adam
+        moments (``optimizer/distrib_optimizer.py``, fully_reshardable), which an engine's KV cache would leave
+        no room for. Every save takes this path (the schedule's, a signal's, a deadline's). Level 1: the
+        engine's weights, current after the step's sync, wait in host memory; its next generate wakes it."""
+        if self.engine is not None:
+            self.engine.sleep(level=1)
+        self._write_checkpoint(path, metadata)
 
     def sleep_engine(self) -> None:
         """Before Megatron computes (the loop calls it): the engine frees the device. Level 2, weights
