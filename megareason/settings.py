@@ -14,7 +14,7 @@ from megareason.models.build import ComputeSettings
 from megareason.models.hub import resolve_model_path
 from megareason.models.lora import LoRASettings
 from megareason.models.train import OptimizerSettings
-from megareason.rollout.engine import EngineSettings, Sampling
+from megareason.rollout.records import EngineSettings, Sampling
 
 
 def engine_settings(cfg: Config) -> EngineSettings:

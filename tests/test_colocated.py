@@ -70,7 +70,7 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
     from megareason.rollout.colocated import ColocatedEngine
-    from megareason.rollout.engine import Sampling
+    from megareason.rollout.records import Sampling
     from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
     from megareason.settings import engine_settings, optimizer_settings
 

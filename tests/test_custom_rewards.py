@@ -14,7 +14,7 @@ from megareason.rewards.custom import CustomRewards, load_custom, load_rewards
 from megareason.rewards.pool import ScoreOutcome, ScoreRequest, score_all
 from megareason.rewards.scoring import score, scorer_from
 from megareason.rewards.source_names import SOURCE_NAMES, UNSUPPORTED_SOURCES
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 
 R = RewardOutput
 

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config.schema import Config, ModelConfig, RolloutConfig
-from megareason.rollout.engine import Sampling, VLLMEngine
+from megareason.rollout.engine import VLLMEngine
+from megareason.rollout.records import Sampling
 from megareason.settings import engine_settings
 
 QUESTIONS = ["What is 12 + 7 * 3?", "Using 3, 5, 7 make 22.", "Natalia sold 48 clips.", "Hello there"]

@@ -23,8 +23,8 @@ from megareason.config import load_config
 from megareason.data.records import PromptRecord
 from megareason.models.tiny import build_tokenizer
 from megareason.rewards.scoring import SampleResult
-from megareason.rollout.engine import Completion, WeightUpdate
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
+from megareason.rollout.records import Completion, WeightUpdate
 from megareason.trainer.run_dir import RunDir
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
@@ -385,7 +385,7 @@ def _machine(engine):
 
 
 def test_a_failed_sync_leaves_the_engine_stale_until_a_sync_succeeds(tok):
-    from megareason.rollout.engine import Sampling
+    from megareason.rollout.records import Sampling
 
     fake = Broken(tok, "update")
     m = _machine(fake)
@@ -410,7 +410,7 @@ def test_a_failed_sync_leaves_the_engine_stale_until_a_sync_succeeds(tok):
 
 
 def test_level_one_sleep_wakes_for_generate_and_a_failed_sleep_refuses_everything(tok):
-    from megareason.rollout.engine import Sampling
+    from megareason.rollout.records import Sampling
 
     fake = FakeVLLM(tok, _reply)
     m = _machine(fake)

@@ -9,7 +9,7 @@ from megareason.envs.base import StepResult
 from megareason.envs.rollout import ChatFormat, run_episodes
 from megareason.envs.tools import ToolCall, call_tool, describe_tools, parse_tool_calls, tool_schema
 from megareason.models.tiny import build_tokenizer
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 from megareason.trainer.experience import build_experience, pack_experience, prompt_lengths
 
 

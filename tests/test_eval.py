@@ -11,7 +11,7 @@ from megareason.config import from_dict
 from megareason.evaluation.runner import format_table, run_eval
 from megareason.models.tiny import build_tokenizer
 from megareason.rewards.scoring import pass_at_k
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 
 
 def test_pass_at_k_by_hand():

@@ -196,3 +196,16 @@ def test_settings_check_sees_defaults(tmp_path):
                    "    a: int\n    b: int = 1\n    c: dict = field(default_factory=dict)\n"
                    "@dataclass\nclass Other:\n    d: int = 2\n")
     assert _settings_defaults(src) == ["XSettings.b", "XSettings.c"]
+
+
+# The modules that start a vLLM engine (``VLLMEngine``); every other module outside rollout/ needs only the
+# records that cross the engine's interface (``megareason.rollout.records``).
+ENGINE_STARTERS = {"megareason.evaluation.runner", "megareason.evaluation.benchmark", "megareason.trainer.pool",
+                   "megareason.trainer.workers"}
+
+
+def test_only_the_engine_starters_import_the_vllm_engine_module():
+    graph = import_graph()
+    importers = {m for m, deps in graph.items() if "megareason.rollout.engine" in deps
+                 and not m.startswith("megareason.rollout")}
+    assert importers == ENGINE_STARTERS, f"import megareason.rollout.records instead in {importers - ENGINE_STARTERS}"

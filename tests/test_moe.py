@@ -188,7 +188,8 @@ def _sync_worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     from megareason.models.convert import write_hf
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout.records import Sampling
     from megareason.rollout.weight_sync import gather_hf_naive, stream_hf_tensors
     from megareason.settings import engine_settings, optimizer_settings
 

@@ -15,7 +15,7 @@ from megareason.envs.retrieval_qa import RetrievalQAEnv
 from megareason.envs.rollout import run_episodes
 from megareason.models.tiny import build_tokenizer
 from megareason.rewards import compute_score
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 from megareason.settings import retrieval_qa_settings
 from megareason.trainer.experience import build_experience
 

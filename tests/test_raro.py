@@ -20,7 +20,7 @@ from megareason.data.records import PromptRecord, TokenizedPrompt
 from megareason.raro.critic import critic_round
 from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.raro.replay import ReplayBuffer, Triplet
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 from megareason.trainer.experience import build_experience
 from megareason.trainer.loop import compute_advantages
 

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config.schema import Config, ModelConfig, RolloutConfig
 from megareason.models.hub import resolve_model_path
-from megareason.rollout.engine import Sampling, VLLMEngine
+from megareason.rollout.engine import VLLMEngine
+from megareason.rollout.records import Sampling
 from megareason.settings import engine_settings
 
 QUESTIONS = ["What is 7 + 5?", "Name a prime number larger than 10.", "Write one word about the sea."]

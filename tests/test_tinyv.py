@@ -39,7 +39,7 @@ from megareason.rewards.tinyv import (
     tinyv_scores,
 )
 from megareason.rewards.verifier_server import VerifierServer, VerifierServerError, group_alive, serve_verifier
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 
 Out = ScoreOutcome
 

@@ -15,7 +15,7 @@ from megareason.data.records import PromptRecord, TokenizedPrompt
 from megareason.data.sampler import PromptSampler
 from megareason.rewards.custom import load_custom
 from megareason.rewards.registry import RewardOutput
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 from megareason.trainer.experience import build_experience, pack_experience, unpack_to_rows
 from megareason.trainer.loop import compute_advantages
 from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
@@ -182,7 +182,7 @@ def test_an_unknown_data_source_fails_at_start_up_listing_the_registered_ones():
 def test_dapo_overlong_shaping_and_truncation_mask_on_a_steps_rows():
     from megareason.config import load_config
     from megareason.rewards.scoring import SampleResult
-    from megareason.rollout.engine import Completion
+    from megareason.rollout.records import Completion
     from megareason.trainer.steps import SingleTurn
 
     cfg = load_config("grpo_smollm2_cpu", ["rollout.n=2", "rollout.max_tokens=10", "algorithm.overlong_buffer=4",

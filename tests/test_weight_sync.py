@@ -54,7 +54,8 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     from megareason.models.convert import write_hf
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout.records import Sampling
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
     from megareason.settings import engine_settings, optimizer_settings
 
@@ -148,7 +149,8 @@ def _replica_worker(model_dir: str, prompts: list[list[int]]):
     from megareason.models.build import HFCheckpoint
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Actor
-    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout.records import Sampling
     from megareason.rollout.weight_sync import gather_hf_naive, is_consumer, stream_hf_tensors
     from megareason.settings import engine_settings, optimizer_settings
 

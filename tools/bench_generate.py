@@ -59,7 +59,8 @@ def load_prompts(model_dir: Path, count: int) -> list[list[int]]:
 
 def bench_vllm(model_dir: Path, prompts: list[list[int]], args) -> dict:
     from megareason.config.schema import Config, ModelConfig, RolloutConfig
-    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout.records import Sampling
     from megareason.settings import engine_settings
 
     max_len = max(map(len, prompts)) + args.max_tokens

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     from megareason.models.hub import resolve_model_path
     from megareason.models.parallel import init_parallel
     from megareason.models.roles import Reference
-    from megareason.rollout.engine import Sampling, VLLMEngine
+    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout.records import Sampling
     from megareason.rollout.weight_sync import stream_hf_tensors
     from megareason.settings import engine_settings
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from megareason.envs.base import Environment, StepResult
 from megareason.envs.tools import describe_tools, template_renders_tools, tool_schema
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 
 log = logging.getLogger(__name__)
 

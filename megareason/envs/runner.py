@@ -18,7 +18,7 @@ from megareason.data.records import DataError, TokenizedPrompt
 from megareason.envs.retrieval_qa import make_envs
 from megareason.envs.rollout import GenerateFn, run_episodes
 from megareason.rewards.scoring import SampleResult, scorer_from
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 from megareason.settings import retrieval_qa_settings
 
 

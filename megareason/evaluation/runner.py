@@ -20,7 +20,8 @@ from megareason.models.hub import resolve_model_path
 from megareason.raro.prompts import policy_data
 from megareason.raro.rerank import rerank
 from megareason.rewards.scoring import SampleResult, SourceSummary, score, scorer_from, scoring_pool, summarize
-from megareason.rollout.engine import RolloutEngine, VLLMEngine
+from megareason.rollout.engine import VLLMEngine
+from megareason.rollout.records import RolloutEngine
 from megareason.settings import engine_settings, sampling_from
 from megareason.utils import atomic_write
 

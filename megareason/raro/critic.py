@@ -33,7 +33,7 @@ from megareason.data.prompts import demonstration
 from megareason.data.records import PromptRecord, TokenizedPrompt
 from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
 from megareason.raro.replay import ReplayBuffer, Triplet
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 
 # (prompts, sampling) -> completions per prompt, in prompt order
 GenerateFn = Callable[[list[TokenizedPrompt], Sampling], list[list[Completion]]]

@@ -21,7 +21,7 @@ from megareason.config.schema import RaroConfig
 from megareason.data.records import TokenizedPrompt
 from megareason.raro.critic import verdict_regex
 from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, policy_answer, render
-from megareason.rollout.engine import Completion, Sampling
+from megareason.rollout.records import Completion, Sampling
 
 log = logging.getLogger(__name__)
 

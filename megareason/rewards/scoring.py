@@ -22,7 +22,7 @@ from megareason.rewards.custom import CustomRewards, CustomScorer, Scorer, load_
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
 from megareason.rewards.registry import compute_score, get_reward_fn
 from megareason.rewards.tinyv import apply_tinyv, is_tinyv, rubric_criteria
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 
 log = logging.getLogger(__name__)
 

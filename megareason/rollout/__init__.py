@@ -1,5 +1,2 @@
-"""Rollout: the vLLM engine behind one small interface (weight sync lives in megareason.trainer)."""
-
-from megareason.rollout.engine import Completion, EngineSettings, RolloutEngine, Sampling, VLLMEngine
-
-__all__ = ["Completion", "EngineSettings", "RolloutEngine", "Sampling", "VLLMEngine"]
+"""Rollout: the vLLM engine behind one small interface (``engine``), its records (``records``), the
+sleep/wake state machine and the weight transfer (weight sync lives in megareason.trainer)."""

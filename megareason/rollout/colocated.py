@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megareason.rollout.engine import Completion, EngineSettings, Sampling, VLLMEngine, WeightUpdate
+from megareason.rollout.engine import VLLMEngine
+from megareason.rollout.records import Completion, EngineSettings, Sampling, WeightUpdate
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from megareason.rollout.buckets import SharedBucket
-from megareason.rollout.engine import WeightUpdate
+from megareason.rollout.records import WeightUpdate
 from megareason.rollout.vllm_worker import SHM_BACKEND, _Reload
 
 # ---- worker side (inside each vLLM worker process) ----------------------------------------------------

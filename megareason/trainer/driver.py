@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from megareason.config import Config
 from megareason.data.sampler import PromptSampler
-from megareason.rollout.engine import Sampling
+from megareason.rollout.records import Sampling
 from megareason.trainer.handles import PolicyHandle, RoleHandle
 from megareason.trainer.run_dir import CheckpointError, RunDir, RunError, SamplerState, TrainerState, first_line
 from megareason.trainer.tracking import Tracker

@@ -18,7 +18,7 @@ import torch
 
 from megareason.data.records import TokenizedPrompt
 from megareason.models.packing import PackedMicroBatch, pack, pack_shared, plan_micro_batches, plan_shared, split_plan
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 
 
 @dataclass

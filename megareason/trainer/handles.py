@@ -17,7 +17,7 @@ import torch
 
 from megareason.config import Config, ConfigError
 from megareason.data.records import TokenizedPrompt
-from megareason.rollout.engine import Completion, Sampling, WeightUpdate
+from megareason.rollout.records import Completion, Sampling, WeightUpdate
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, cluster_size
 from megareason.trainer.pool import RolloutPool, check_pool

@@ -9,8 +9,8 @@ import torch
 from megareason.algorithms.advantages import explained_variance
 from megareason.config import Config
 from megareason.rewards.tinyv import FALLBACK_ERROR, TIMEOUT_ERROR, is_tinyv
-from megareason.rollout.engine import WeightUpdate
 from megareason.rollout.metrics import logprob_mismatch
+from megareason.rollout.records import WeightUpdate
 from megareason.trainer.driver import learning_rate
 from megareason.trainer.experience import Experience
 from megareason.trainer.stats import CriticStats, PolicyStats, mean_metrics

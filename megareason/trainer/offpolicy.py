@@ -31,7 +31,7 @@ import torch
 
 from megareason.config import Config
 from megareason.data.records import TokenizedPrompt
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 from megareason.trainer.driver import Driver, timed
 from megareason.trainer.handles import PolicyHandle
 from megareason.trainer.pool import PendingGeneration

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, replace
 
 from megareason.config import Config, ConfigError
-from megareason.rollout.engine import Completion, Sampling, WeightUpdate
+from megareason.rollout.records import Completion, Sampling, WeightUpdate
 
 log = logging.getLogger(__name__)
 

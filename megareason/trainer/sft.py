@@ -25,7 +25,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import demonstration
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 from megareason.rewards.scoring import score, scorer_from, scoring_pool
-from megareason.rollout.engine import Completion
+from megareason.rollout.records import Completion
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals
 from megareason.trainer.experience import Experience, build_experience
 from megareason.trainer.group import WorkerGroup, ray_session

@@ -26,7 +26,7 @@ from megareason.envs.runner import env_enabled, run_env
 from megareason.raro.critic import critic_round
 from megareason.raro.replay import ReplayBuffer
 from megareason.rewards.scoring import SampleResult
-from megareason.rollout.engine import Completion, Sampling, WeightUpdate
+from megareason.rollout.records import Completion, Sampling, WeightUpdate
 from megareason.settings import sampling_from
 from megareason.trainer.driver import timed
 from megareason.trainer.experience import Experience, build_experience

@@ -18,7 +18,7 @@ import torch
 
 from megareason.config.schema import Config
 from megareason.models.schedule import forward_outputs
-from megareason.rollout.engine import WeightUpdate
+from megareason.rollout.records import WeightUpdate
 from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats, TrainStats
