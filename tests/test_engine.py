@@ -57,7 +57,12 @@ def _bad_updates(engine, model_dir) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen2", "tiny_llama"])
-def test_greedy_matches_transformers_and_bad_weights_fail_loudly(family, request):
+def test_greedy_matches_transformers_and_bad_weights_fail_loudly(family, request, monkeypatch):
+    """Also: a generate told to stop after two engine steps (``should_stop``, asked at every step here)
+    aborts its requests and raises, and the engine's later calls answer as if it had never run."""
+    from megareason.rollout import engine as engine_module
+    from megareason.rollout.records import GenerationStopped
+
     model_dir = request.getfixturevalue(family)
     prompts = _prompt_ids(AutoTokenizer.from_pretrained(model_dir))
     expected = _hf_greedy(model_dir, prompts)
@@ -67,6 +72,13 @@ def test_greedy_matches_transformers_and_bad_weights_fail_loudly(family, request
     try:
         got = engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
         sampled = engine.generate(prompts, Sampling(n=3, temperature=1.0, max_tokens=8), use_tqdm=False)
+        asked = []
+        monkeypatch.setattr(engine_module, "STOP_POLL_S", 0.0)
+        engine.should_stop = lambda: asked.append(1) or len(asked) > 2
+        with pytest.raises(GenerationStopped, match="generation of 4 prompts stopped"):
+            engine.generate(prompts, Sampling(n=1, temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+        engine.should_stop = None
+        assert not engine.llm.llm_engine.has_unfinished_requests() and len(asked) == 3
         errors = _bad_updates(engine, model_dir)
         # A full update with the original weights restores the engine after the failed ones.
         from safetensors.torch import load_file

@@ -24,7 +24,7 @@ from megareason.data.records import PromptRecord
 from megareason.models.tiny import build_tokenizer
 from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
-from megareason.rollout.records import Completion, WeightUpdate
+from megareason.rollout.records import Completion, GenerationStopped, WeightUpdate
 from megareason.trainer.run_dir import RunDir
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
@@ -38,6 +38,8 @@ class FakeVLLM:
         self.tokenizer, self.reply = tok, reply
         self.weights, self.valid, self.kv, self.paused = "device", True, True, False
         self.calls: list[str] = []
+        self.prompts: list[list[str]] = []  # the prompts of each generate call that completed
+        self.should_stop = None  # as VLLMEngine's: asked while generating
 
     def empty_cache(self) -> None:
         self.calls.append("empty_cache")
@@ -78,9 +80,13 @@ class FakeVLLM:
         out = []
         for ids in prompts_token_ids:
             text = self.reply(self.tokenizer.decode(ids), call)
+            if self.should_stop is not None and self.should_stop():
+                self.calls.append("stopped")
+                raise GenerationStopped("generation stopped: the run is stopping")
             tokens = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
             out.append([Completion(token_ids=tokens, text=text, logprobs_T=[-0.5] * len(tokens), finish_reason="stop")
                         for _ in range(sampling.n)])
+        self.prompts.append([self.tokenizer.decode(ids) for ids in prompts_token_ids])
         return out
 
     def shutdown(self) -> None:
@@ -214,7 +220,7 @@ def _score(batch, completions):
             for i, (p, group) in enumerate(zip(batch, completions, strict=True)) for j, c in enumerate(group)]
 
 
-def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply, score=_score):
+def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply, score=_score, stop=None, started=None):
     from megareason.trainer.loop import _train_loop
 
     cfg = replace(cfg, parallel=replace(cfg.parallel, data_parallel_size=dp))
@@ -222,7 +228,9 @@ def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply, score=_sco
     groups = [actors]
     if cfg.algorithm.name == "ppo":
         groups.append(InProcessGroup("critic", [StubCritic(cfg, r, dp) for r in range(dp)]))
-    _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, score, tok)
+    if started is not None:  # the workers, also when the loop raises
+        started.append(actors)
+    _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, score, tok, stop=stop)
     return actors
 
 
@@ -358,6 +366,41 @@ def test_sft_sleeps_before_megatron_and_its_validation_syncs_then_generates(tok,
     # step 1 puts the engine to sleep (awake after validation), then its own validation
     assert _phases(w) == validation + validation * 2 + SAVE
     _check_machine(w)
+
+
+def test_a_sigterm_during_generation_drops_the_step_saves_the_one_before_and_the_resume_repeats_it(tok, tmp_path):
+    """A SIGTERM (a real signal to this process) while step 3 generates: the engine gives up at once (the
+    driver's stop file), the step is dropped, step 2's state is saved (no checkpoint held it yet) with the
+    engine asleep, and the run exits with 75. The next run does steps 3 and 4 on the prompts an uninterrupted
+    run gives them: the saved prompt order is the one from before step 3 drew its prompts."""
+    import os
+    import signal
+
+    from megareason.trainer.driver import EXIT_STOPPED, stop_signals
+
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=4", "trainer.val_every=0", "trainer.val_before_train=false"])
+    prompts, val = _prompts(tok, 5), _prompts(tok, 2)  # 5 prompts: step 3 draws across an epoch boundary
+    (straight,) = _run(cfg, tmp_path / "straight", prompts, val, tok).workers
+
+    sent = []
+
+    def term_in_step_3(text, call):
+        if call == 2 and not sent:  # step 3's first prompt
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return _reply(text, call)
+
+    out, started = tmp_path / "stopped", []
+    with stop_signals() as stop, pytest.raises(SystemExit) as stopped:
+        _run(cfg, out, prompts, val, tok, reply=term_in_step_3, stop=stop, started=started)
+    assert stopped.value.code == EXIT_STOPPED and RunDir(str(out)).steps() == [2]
+    (interrupted,) = started[0].workers
+    assert _phases(interrupted) == ["gen"] + UPDATE + ["gen"] + UPDATE + ["gen", "stopped"] + SAVE
+    assert (out / ".stopping").exists()
+    (resumed,) = _run(cfg, out, prompts, val, tok).workers
+    assert RunDir(str(out)).steps() == [2, 4] and not (out / ".stopping").exists()  # the new run removed it
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]  # the dropped step logged nothing
+    assert interrupted.vllm.prompts + resumed.vllm.prompts == straight.vllm.prompts  # steps 1-4, then validation
 
 
 # --- the state machine alone: error paths ---------------------------------------------------------

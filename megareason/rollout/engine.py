@@ -21,11 +21,13 @@ import torch
 
 from megareason.rollout.buckets import new_bucket
 
-# The records, here too under their old names (pickles of them name this module).
-from megareason.rollout.records import Completion, EngineSettings, RolloutEngine, Sampling, WeightUpdate  # noqa: F401
+# The records, also under this module's name: pickles written before they moved name it.
+from megareason.rollout.records import Completion, EngineSettings, GenerationStopped, Sampling, WeightUpdate  # noqa: F401
 from megareason.utils import alive, process_table
 
 log = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.5  # how often a generate asks ``VLLMEngine.should_stop``
 
 
 def _on_cpu() -> bool:
@@ -102,6 +104,8 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
+        # Asked while generating; True aborts the call (``GenerationStopped``). Set by the trainer's workers.
+        self.should_stop: Callable[[], bool] | None = None
         self._watch = _EngineWatch()
 
     @_exits_if_the_core_died
@@ -126,8 +130,31 @@ class VLLMEngine:
             )
 
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_token_ids]
-        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=use_tqdm)
+        outputs = self._run(prompts, [params(i) for i in range(len(prompts))], use_tqdm)
         return [[_completion(c) for c in out.outputs] for out in outputs]
+
+    def _run(self, prompts: list, params: list, use_tqdm: bool) -> list:
+        """What ``LLM.generate`` does (``enqueue``, then the loop of ``_run_engine`` in
+        vllm/entrypoints/common/offline.py: the same requests in the same order), asking ``should_stop``
+        at most every ``STOP_POLL_S``: when it says so, every request is aborted and ``GenerationStopped``
+        raised, so that a pre-empted run saves without waiting for a long generation to end."""
+        from tqdm import tqdm
+
+        engine = self.llm.llm_engine
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        done, polled = [], float("-inf")
+        with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                if self.should_stop is not None and time.monotonic() - polled >= STOP_POLL_S:
+                    polled = time.monotonic()
+                    if self.should_stop():
+                        engine.abort_request(ids, internal=True)  # enqueue returns internal ids
+                        raise GenerationStopped(f"generation of {len(ids)} prompts stopped: the run is stopping")
+                for out in engine.step():
+                    if out.finished:
+                        done.append(out)
+                        bar.update(1)
+        return sorted(done, key=lambda out: int(out.request_id))
 
     @_exits_if_the_core_died
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -87,3 +87,8 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Stop the engine and free its processes and memory; the engine is unusable afterwards."""
         ...
+
+
+class GenerationStopped(RuntimeError):
+    """A ``generate`` given up because the run is stopping (``VLLMEngine.should_stop``): every request was
+    aborted, nothing of the call is returned."""

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from megareason.config import Config
 from megareason.data.sampler import PromptSampler
-from megareason.rollout.records import Sampling
+from megareason.rollout.records import GenerationStopped, Sampling
 from megareason.trainer.handles import PolicyHandle, RoleHandle
 from megareason.trainer.run_dir import CheckpointError, RunDir, RunError, SamplerState, TrainerState, first_line
 from megareason.trainer.tracking import Tracker
@@ -47,18 +47,23 @@ EXIT_STOPPED = 75
 
 
 class StopRequest:
-    """Signal handler: records the first SIGUSR1/SIGTERM (``signal``); the loop then finishes the step in
-    progress, saves a checkpoint and exits with ``EXIT_STOPPED``. A second SIGTERM kills as usual (a
-    SIGUSR1 first, e.g. the Slurm job script's, then a pre-emption's SIGTERM: still the checkpoint)."""
+    """Signal handler: records the first SIGUSR1/SIGTERM (``signal``); the loop then saves a checkpoint and
+    exits with ``EXIT_STOPPED``. SIGUSR1 (a time limit ahead, with a lead that covers a step) lets the step
+    in progress finish; SIGTERM (a pre-emption, whose grace time may not) also calls ``on_term``, which makes
+    a generation in progress give up (``Driver.start``): the step is dropped and the state before it saved.
+    A second SIGTERM kills as usual (a SIGUSR1 first, then a pre-emption's SIGTERM: still the checkpoint)."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.on_term: Callable[[], None] | None = None
 
     def __call__(self, signum: int, frame) -> None:
         # Nothing else here: a handler runs between two bytecodes of the main thread (no logging locks).
         self.signal = self.signal or signum
         if signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if self.on_term is not None:
+                self.on_term()
 
 
 @contextmanager
@@ -136,11 +141,18 @@ class Driver:
         atomic_write(self.run.root / "config.json", json.dumps(asdict(self.cfg), indent=2) + "\n")
         self.sampler = PromptSampler(self.num_prompts, t.seed, self.state.sampler.epoch, self.state.sampler.position)
         self.tracker = Tracker(self.run.root, t.loggers, self.state.step, config=asdict(self.cfg), wandb=t.wandb)
+        self.run.stop_file.unlink(missing_ok=True)  # an earlier run's
+        self._stop_generation_on_sigterm()
         if t.val_before_train and self.state.step == 0 and self.validate is not None:
-            self.tracker.log(0, self.validate(0))
+            try:
+                self.tracker.log(0, self.validate(0))
+            except GenerationStopped:
+                self._exit(" during the validation before training: stopped")
         self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here
         self.save_s = 0.0  # the last checkpoint's seconds (deadline_near)
         self.deadline = self._deadline()
+        # What a step dropped by a SIGTERM (``drop_step``) returns to: the last step done and its state.
+        self.saved_step, self.done_extra = self.state.step, json.loads(json.dumps(self.state.extra))
         return self.state
 
     def steps(self) -> Iterator[tuple[int, list[int]]]:
@@ -152,6 +164,7 @@ class Driver:
             if self._stopping() and step == self.state.step + 1:
                 self._exit(f" before step {step}: stopped")
             self.step_started = time.monotonic()
+            self.before_step = SamplerState(self.sampler.epoch, self.sampler.position)
             yield step, self.sampler.next(t.prompts_per_step)
 
     def end_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None) -> None:
@@ -159,8 +172,12 @@ class Driver:
         ``algorithm_state`` in ``trainer_state.json``: ``extra``), then the exit of a stopped run."""
         t = self.cfg.trainer
         if self.validate is not None and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-            metrics.update(self.validate(step))
+            try:
+                metrics.update(self.validate(step))
+            except GenerationStopped:  # the update is done: the step is saved without its validation
+                log.warning("SIGTERM during step %d's validation: saved without it", step)
         self.tracker.log(step, metrics)
+        self.done_extra = json.loads(json.dumps(algorithm_state or {}))  # as a resume would read it
         now = time.monotonic()
         near = (self.deadline is not None and step < t.steps
                 and deadline_near(self.deadline - now, now - self.step_started, self.save_s, t.stop_margin_s))
@@ -174,13 +191,33 @@ class Driver:
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
 
+    def drop_step(self, step: int) -> None:
+        """A SIGTERM stopped ``step``'s generation (``GenerationStopped``): nothing of the step is kept. The
+        state after step - 1 is saved unless a checkpoint holds it already, then the run exits with
+        ``EXIT_STOPPED``; the next run does ``step`` again, as the uninterrupted run did it."""
+        if step - 1 > self.saved_step:
+            self._save(step - 1, self.done_extra, self.before_step)
+        self._exit(f" during step {step}'s generation: the step was dropped, the run resumes at step {step}")
+
     def close(self) -> None:
         self.tracker.close()
 
-    def _save(self, step: int, algorithm_state: dict) -> None:
+    def _stop_generation_on_sigterm(self) -> None:
+        """A SIGTERM makes the engines give up a generation in progress: the handler creates the run's stop
+        file, which every engine polls while it generates. Not with trainer.max_staleness (the batch in
+        flight belongs to the next step's checkpoint); not without a handler (tests, library use)."""
+        if self.stop is None or self.cfg.trainer.max_staleness:
+            return
+        stop_file = self.run.stop_file.resolve()
+        self.roles[0].stop_generating_on(str(stop_file))
+        self.stop.on_term = stop_file.touch
+        if self.stop.signal == signal.SIGTERM:
+            stop_file.touch()
+
+    def _save(self, step: int, algorithm_state: dict, sampler: SamplerState | None = None) -> None:
         saving = time.monotonic()
-        state = TrainerState(step=step, sampler=SamplerState(self.sampler.epoch, self.sampler.position),
-                             extra=algorithm_state)
+        sampler = sampler or SamplerState(self.sampler.epoch, self.sampler.position)
+        state = TrainerState(step=step, sampler=sampler, extra=algorithm_state)
         previous = self.run.latest()
         try:
             tmp = self.run.begin_checkpoint(step)
@@ -195,7 +232,7 @@ class Driver:
             last = previous or "none (no earlier checkpoint)"
             raise CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
                                   f"{first_line(e)}; the last complete one is {last}") from e
-        self.save_s = time.monotonic() - saving
+        self.save_s, self.saved_step = time.monotonic() - saving, step
         log.info("checkpoint of step %d saved in %.1f s", step, self.save_s)
         self.last_save = time.monotonic()
 

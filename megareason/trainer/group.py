@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from megareason.config.load import ConfigError
 from megareason.config.schema import Config
 from megareason.logs import last_worker_error
+from megareason.rollout.records import GenerationStopped
 from megareason.trainer.run_dir import RunError, first_line
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,8 @@ class WorkerGroup:
                                  f"{f'; its last error: {cause}' if cause else ''} (its log: "
                                  f"logs/{role}_rank{rank}.log in the run folder)") from None
             except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, GenerationStopped):  # the run is stopping: the group is fine
+                    raise e.cause from None
                 self.failed = True
                 if isinstance(e.cause, RunError):  # its message is the report (a weight sync that failed on a rank)
                     raise e.cause from None

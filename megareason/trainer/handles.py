@@ -81,6 +81,12 @@ class PolicyHandle(RoleHandle):
     def sleep_engine(self) -> None:
         self._call(PolicyWorker.sleep_engine)
 
+    def stop_generating_on(self, path: str) -> None:
+        """From now on a generate in progress gives up (``GenerationStopped``) once the file ``path`` exists."""
+        if self.pool is not None:
+            self.pool.stop_generating_on(path)
+        self._call(PolicyWorker.stop_generating_on, path)
+
     def sync_weights(self) -> list[WeightUpdate]:
         """The actor's weights into every engine (waking it); one record per engine."""
         return [u for u in self._call(PolicyWorker.sync_weights) if u is not None]

@@ -35,6 +35,7 @@ from megareason.data.records import TokenizedPrompt
 from megareason.envs.runner import check_env_data, env_enabled, run_env
 from megareason.raro.prompts import policy_data
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
+from megareason.rollout.records import GenerationStopped
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
@@ -93,7 +94,10 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
 
     for step, indices in driver.steps():
         timer: dict[str, float] = {}
-        rows = rollout(step, [prompts[i] for i in indices], timer)
+        try:
+            rows = rollout(step, [prompts[i] for i in indices], timer)
+        except GenerationStopped:  # a SIGTERM: the step's samples are dropped, the state before it saved
+            driver.drop_step(step)
         exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
         if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
             exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer, sync=not t.max_staleness)

@@ -16,13 +16,14 @@ is not built yet: the pool refuses them with that message.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from dataclasses import dataclass, replace
 
 from megareason.config import Config, ConfigError
-from megareason.rollout.records import Completion, Sampling, WeightUpdate
+from megareason.rollout.records import Completion, GenerationStopped, Sampling, WeightUpdate
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,10 @@ class RolloutWorker:
         start = time.perf_counter()
         out = self.engine.generate(prompts_token_ids, sampling, use_tqdm=False)
         return out, time.perf_counter() - start
+
+    def stop_generating_on(self, path: str) -> None:
+        """A generate in progress gives up (``GenerationStopped``) once the file ``path`` exists."""
+        self.engine.should_stop = functools.partial(os.path.exists, path)
 
     # vLLM's weight-sync control plane (``VLLMWeightSyncClient``'s methods; ``rollout.transfer.PoolClient``)
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -127,6 +132,9 @@ class RolloutPool:
     def generate(self, prompts_token_ids: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
         return self.generate_async(prompts_token_ids, sampling).result()[0]
 
+    def stop_generating_on(self, path: str) -> None:
+        self._get([w.stop_generating_on.remote(path) for w in self.workers], "stop_generating_on")
+
     def remote_engines(self) -> RemoteEngines:
         """What the trainer's first rank pushes weights through."""
         return RemoteEngines(self.workers, self.dtype)
@@ -140,6 +148,10 @@ class RolloutPool:
 
         try:
             return ray.get(futures)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, GenerationStopped):
+                raise e.cause from None
+            raise
         except ray.exceptions.RayActorError as e:
             self.failed = True
             i = next((k for k, f in enumerate(futures) if _died(f)), 0)

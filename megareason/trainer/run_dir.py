@@ -135,6 +135,8 @@ class RunDir:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.checkpoints = self.root / "checkpoints"
+        # Created by the driver on SIGTERM; the rollout engines poll it and give up a generation in progress.
+        self.stop_file = self.root / ".stopping"
 
     def steps(self) -> list[int]:
         """Steps with a complete checkpoint, ascending."""

@@ -11,6 +11,7 @@ of the step's rows (``share``), and the first rank of each replica returns that 
 
 from __future__ import annotations
 
+import functools
 import os
 from datetime import timedelta
 
@@ -229,6 +230,13 @@ class PolicyWorker(_Worker):
         if self.engine is not None:
             self.engine.sleep(level=1)
         self._write_checkpoint(path, metadata)
+
+    def stop_generating_on(self, path: str) -> None:
+        """This rank's whole engine gives up a generate (``GenerationStopped``) once the file ``path``
+        exists (the driver's stop file). Not an SPMD engine spread over ranks (rollout TP > 1 colocated):
+        its ranks would stop at different engine steps and wait on each other in vLLM's collectives."""
+        if self.engine is not None and not colocated_rollout(self.cfg):
+            self.engine.engine.should_stop = functools.partial(os.path.exists, path)
 
     def sleep_engine(self) -> None:
         """Before Megatron computes (the loop calls it): the engine frees the device. Level 2, weights
