@@ -403,6 +403,42 @@ def test_a_sigterm_during_generation_drops_the_step_saves_the_one_before_and_the
     assert interrupted.vllm.prompts + resumed.vllm.prompts == straight.vllm.prompts  # steps 1-4, then validation
 
 
+def test_a_sigterm_during_validation_saves_the_step_and_the_next_run_validates_it_first(tok, tmp_path):
+    """A SIGTERM while step 2's validation generates: the update is done, so step 2 is saved (with its
+    metrics, waiting for their validation) and the run exits with 75; the next run validates step 2 first,
+    logs its row, and goes on: every row has what an uninterrupted run's has, validation included."""
+    import os
+    import signal
+
+    from megareason.trainer.driver import EXIT_STOPPED, stop_signals
+
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=3", "trainer.val_every=2", "trainer.val_before_train=false"])
+    prompts, val = _prompts(tok, 4), _prompts(tok, 2)
+    _run(cfg, tmp_path / "straight", prompts, val, tok)
+    sent = []
+
+    def term_in_validation(text, call):
+        if call == 2 and not sent:  # step 1, step 2, then step 2's validation
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return _reply(text, call)
+
+    out, started = tmp_path / "stopped", []
+    with stop_signals() as stop, pytest.raises(SystemExit) as stopped:
+        _run(cfg, out, prompts, val, tok, reply=term_in_validation, stop=stop, started=started)
+    assert stopped.value.code == EXIT_STOPPED and RunDir(str(out)).steps() == [2]
+    (interrupted,) = started[0].workers
+    assert _phases(interrupted) == ["gen"] + UPDATE + ["gen"] + UPDATE + ["gen", "stopped"] + SAVE
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    (resumed,) = _run(cfg, out, prompts, val, tok).workers
+    assert _phases(resumed) == ["sync"] + VAL + ["gen"] + UPDATE + VAL + SAVE  # step 2's validation first
+
+    def rows(folder):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "throughput/"))}
+                for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows(out) == rows(tmp_path / "straight") and "val/accuracy" in rows(out)[1]
+
+
 # --- the state machine alone: error paths ---------------------------------------------------------
 
 

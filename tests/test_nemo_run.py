@@ -139,7 +139,10 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     assert "SIGUSR1 (time limit or pre-emption ahead)" in text and "SIGUSR1: stopped after step 1" in text
     second = text[text.index("restart 1"):]
     assert "megareason-ray-node n1: SIGTERM" in second and "megareason-ray-node n2: SIGTERM" in second
-    assert "SIGTERM: stopped after step 2 with a checkpoint" in second, second[-6000:]
+    # Step 2 is dropped if the SIGTERM came while it generated (its engines give up; step 1's checkpoint holds
+    # the state), else it finishes and is saved: either way the requeued run resumes where the golden run was.
+    assert ("SIGTERM during step 2's generation: the step was dropped" in second
+            or "SIGTERM: stopped after step 2 with a checkpoint" in second), second[-6000:]
     assert text.count(f"requeueing job {job}") == 2 and "resuming from" in second
     assert "resuming from" in text[text.index("restart 2"):]
     assert "driver exited with 0" in text and "Ray stopped" in text

@@ -103,8 +103,8 @@ def _sft_args(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path
 
 @pytest.mark.slow
 def test_sft_with_lora_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve(tiny_qwen2, tmp_path):
-    """SFT on LoRA adapters under Slurm's pre-emption: SIGTERM during a step -> that step finishes, a
-    checkpoint (the adapters and their optimizer state), exit code 75; the rerun resumes from it and the whole
+    """SFT on LoRA adapters under Slurm's pre-emption: SIGTERM during a step -> that step finishes (or its
+    validation gives up, and the next run does it first), a checkpoint (the adapters and their optimizer state), exit code 75; the rerun resumes from it and the whole
     curve equals the golden one of a run never stopped. Its first loss is transformers' NLL of the same tokens
     (the adapters start as the identity: B = 0), and the adapters lower the validation loss. (Full-parameter
     training: every RL run.)"""
@@ -141,7 +141,9 @@ def test_sft_with_lora_matches_transformers_stops_on_sigterm_and_resumes_to_the_
     os.kill(proc.pid, signal.SIGCONT)
     stderr = proc.communicate(timeout=600)[1]
     assert proc.returncode == 75, stderr[-5000:]
-    assert "SIGTERM: stopped after step" in stderr
+    # After the step in progress, or during a validation's generation (the step is saved, its row waits for
+    # the validation the next run does first): either way the rerun's curve is the golden one.
+    assert "SIGTERM: stopped after step" in stderr or "validation: saved; the next run validates it first" in stderr
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert len(saved) == 1 and saved[0] in ("step_00000001", "step_00000002", "step_00000003"), saved  # not 4
 

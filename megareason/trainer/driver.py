@@ -143,11 +143,17 @@ class Driver:
         self.tracker = Tracker(self.run.root, t.loggers, self.state.step, config=asdict(self.cfg), wandb=t.wandb)
         self.run.stop_file.unlink(missing_ok=True)  # an earlier run's
         self._stop_generation_on_sigterm()
-        if t.val_before_train and self.state.step == 0 and self.validate is not None:
+        due, pending = None, self.state.pending_metrics
+        if pending is not None:  # the checkpoint's step, saved when a SIGTERM stopped its validation
+            due = self.state.step
+        elif t.val_before_train and self.state.step == 0 and self.validate is not None:
+            due = 0
+        if due is not None:
             try:
-                self.tracker.log(0, self.validate(0))
+                validated = self.validate(due) if self.validate is not None else {}
             except GenerationStopped:
-                self._exit(" during the validation before training: stopped")
+                self._exit(f" during step {due}'s validation: stopped")
+            self.tracker.log(due, {**(pending or {}), **validated})
         self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here
         self.save_s = 0.0  # the last checkpoint's seconds (deadline_near)
         self.deadline = self._deadline()
@@ -174,8 +180,9 @@ class Driver:
         if self.validate is not None and (step == t.steps or (t.val_every and step % t.val_every == 0)):
             try:
                 metrics.update(self.validate(step))
-            except GenerationStopped:  # the update is done: the step is saved without its validation
-                log.warning("SIGTERM during step %d's validation: saved without it", step)
+            except GenerationStopped:  # the update is done: saved, its row waits for the next run's validation
+                self._save(step, algorithm_state or {}, pending_metrics=metrics)
+                self._exit(f" during step {step}'s validation: saved; the next run validates it first")
         self.tracker.log(step, metrics)
         self.done_extra = json.loads(json.dumps(algorithm_state or {}))  # as a resume would read it
         now = time.monotonic()
@@ -214,10 +221,11 @@ class Driver:
         if self.stop.signal == signal.SIGTERM:
             stop_file.touch()
 
-    def _save(self, step: int, algorithm_state: dict, sampler: SamplerState | None = None) -> None:
+    def _save(self, step: int, algorithm_state: dict, sampler: SamplerState | None = None,
+              pending_metrics: dict | None = None) -> None:
         saving = time.monotonic()
         sampler = sampler or SamplerState(self.sampler.epoch, self.sampler.position)
-        state = TrainerState(step=step, sampler=sampler, extra=algorithm_state)
+        state = TrainerState(step=step, sampler=sampler, extra=algorithm_state, pending_metrics=pending_metrics)
         previous = self.run.latest()
         try:
             tmp = self.run.begin_checkpoint(step)

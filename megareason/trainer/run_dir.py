@@ -122,11 +122,14 @@ class TrainerState:
     step: int = 0
     sampler: SamplerState = field(default_factory=SamplerState)
     extra: dict = field(default_factory=dict)  # algorithm state (e.g. a replay buffer's file name)
+    # The step's metrics when a SIGTERM stopped its validation: the next run validates first, then logs them.
+    pending_metrics: dict | None = None
 
     @classmethod
     def from_json(cls, text: str) -> TrainerState:
         raw = json.loads(text)
-        return cls(step=raw["step"], sampler=SamplerState(**raw["sampler"]), extra=raw.get("extra", {}))
+        return cls(step=raw["step"], sampler=SamplerState(**raw["sampler"]), extra=raw.get("extra", {}),
+                   pending_metrics=raw.get("pending_metrics"))
 
 
 class RunDir:
