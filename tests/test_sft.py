@@ -104,8 +104,9 @@ def _sft_args(model: Path, tmp_path: Path, name: str, *extra: str) -> tuple[Path
 @pytest.mark.slow
 def test_sft_with_lora_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve(tiny_qwen2, tmp_path):
     """SFT on LoRA adapters under Slurm's pre-emption: SIGTERM during a step -> that step finishes (or its
-    validation gives up, and the next run does it first), a checkpoint (the adapters and their optimizer state), exit code 75; the rerun resumes from it and the whole
-    curve equals the golden one of a run never stopped. Its first loss is transformers' NLL of the same tokens
+    validation gives up, and the next run does it first), a checkpoint (the adapters and their optimizer
+    state), exit code 75; the rerun resumes from it and the whole curve equals the golden one of a run never
+    stopped. Its first loss is transformers' NLL of the same tokens
     (the adapters start as the identity: B = 0), and the adapters lower the validation loss. (Full-parameter
     training: every RL run.)"""
     import os
