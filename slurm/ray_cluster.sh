@@ -12,7 +12,7 @@
 #      named container fail with "Could not acquire rootfs lock");
 #   2. checks the job's inputs before Ray starts, each refusal naming what to change (exit code 2, no
 #      requeue): the code (the checkout's commit, and whether its tree is dirty, recorded in the job folder
-#      at the first start; a requeued run whose checkout moved since is refused); the config with the
+#      at the first start; a requeued run whose checkout's commit moved since is refused); the config with the
 #      driver's own arguments and its preflight (model, data files, free space for the checkpoints it
 #      keeps: megareason/launch/slurm_job.py run-dir); and that a job across several hosts keeps its run
 #      folder (trainer.output_dir) outside the checkout, on scratch storage;
@@ -210,9 +210,9 @@ _mr_checkout_state() {
 }
 
 # The code this job runs: recorded in the job folder at its first start. A requeued run (SLURM_RESTART_COUNT
-# > 0) whose checkout moved since (another commit, or other uncommitted changes) is refused: its resume would
-# run other code than the checkpoints were written by, under the same job. A new job resumes the run with
-# the new code on purpose.
+# > 0) of a checkout whose commit moved since is refused: its resume would run other code than the job's
+# checkpoints were written by. Uncommitted changes that differ from the first start's are logged, not refused
+# (a dirty tree's files change for many reasons). A new job resumes the run with new code on purpose.
 _mr_check_checkout() {
     local record=$MR_JOBDIR/checkout now was
     if ! now=$(_mr_checkout_state "$MR_ROOT"); then
@@ -221,14 +221,19 @@ _mr_check_checkout() {
     fi
     if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -s $record ]]; then
         was=$(<"$record")
-        if [[ $was != "$now" ]]; then
-            _mr_log "error: the checkout $MR_ROOT changed since this job first started: it started at $was," \
-                    "it is now at $now; a requeued run runs the code it started with only. Submit a new job to" \
-                    "go on with this code (it resumes from the run's latest checkpoint), or check out" \
-                    "${was%% *} again and submit it. Ray was not started"
+        if [[ ${was%% *} != "${now%% *}" ]]; then
+            _mr_log "error: the checkout $MR_ROOT moved since this job first started: it started at commit" \
+                    "${was%% *} (${was#* }), it is now at ${now%% *} (${now#* }); a requeued run runs the code it" \
+                    "started with only. Submit a new job to go on with this code (it resumes from the run's" \
+                    "latest checkpoint), or check out ${was%% *} again before requeueing this one. Ray was not started"
             exit "$MR_EXIT_REFUSED"
         fi
-        _mr_log "code: $MR_ROOT at $now, as at the job's first start"
+        if [[ $was != "$now" ]]; then
+            _mr_log "warning: the checkout $MR_ROOT has other uncommitted changes than at this job's first start" \
+                    "(${was#* }, now ${now#* }) on the same commit ${now%% *}: the requeued run runs them as they are"
+        else
+            _mr_log "code: $MR_ROOT at $now, as at the job's first start"
+        fi
         return 0
     fi
     (( ${SLURM_RESTART_COUNT:-0} > 0 )) &&
@@ -278,9 +283,9 @@ megareason_slurm_run() {
     trap '_mr_teardown; _mr_clean_jobdir' EXIT
     local n=${#nodes[@]} gpus=$(( ${#nodes[@]} * ${SLURM_GPUS_ON_NODE:-0} ))
     local ports="$MR_RAY_PORT_BASE-$((MR_RAY_PORT_BASE + 200 * MR_NODE_SLOTS - 1))"
-    _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes (${MR_NODES% }) on $hosts host(s)," \
-            "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports), Ray temp dirs in $MR_RAY_TMPDIR," \
-            "open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
+    _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes (${MR_NODES% })" \
+            "on $hosts host(s), Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports)," \
+            "Ray temp dirs in $MR_RAY_TMPDIR, open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}"
     if (( hosts > 1 )) && [[ $MR_HEAD_IP == 127.* ]]; then
         _mr_fail "the head node $head's address $addr resolves to $MR_HEAD_IP (loopback) here, on a job across" \
                  "$hosts hosts: the other nodes cannot reach Ray's head; fix the node's NodeAddr or /etc/hosts"
