@@ -1,10 +1,11 @@
 #!/bin/bash
 # Check a megareason GPU image from inside: the Python version, the versions of the stack, that torch is
 # still the build vLLM was compiled against (recorded at build time), that vLLM's compiled ops load, that
-# TransformerEngine imports and is within megatron-core's range, `pip check`, and megareason's CLI on CPU
-# (plan, config validation, node check). On a GPU (docker run --gpus all, srun --container-image) it also
-# checks CUDA from torch and TE; with --build (the Dockerfile's last step, no GPU there) TE's import is only
-# reported, as it needs the CUDA driver.
+# TransformerEngine imports and is within megatron-core's range, `pip check`, that the node's NVIDIA driver
+# is new enough for the image's CUDA (R580+ for CUDA 13.0; a node without a driver passes, saying so), and
+# megareason's CLI on CPU (plan, config validation, node check). On a GPU (docker run --gpus all, srun
+# --container-image) it also checks CUDA from torch and TE; with --build (the Dockerfile's last step, no GPU
+# there) TE's import is only reported, as it needs the CUDA driver.
 #
 #   docker run --rm --gpus all --ipc=host megareason:TAG bash containers/check.sh
 #   srun -N1 --gpus-per-node=8 --container-image=/images/megareason.sqsh bash /opt/megareason/containers/check.sh
@@ -94,6 +95,7 @@ if command -v uv >/dev/null; then
 else
     check "pip check" "$py" -m pip check
 fi
+check "NVIDIA driver new enough for the image's CUDA" "$py" -m megareason.launch.gpu_driver
 check "megareason CLI: help" megareason --help
 check "megareason CLI: a config loads and validates" megareason train --show-config trainer.steps=2
 check "megareason CLI: the 70B plan and its pre-emption lead" \

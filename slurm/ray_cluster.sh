@@ -5,12 +5,17 @@
 # A recipe sources this file and calls `megareason_slurm_run CONFIG "$@"` (CONFIG: a name in configs/ or a
 # path to a YAML file), which
 #   1. checks every node (one task per node, in the container; megareason/launch/node_check.py): the
-#      interfaces gloo and NCCL will use, InfiniBand HCAs, open-files and memory limits, the ephemeral port
-#      range against the job's Ray ports, Ray's temp dir. With a pyxis image this step also creates each
+#      interfaces gloo and NCCL will use (loopback fails a job whose nodes are on several hosts), InfiniBand
+#      HCAs, open-files and memory limits, the ephemeral port range against the job's Ray ports, Ray's temp
+#      dir, the NVIDIA driver against the image's CUDA. With a pyxis image this step also creates each
 #      node's container, once, before the concurrent steps attach to it (concurrent first attaches of one
 #      named container fail with "Could not acquire rootfs lock");
-#   2. resolves the run folder (trainer.output_dir) with the driver's own arguments: a bad config or
-#      override fails here, naming the field, before Ray starts;
+#   2. checks the job's inputs before Ray starts, each refusal naming what to change (exit code 2, no
+#      requeue): the code (the checkout's commit, and whether its tree is dirty, recorded in the job folder
+#      at the first start; a requeued run whose checkout's commit moved since is refused); the config with the
+#      driver's own arguments and its preflight (model, data files, free space for the checkpoints it
+#      keeps: megareason/launch/slurm_job.py run-dir); and that a job across several hosts keeps its run
+#      folder (trainer.output_dir) outside the checkout, on scratch storage;
 #   3. starts a Ray head on the first node and a Ray worker on each other node (srun steps running
 #      megareason/launch/ray_node.py: `ray start --block` with SIGTERM blocked, retried while the cluster
 #      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range;
@@ -54,6 +59,7 @@
 #                                environment on); step 1 prints what they select on each node
 
 MEGAREASON_EXIT_STOPPED=75  # the driver's exit code after a signal-requested checkpoint (trainer/loop.py)
+MR_EXIT_REFUSED=2           # the job's inputs were refused before Ray started (the CLI's code for bad input)
 MR_NODE_SLOTS=4             # Slurm nodes of one job that may share a host (a test cluster): distinct ports
 MR_RAY_WORKER_PORTS=126     # per node: one for each Ray worker process (an actor or a task's worker)
 
@@ -166,8 +172,75 @@ _mr_fail() {
 
 _mr_requeue() {
     _mr_log "requeueing job $SLURM_JOB_ID ($1): the next run resumes from the latest checkpoint"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" && MR_REQUEUED=1
     exit "$MEGAREASON_EXIT_STOPPED"
+}
+
+# The job folder goes with the job; a requeued job keeps its record of the code it started from.
+_mr_clean_jobdir() {
+    if (( ${MR_REQUEUED:-0} )); then
+        find "$MR_JOBDIR" -mindepth 1 -maxdepth 1 ! -name checkout -exec rm -rf {} +
+    else
+        rm -rf "$MR_JOBDIR"
+    fi
+}
+
+# How many distinct hosts the given node addresses (Slurm's NodeAddr) are: each resolved to its IPv4 address
+# here, every loopback address counted as one host (a test cluster's Slurm nodes on one machine).
+_mr_count_hosts() {
+    local addr ip
+    for addr in "$@"; do
+        ip=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
+        ip=${ip:-$addr}
+        [[ $ip == 127.* || $ip == ::1 || $ip == localhost ]] && ip=loopback
+        echo "$ip"
+    done | sort -u | wc -l
+}
+
+# The checkout's code: "COMMIT clean" or "COMMIT dirty:HASH" (HASH: of its uncommitted changes to tracked
+# files); fails when $1 is not a git checkout or git is missing.
+_mr_checkout_state() {
+    local commit diff
+    commit=$(git -C "$1" rev-parse HEAD 2>/dev/null) || return 1
+    if git --no-optional-locks -C "$1" diff --quiet HEAD -- 2>/dev/null; then
+        echo "$commit clean"
+    else
+        diff=$(git --no-optional-locks -C "$1" diff --binary HEAD -- | sha256sum)
+        echo "$commit dirty:${diff:0:12}"
+    fi
+}
+
+# The code this job runs: recorded in the job folder at its first start. A requeued run (SLURM_RESTART_COUNT
+# > 0) of a checkout whose commit moved since is refused: its resume would run other code than the job's
+# checkpoints were written by. Uncommitted changes that differ from the first start's are logged, not refused
+# (a dirty tree's files change for many reasons). A new job resumes the run with new code on purpose.
+_mr_check_checkout() {
+    local record=$MR_JOBDIR/checkout now was
+    if ! now=$(_mr_checkout_state "$MR_ROOT"); then
+        _mr_log "code: $MR_ROOT is not a git checkout (or git is missing here): the commit is not recorded"
+        return 0
+    fi
+    if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -s $record ]]; then
+        was=$(<"$record")
+        if [[ ${was%% *} != "${now%% *}" ]]; then
+            _mr_log "error: the checkout $MR_ROOT moved since this job first started: it started at commit" \
+                    "${was%% *} (${was#* }), it is now at ${now%% *} (${now#* }); a requeued run runs the code it" \
+                    "started with only. Submit a new job to go on with this code (it resumes from the run's" \
+                    "latest checkpoint), or check out ${was%% *} again before requeueing this one. Ray was not started"
+            exit "$MR_EXIT_REFUSED"
+        fi
+        if [[ $was != "$now" ]]; then
+            _mr_log "warning: the checkout $MR_ROOT has other uncommitted changes than at this job's first start" \
+                    "(${was#* }, now ${now#* }) on the same commit ${now%% *}: the requeued run runs them as they are"
+        else
+            _mr_log "code: $MR_ROOT at $now, as at the job's first start"
+        fi
+        return 0
+    fi
+    (( ${SLURM_RESTART_COUNT:-0} > 0 )) &&
+        _mr_log "no record of the code this job first started from (its job folder was removed): recording this run's"
+    echo "$now" > "$record.tmp" && mv "$record.tmp" "$record"
+    _mr_log "code: $MR_ROOT at $now"
 }
 
 # Open files: Ray's processes hold many sockets and files; srun passes the soft limit on to the steps.
@@ -185,16 +258,17 @@ megareason_slurm_run() {
     MR_RAY_TMPDIR=${MEGAREASON_RAY_TMPDIR:-${TMPDIR:-/tmp}}
     MR_RAY_PORT_BASE=${MEGAREASON_RAY_PORT_BASE:-$((2000 + 800 * (SLURM_JOB_ID % 8)))}
     MR_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\n' ' ')
-    local nodes hosts
+    local nodes hosts addrs
     read -ra nodes <<< "$MR_NODES"
     local head=${nodes[0]} addr
     addr=$(scontrol show node "$head" | grep -oP 'NodeAddr=\K\S+')
     MR_HEAD_IP=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
     MR_HEAD_IP=${MR_HEAD_IP:-$addr}
-    hosts=$(scontrol show node "$SLURM_JOB_NODELIST" | grep -oP 'NodeAddr=\K\S+' | sort -u | wc -l)
-    MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_RAY_STEPS=() MR_DRIVER=
-    # Per-job files (the driver's PID, the run folder, Ray's stop file) on the shared filesystem, also
-    # seen from inside the container.
+    read -ra addrs <<< "$(scontrol show node "$SLURM_JOB_NODELIST" | grep -oP 'NodeAddr=\K\S+' | tr '\n' ' ')"
+    hosts=$(_mr_count_hosts "${addrs[@]}")
+    MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_RAY_STEPS=() MR_DRIVER= MR_REQUEUED=0
+    # Per-job files (the driver's PID, the run folder, Ray's stop file, the record of the code) on the shared
+    # filesystem, also seen from inside the container.
     MR_JOBDIR="$MR_ROOT/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID"
     MR_DRIVER_PIDFILE="$MR_JOBDIR/driver.pid"
     mkdir -p "$MR_JOBDIR" && rm -f "$MR_JOBDIR"/{driver.pid,ray.stop,ray.up,run_dir}
@@ -214,27 +288,32 @@ megareason_slurm_run() {
     fi
     trap '_mr_on_signal USR1' USR1
     trap '_mr_on_signal TERM' TERM
-    trap '_mr_teardown; rm -rf "$MR_JOBDIR"' EXIT
+    trap '_mr_teardown; _mr_clean_jobdir' EXIT
     local n=${#nodes[@]} gpus=$(( ${#nodes[@]} * ${SLURM_GPUS_ON_NODE:-0} ))
     local ports="$MR_RAY_PORT_BASE-$((MR_RAY_PORT_BASE + 200 * MR_NODE_SLOTS - 1))"
-    _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes ($MR_NODES)," \
-            "Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports), Ray temp dirs in $MR_RAY_TMPDIR," \
-            "open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}," \
+    _mr_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): $config on $n nodes (${MR_NODES% })" \
+            "on $hosts host(s), Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports)," \
+            "Ray temp dirs in $MR_RAY_TMPDIR, open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}," \
             "ends: $(date -d "@${MEGAREASON_JOB_END_TIME:-}" +%FT%T 2>/dev/null || echo 'no time limit')"
+    if (( hosts > 1 )) && [[ $MR_HEAD_IP == 127.* ]]; then
+        _mr_fail "the head node $head's address $addr resolves to $MR_HEAD_IP (loopback) here, on a job across" \
+                 "$hosts hosts: the other nodes cannot reach Ray's head; fix the node's NodeAddr or /etc/hosts"
+    fi
 
     # 1. every node, one task each: what NCCL/gloo/Ray will use (and the container, created once per node)
     _mr_srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 "$MR_PYTHON" -m megareason.launch.node_check \
-             --nodes="$hosts" --ports="$ports" --ray-tmpdir="$MR_RAY_TMPDIR" --head-ip="$MR_HEAD_IP" ||
+             --nodes="$n" --hosts="$hosts" --ports="$ports" --ray-tmpdir="$MR_RAY_TMPDIR" --head-ip="$MR_HEAD_IP" ||
         _mr_fail "the node check failed (its errors are above)"
 
-    # 2. the run folder, with the driver's own arguments
+    # 2. the job's inputs: the code, the config and its preflight with the driver's own arguments, the run folder
+    _mr_check_checkout
     local train_args=(--config-name "$config")
     if [[ $config == *.yaml || $config == *.yml || $config == */* ]]; then
         train_args=(--config-dir "$(dirname "$config")" --config-name "$(basename "${config%.y*ml}")")
     fi
     local out rc
     out=$(_mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -m megareason.launch.slurm_job run-dir \
-                   "${train_args[@]}" "$@"); rc=$?
+                   --hosts="$hosts" --checkout="$MR_ROOT" "${train_args[@]}" "$@"); rc=$?
     if (( rc != 0 )); then
         _mr_log "the config was refused (exit code $rc, the reason is above); Ray was not started"
         exit "$rc"

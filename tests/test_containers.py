@@ -80,9 +80,19 @@ def test_check_sh_passes_what_this_cpu_environment_has_and_fails_the_rest_by_nam
         assert f"ok    {ok}" in out, (ok, out)
     assert "FAIL  TransformerEngine within megatron-core's range" in out  # not installed on CPU
     assert "#SBATCH --signal=B:USR1@" in out
-    # a torch replaced after the record (what installing vLLM with its dependencies onto another torch does)
+    assert "ok    NVIDIA driver new enough for the image's CUDA: NVIDIA driver: none on this node" in out
+    # a torch replaced after the record (what installing vLLM with its dependencies onto another torch does),
+    # on a node whose driver (an nvidia-smi stand-in) is older than the CUDA 13.0 image needs
     record.write_text(json.dumps({"version": torch.__version__, "git": "0" * 40, "cuda": "13.0"}))
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo 550.127.05;; esac\n')
+    smi.chmod(0o755)
+    env = {**env, "PATH": f"{smi.parent}:{env['PATH']}", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0 brand=tesla,driver>=535"}
     proc = subprocess.run(["bash", str(CONTAINERS / "check.sh")], capture_output=True, text=True, env=env,
                           timeout=300)
     assert "FAIL  torch is the build vLLM needs" in proc.stdout
     assert "torch changed after it was installed" in proc.stdout
+    assert "FAIL  NVIDIA driver new enough for the image's CUDA" in proc.stdout
+    assert "error: the NVIDIA driver 550.127.05 is too old for CUDA 13.0 (NVIDIA_REQUIRE_CUDA=cuda>=13.0): it needs " \
+        "R580 (580.65.06) or newer" in proc.stdout

@@ -277,3 +277,107 @@ def test_convert_refuses_a_truncated_model(model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == f"error: checkpoint {model} is not a megareason checkpoint (no megareason.json)\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+# ----------------------------------------------------------------------------------------- room for checkpoints
+
+
+def _free(monkeypatch, free: int) -> list[Path]:
+    """shutil.disk_usage answers ``free`` bytes; returns the paths it was asked about."""
+    asked = []
+
+    def usage(path):
+        asked.append(Path(path))
+        return shutil._ntuple_diskusage(10**15, 10**15 - free, free)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    return asked
+
+
+def _ckpt_bytes(model: Path, cfg) -> float:
+    from megareason.launch.plan_memory import total_params
+    from megareason.launch.preemption import checkpoint_bytes, trainable_params
+    from megareason.models.arch import ModelArch
+
+    arch = ModelArch.from_pretrained(model)
+    return checkpoint_bytes(cfg, total_params(arch), trainable_params(cfg, arch))
+
+
+def test_checkpoints_to_fit_count_the_kept_ones_the_one_being_written_and_those_there():
+    from megareason.launch.preflight import checkpoints_to_fit
+
+    def fit(existing=0, **trainer):
+        keys = {"steps": 100, "save_every": 10, "keep_last": 2, **trainer}
+        return checkpoints_to_fit(load_config("grpo_smollm2_cpu", [f"trainer.{k}={v}" for k, v in keys.items()]),
+                                  existing)
+
+    assert fit() == 3  # keep_last + 1 being written
+    assert fit(keep_last=5) == 6 and fit(existing=1) == 2 and fit(existing=2) == 1
+    assert fit(existing=7) == 1  # more than keep_last there (a lower keep_last now): one more, then deleted
+    assert fit(save_every=0) == 1 and fit(steps=2) == 1 and fit(steps=20) == 2  # saves: every 10 steps and the last
+    assert fit(steps=2, save_every_minutes=30) == 3  # as many saves as time allows
+
+
+def test_an_output_folder_without_room_for_the_checkpoints_is_refused_naming_both_sizes(model, tmp_path, monkeypatch):
+    from megareason.launch.preflight import check_checkpoint_space
+
+    out = tmp_path / "runs" / "new"
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={model}", f"trainer.output_dir={out}", "trainer.keep_last=2"])
+    each = _ckpt_bytes(model, cfg)
+    asked = _free(monkeypatch, int(3 * each))
+    check_checkpoint_space(cfg)  # exactly room for two kept and one being written
+    assert asked == [tmp_path]  # the nearest existing ancestor
+    _free(monkeypatch, int(3 * each) - 1)
+    with pytest.raises(PreflightError) as e:
+        check_checkpoint_space(cfg)
+    (problem,) = e.value.problems
+    assert problem.startswith(f"output folder {out} has {(3 * each - 1) / 1e6:,.1f} MB free on its file system "
+                              f"({tmp_path}); the run needs {3 * each / 1e6:,.1f} MB: 3 more checkpoint(s) of "
+                              f"{each / 1e6:,.1f} MB (")
+    assert "fp32 weights + Adam state), as it keeps trainer.keep_last=2 plus one being written;" in problem
+    assert problem.endswith("(trainer.output_dir)")
+    # bf16: 2 bytes a weight + 12 of Adam state (fp32 main weights, two moments), against fp32's 4 + 8
+    bf16 = load_config("grpo_smollm2_cpu", ["trainer.precision=bf16"])
+    assert _ckpt_bytes(model, bf16) == pytest.approx(14 / 12 * each)
+    # PPO saves its critic too
+    assert _ckpt_bytes(model, load_config("ppo_smollm2_cpu")) == pytest.approx(2 * each)
+
+
+def test_a_resumed_run_needs_room_only_beside_its_checkpoints(model, tmp_path, monkeypatch):
+    from megareason.launch.preflight import check_checkpoint_space
+
+    out = tmp_path / "run"
+    for step in (10, 20):
+        (out / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (out / "checkpoints" / f"step_{step:08d}" / "trainer_state.json").write_text("{}")
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={model}", f"trainer.output_dir={out}"])
+    each = _ckpt_bytes(model, cfg)
+    asked = _free(monkeypatch, int(each))
+    check_checkpoint_space(cfg)
+    assert asked == [out]
+    _free(monkeypatch, int(each) - 1)
+    with pytest.raises(PreflightError, match=r"1 more checkpoint\(s\) .* one being written, 2 of them there already"):
+        check_checkpoint_space(cfg)
+
+
+def test_lora_checkpoints_hold_the_adam_state_of_the_adapters_only(model):
+    cfg = load_config("grpo_smollm2_cpu")
+    lora = load_config("grpo_smollm2_cpu", ["lora.enabled=true", "lora.rank=4"])
+    assert _ckpt_bytes(model, lora) < 0.5 * _ckpt_bytes(model, cfg)
+
+
+def test_train_preflight_reports_the_space_with_the_other_problems(model, tmp_path, monkeypatch):
+    _free(monkeypatch, 0)
+    missing = tmp_path / "no.jsonl"
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
+                                           f"data.sources=[{{kind: file, path: {missing}}}]"])
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg, "train")
+    assert e.value.problems[0] == f"data file {missing} does not exist (data.sources[0].path)"
+    assert e.value.problems[1].startswith(f"output folder {tmp_path / 'run'} has 0.0 MB free")
+    check_run(load_config("eval", [f"model.path={model}", f"eval.output_dir={tmp_path / 'eval'}"]), "eval")  # no saves
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={tmp_path / 'nothing'}",
+                                           f"trainer.output_dir={tmp_path / 'run2'}"])
+    with pytest.raises(PreflightError) as e:  # no config.json: reported once, by the model's check
+        check_run(cfg, "train")
+    assert len(e.value.problems) == 1 and "free" not in e.value.problems[0]

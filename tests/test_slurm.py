@@ -266,6 +266,188 @@ def test_python_multiprocessing_unblocks_sigterm_and_the_worker_hook_blocks_it_f
     assert shielded.stdout.split() == ["True", "True", "alive", "True"]
 
 
+# The job's checks before Ray (slurm/ray_cluster.sh's functions, run by bash here; slurm_job.py run-dir).
+
+
+def _bash(script: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``script`` after sourcing slurm/ray_cluster.sh (its functions, nothing run)."""
+    return subprocess.run(["bash", "-c", f'source "{REPO}/slurm/ray_cluster.sh" || exit 99\n{script}'], cwd=cwd,
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=120)
+
+
+def _git_repo(path: Path) -> str:
+    """A checkout with one commit; its commit hash."""
+    path.mkdir(parents=True)
+    git = ["git", "-C", str(path), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    (path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_hosts_of_a_job_are_its_distinct_node_addresses_with_loopback_one_host():
+    def count(*addrs: str) -> int:
+        proc = _bash(f"_mr_count_hosts {' '.join(addrs)}")
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout)
+
+    assert count("127.0.0.1", "127.0.0.1") == 1  # tests/slurm_cluster.py: two slurmd "nodes" on one machine
+    assert count("127.0.0.1", "localhost", "127.0.1.1") == 1
+    assert count("10.1.0.1", "10.1.0.2", "10.1.0.2") == 2
+    assert count("127.0.0.1", "10.1.0.2") == 2
+
+
+def test_a_requeued_run_refuses_a_checkout_whose_commit_moved_since_the_jobs_first_start(tmp_path):
+    root, jobdir = tmp_path / "checkout", tmp_path / "job"
+    first = _git_repo(root)
+    jobdir.mkdir()
+    env = {"MR_ROOT": str(root), "MR_JOBDIR": str(jobdir)}
+
+    def start(restart: int) -> subprocess.CompletedProcess:
+        return _bash("_mr_check_checkout; echo went on", {**env, "SLURM_RESTART_COUNT": str(restart)})
+
+    proc = start(0)
+    assert proc.returncode == 0 and f"code: {root} at {first} clean" in proc.stdout
+    assert (jobdir / "checkout").read_text() == f"{first} clean\n"
+    proc = start(1)
+    assert proc.returncode == 0 and "as at the job's first start" in proc.stdout and "went on" in proc.stdout
+    (root / "code.py").write_text("x = 2\n")  # uncommitted changes on the same commit: logged, not refused
+    proc = start(2)
+    assert proc.returncode == 0 and "went on" in proc.stdout, proc.stdout
+    assert re.search(rf"warning: the checkout {root} has other uncommitted changes than at this job's first start "
+                     rf"\(clean, now dirty:[0-9a-f]{{12}}\) on the same commit {first}", proc.stdout), proc.stdout
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    second = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    proc = start(3)
+    assert proc.returncode == 2 and "went on" not in proc.stdout, proc.stdout
+    assert (f"error: the checkout {root} moved since this job first started: it started at commit {first} (clean), "
+            f"it is now at {second} (clean);") in proc.stdout
+    assert "Submit a new job to go on with this code" in proc.stdout
+    proc = start(0)  # a new job (or the record of a job id used before): recorded afresh
+    assert proc.returncode == 0 and (jobdir / "checkout").read_text() == f"{second} clean\n"
+    (jobdir / "checkout").unlink()
+    proc = start(1)  # the record is gone (a job folder removed by hand): this run's is recorded
+    assert proc.returncode == 0 and "no record of the code this job first started from" in proc.stdout
+    proc = _bash("_mr_check_checkout; echo went on", {**env, "MR_ROOT": str(tmp_path / "job")})
+    assert proc.returncode == 0 and "is not a git checkout" in proc.stdout and "went on" in proc.stdout
+
+
+def test_the_job_folder_keeps_only_the_code_record_across_a_requeue(tmp_path):
+    jobdir = tmp_path / "job"
+    for requeued, kept in ((1, ["checkout"]), (0, None)):
+        jobdir.mkdir(exist_ok=True)
+        for name in ("checkout", "driver.pid", "run_dir", "ray.up"):
+            (jobdir / name).write_text("x")
+        proc = _bash("_mr_clean_jobdir", {"MR_JOBDIR": str(jobdir), "MR_REQUEUED": str(requeued)})
+        assert proc.returncode == 0, proc.stderr
+        assert (sorted(p.name for p in jobdir.iterdir()) if jobdir.exists() else None) == kept
+
+
+def _fake_slurm(tmp: Path, addrs: dict[str, str]) -> dict[str, str]:
+    """The environment of a job script on nodes ``addrs`` (name -> NodeAddr) with stand-ins for scontrol
+    (the nodes; requeue accepted) and srun (runs its command here, in its --chdir, except the node check,
+    which passes; each command logged in tmp/srun.log)."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    lines = {n: f"NodeName={n} Arch=x86_64 NodeAddr={a} NodeHostName={n}" for n, a in addrs.items()}
+    cases = "\n".join(f'  "show node {n}") echo "{line}" ;;' for n, line in lines.items())
+    every = "; ".join(f'echo "{line}"' for line in lines.values())
+    (bin_dir / "scontrol").write_text(f"""#!/bin/bash
+case "$1 $2${{3:+ $3}}" in
+{cases}
+  "show node"*) {every} ;;
+  "show hostnames"*) printf '%s\\n' {' '.join(addrs)} ;;
+  requeue*) ;;
+  *) echo "fake scontrol: $*" >&2; exit 1 ;;
+esac
+""")
+    (bin_dir / "srun").write_text("""#!/bin/bash
+dir=.
+while [[ $1 == -* ]]; do
+    [[ $1 == --chdir=* ]] && dir=${1#--chdir=}
+    [[ $1 == -w ]] && shift
+    shift
+done
+echo "$*" >> "$FAKE_SRUN_LOG"
+[[ " $* " == *" megareason.launch.node_check "* ]] && exit 0
+cd "$dir" && exec "$@"
+""")
+    for f in ("scontrol", "srun"):
+        (bin_dir / f).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp / "srun.log"),
+            "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": ",".join(addrs), "SLURM_CPUS_ON_NODE": "1",
+            "SLURM_CLUSTER_NAME": "fake", "SLURM_RESTART_COUNT": "0", "MEGAREASON_PYTHON": sys.executable,
+            "PYTHONPATH": str(REPO), "MEGAREASON_RAY_TMPDIR": str(tmp)}
+
+
+def test_a_job_across_hosts_refuses_a_run_folder_inside_the_checkout_before_ray_starts(tmp_path):
+    root = tmp_path / "checkout"
+    _git_repo(root)
+    env = {**_fake_slurm(tmp_path, {"n1": "10.9.0.1", "n2": "10.9.0.2"}), "MEGAREASON_ROOT": str(root)}
+    proc = _bash("megareason_slurm_run grpo_smollm2_cpu trainer.output_dir=runs/x", env, cwd=root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "grpo_smollm2_cpu on 2 nodes (n1 n2) on 2 host(s)," in out, out
+    assert (f"error: the run folder {root / 'runs' / 'x'} (trainer.output_dir) lies inside the checkout {root}, on a "
+            "job across 2 hosts") in out and "trainer.output_dir=/scratch/$USER/RUN" in out
+    assert "the config was refused (exit code 2" in out and "Ray was not started" in out
+    steps = (tmp_path / "srun.log").read_text()
+    assert "node_check --nodes=2 --hosts=2 " in steps and "ray_cluster.sh node" not in steps
+    assert f"run-dir --hosts=2 --checkout={root} --config-name grpo_smollm2_cpu" in steps
+    assert not (root / "outputs" / "slurm" / "fake-41").exists()  # the job folder went with the job
+
+
+def test_a_requeued_job_whose_checkout_moved_stops_before_its_config_and_ray(tmp_path):
+    root = tmp_path / "checkout"
+    _git_repo(root)
+    jobdir = root / "outputs" / "slurm" / "fake-41"
+    jobdir.mkdir(parents=True)
+    (jobdir / "checkout").write_text(f"{'0' * 40} clean\n")
+    env = {**_fake_slurm(tmp_path, {"n1": "127.0.0.1", "n2": "127.0.0.1"}), "MEGAREASON_ROOT": str(root),
+           "SLURM_RESTART_COUNT": "1"}
+    proc = _bash("megareason_slurm_run grpo_smollm2_cpu", env, cwd=root)
+    assert proc.returncode == 2 and f"it started at commit {'0' * 40} (clean), it is now at " in proc.stdout, \
+        proc.stdout
+    steps = (tmp_path / "srun.log").read_text()
+    assert "--nodes=2 --hosts=1 " in steps and "run-dir" not in steps  # one host: the test cluster's case
+
+
+def test_a_head_address_that_resolves_to_loopback_fails_a_job_across_hosts(tmp_path):
+    root = tmp_path / "checkout"
+    _git_repo(root)
+    env = {**_fake_slurm(tmp_path, {"n1": "127.0.1.1", "n2": "10.9.0.2"}), "MEGAREASON_ROOT": str(root)}
+    proc = _bash("megareason_slurm_run grpo_smollm2_cpu", env, cwd=root)
+    assert proc.returncode == 1 and "resolves to 127.0.1.1 (loopback) here, on a job across 2 hosts" in proc.stdout
+    assert not (tmp_path / "srun.log").exists()
+
+
+def test_run_dir_runs_the_train_preflight_and_refuses_a_run_folder_inside_the_checkout(tiny_qwen2, tmp_path,
+                                                                                         monkeypatch, capsys):
+    from megareason.launch import slurm_job
+
+    checkout = tmp_path / "checkout"
+
+    def run_dir(hosts: int, out: Path, *overrides: str) -> int:
+        return slurm_job.main(["run-dir", f"--hosts={hosts}", f"--checkout={checkout}", "--config-name",
+                               "grpo_smollm2_cpu", f"model.path={tiny_qwen2}", f"trainer.output_dir={out}", *overrides])
+
+    inside = checkout / "outputs" / "run"
+    assert run_dir(2, inside) == 2
+    assert capsys.readouterr().err.startswith(f"error: the run folder {inside} (trainer.output_dir) lies inside")
+    assert run_dir(1, inside) == 0  # one host: allowed
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(inside)
+    outside = tmp_path / "scratch" / "run"
+    assert run_dir(8, outside) == 0
+    capsys.readouterr()
+    monkeypatch.setattr("shutil.disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    assert run_dir(8, outside) == 2  # the preflight's free-space check, before Ray
+    assert capsys.readouterr().err.startswith(f"error: output folder {outside} has 0.0 MB free")
+    assert run_dir(1, outside, "trainer.keep_last=0") == 2  # the config's own checks
+    assert "trainer.keep_last" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------- on the cluster
 
 

@@ -10,11 +10,19 @@ is also the step that creates each node's pyxis container, one task per node), a
 * the InfiniBand HCAs and their ports (``/sys/class/infiniband``) and which ``NCCL_IB_HCA`` selects;
 * the address Ray registers (the source address of the route to the head, as ``ray start`` finds it);
 * the open-files limit, the job's memory limit (cgroup) against the node's RAM, the kernel's ephemeral
-  port range against the job's Ray ports, and the file system and free space of Ray's temp dir.
+  port range against the job's Ray ports, and the file system and free space of Ray's temp dir;
+* the NVIDIA driver against the CUDA version the image or torch was built for (``launch/gpu_driver.py``).
 
-Errors (an interface variable that names nothing on this node) exit with code 1 so the job fails before
-Ray starts; warnings (a host name that resolves to loopback on a multi-node job, ports inside the
-ephemeral range, a RAM-backed temp dir, a memory limit below the node's RAM) are printed and pass.
+Errors exit with code 1 so the job fails before Ray starts: an interface variable that names nothing on this
+node; gloo or NCCL's sockets on a loopback interface when the job's nodes are on more than one host (other
+hosts cannot reach it: "Gloo connectFullMesh failed", NCCL's bootstrap hangs); an NVIDIA driver too old for
+the CUDA build. Warnings are printed and pass: loopback when the job's several Slurm nodes share one host (a
+test cluster: it works there, and would not across hosts), ports inside the ephemeral range, a RAM-backed temp
+dir, a memory limit below the node's RAM.
+
+``--hosts`` is the number of distinct hosts among the job's nodes: ``slurm/ray_cluster.sh`` counts the nodes'
+addresses (``NodeAddr``, resolved; every loopback address is one host), so two Slurm nodes on one machine
+count as one host. Run by hand, it defaults to ``--nodes`` (every node its own host).
 """
 
 from __future__ import annotations
@@ -29,14 +37,17 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megareason.launch import gpu_driver
+
 HELP = """\
 Print what NCCL, gloo and Ray will use on this node: network interfaces, the interface gloo binds
 (GLOO_SOCKET_IFNAME or the host name's address), the interfaces NCCL's sockets use (NCCL_SOCKET_IFNAME or
 NCCL's default order), InfiniBand HCAs (NCCL_IB_HCA), Ray's node address, open-files and memory limits,
-the ephemeral port range against the Ray ports, Ray's temp dir. Exit code 1 when an interface variable
-names nothing here. Run it on every node of an allocation:
+the ephemeral port range against the Ray ports, Ray's temp dir, the NVIDIA driver against the CUDA build.
+Exit code 1 when an interface variable names nothing here, when gloo or NCCL would use loopback on a job
+across hosts, or when the driver is too old. Run it on every node of an allocation:
 
-  srun --ntasks-per-node=1 megareason node-check --nodes $SLURM_JOB_NUM_NODES
+  srun --ntasks-per-node=1 megareason node-check
   srun --ntasks-per-node=1 --container-image=IMAGE python -m megareason.launch.node_check --ports 2000-2799
 """
 
@@ -140,11 +151,27 @@ def ranges_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
-def check(*, nodes: int = 1, ports: tuple[int, int] | None = None, ray_tmpdir: str = "", head_ip: str = "",
-          env: dict[str, str] | None = None, ifaces: list[Interface] | None = None) -> Report:
-    """The node's report (see the module docstring); ``env`` and ``ifaces`` default to this machine's."""
+def loopback_problem(r: Report, what: str, nodes: int, hosts: int) -> None:
+    """``what`` (gloo's or NCCL's sockets, on a loopback address) on a job of ``nodes`` Slurm nodes on
+    ``hosts`` distinct hosts: an error across hosts, a warning for several nodes on one host, nothing for
+    one node."""
+    if hosts > 1:
+        r.errors.append(f"{what} on a job across {hosts} hosts: the other hosts cannot reach it (\"Gloo "
+                        f"connectFullMesh failed\", NCCL's bootstrap hangs); set GLOO_SOCKET_IFNAME and "
+                        f"NCCL_SOCKET_IFNAME to the interface between the nodes")
+    elif nodes > 1:
+        r.warnings.append(f"{what}: fine while this job's {nodes} nodes share one host, not across hosts")
+
+
+def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | None = None, ray_tmpdir: str = "",
+          head_ip: str = "", env: dict[str, str] | None = None, ifaces: list[Interface] | None = None,
+          driver_text: str | None = None) -> Report:
+    """The node's report (see the module docstring) for a job of ``nodes`` Slurm nodes on ``hosts`` distinct
+    hosts (default: ``nodes``); ``env``, ``ifaces`` and ``driver_text`` (what nvidia-smi or the kernel module
+    says of the NVIDIA driver) default to this machine's."""
     env = dict(os.environ) if env is None else env
     ifaces = local_interfaces() if ifaces is None else ifaces
+    hosts = nodes if hosts is None else hosts
     r = Report()
     hostname = socket.gethostname()
     r.lines.append("interfaces: " + "; ".join(
@@ -161,16 +188,17 @@ def check(*, nodes: int = 1, ports: tuple[int, int] | None = None, ray_tmpdir: s
         r.errors.append(why)
     else:
         r.lines.append(f"gloo: {name} {addr} ({why})")
-        if addr and ipaddress.ip_address(addr).is_loopback and nodes > 1:
-            r.warnings.append(f"gloo binds loopback {addr} ({why}) on a {nodes}-node job: other nodes cannot reach "
-                              f"it (\"Gloo connectFullMesh failed\"); set GLOO_SOCKET_IFNAME to the interface "
-                              f"between the nodes")
+        if addr and ipaddress.ip_address(addr).is_loopback:
+            loopback_problem(r, f"gloo binds loopback {addr} ({why})", nodes, hosts)
 
     nccl, why = nccl_socket_interfaces(ifaces, env.get("NCCL_SOCKET_IFNAME"))
     if not nccl:
         (r.errors if env.get("NCCL_SOCKET_IFNAME") else r.warnings).append(f"NCCL sockets: no interface ({why})")
     else:
         r.lines.append(f"NCCL sockets: {', '.join(nccl)} ({why}; bootstrap on {nccl[0]})")
+        lead = next(i for i in ifaces if i.name == nccl[0])
+        if all(ipaddress.ip_address(a).is_loopback for a in lead.ipv4):
+            loopback_problem(r, f"NCCL's bootstrap uses loopback {nccl[0]} {lead.ipv4[0]} ({why})", nodes, hosts)
 
     hcas = infiniband_ports()
     if hcas:
@@ -223,6 +251,10 @@ def check(*, nodes: int = 1, ports: tuple[int, int] | None = None, ray_tmpdir: s
     r.lines.append(f"GPUs: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}, "
                    f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '(unset)')}, nvidia-smi: "
                    f"{'not found' if smi is None else smi}")
+    line, error = gpu_driver.check(env, driver_text)
+    r.lines.append(line)
+    if error:
+        r.errors.append(error)
     return r
 
 
@@ -290,15 +322,19 @@ def _port_range(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_JOB_NUM_NODES", "1")),
-                   help="nodes of the job (default: $SLURM_JOB_NUM_NODES or 1); > 1 warns about loopback gloo")
+    p.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_JOB_NUM_NODES")
+                                                    or os.environ.get("SLURM_NNODES") or "1"),
+                   help="Slurm nodes of the job (default: $SLURM_JOB_NUM_NODES, $SLURM_NNODES or 1)")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="distinct hosts among the job's nodes (default: --nodes); > 1 makes gloo or NCCL on "
+                   "loopback an error")
     p.add_argument("--ports", type=_port_range, default=None, help="the job's Ray ports, LOW-HIGH")
     p.add_argument("--ray-tmpdir", default="", help="Ray's temp dir on this node")
     p.add_argument("--head-ip", default="", help="the Ray head's address (prints the route's source address)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    r = check(nodes=args.nodes, ports=args.ports, ray_tmpdir=args.ray_tmpdir, head_ip=args.head_ip)
+    r = check(nodes=args.nodes, hosts=args.hosts, ports=args.ports, ray_tmpdir=args.ray_tmpdir, head_ip=args.head_ip)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     for line in r.lines:
         print(f"node-check {node}: {line}")

@@ -66,6 +66,16 @@ def checkpoint_bytes(cfg: Config, total_params: int, trainable_params: int) -> f
     return (weights + adam) * (2 if cfg.algorithm.name == "ppo" else 1)
 
 
+def trainable_params(cfg: Config, arch) -> int:
+    """Parameters the optimizer holds state for (``arch``: the model's ``ModelArch``): every one, or with
+    LoRA the adapters of the whole model (TP = PP = 1)."""
+    from megareason.launch.plan_memory import lora_params_per_gpu, total_params
+
+    if cfg.lora.enabled:
+        return lora_params_per_gpu(arch, 1, 1, cfg.lora.rank, cfg.lora.targets)
+    return total_params(arch)
+
+
 def preemption_lead(step_s: float, ckpt_bytes: float, nodes: int, options: LeadOptions = LeadOptions()) -> Lead:
     if options.write_gb_s_per_node <= 0:
         raise ConfigError(f"--checkpoint-write-gbs must be > 0, got {options.write_gb_s_per_node}")
@@ -76,13 +86,8 @@ def preemption_lead(step_s: float, ckpt_bytes: float, nodes: int, options: LeadO
 
 def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
     """The lead of a ``megareason plan`` result (``plan.Plan``) for its config."""
-    from megareason.launch.plan_memory import lora_params_per_gpu
-
-    trainable = plan.total_params
-    if cfg.lora.enabled:  # the adapters of the whole model (TP = PP = 1)
-        trainable = lora_params_per_gpu(plan.arch, 1, 1, cfg.lora.rank, cfg.lora.targets)
-    return preemption_lead(plan.step_seconds, checkpoint_bytes(cfg, plan.total_params, trainable),
-                           plan.nodes, options)
+    ckpt = checkpoint_bytes(cfg, plan.total_params, trainable_params(cfg, plan.arch))
+    return preemption_lead(plan.step_seconds, ckpt, plan.nodes, options)
 
 
 def lead_for(args: argparse.Namespace) -> Lead:

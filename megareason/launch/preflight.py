@@ -1,15 +1,17 @@
 """What ``megareason eval | train | sft | benchmark | convert`` check before any engine, worker or Ray
 cluster starts: every model directory (``models.hf_check``: config.json, the architecture where Megatron
 builds the model, each safetensors file's header against its size and the index, the tokenizer's files),
-every data file named in the config, and that the output folder can be written. Each problem is one line
+every data file named in the config, that the output folder can be written, and (train, sft) that its file
+system has room for the checkpoints the run keeps (``check_checkpoint_space``). Each problem is one line
 naming the path and what is wrong; all of them are reported at once (``PreflightError``), and the CLI
 exits with code 2. Nothing is created: the output folder's nearest existing ancestor gets a probe file,
-removed at once.
+removed at once. A Slurm job runs the train checks before it starts Ray (``launch/slurm_job.py``).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +60,63 @@ def check_run(cfg: Config, command: str) -> None:
         from megareason.trainer.run_dir import check_run_folder
 
         _collect(problems, lambda: check_run_folder(out))
+        _collect(problems, lambda: check_checkpoint_space(cfg))
     if problems:
         raise PreflightError(problems)
+
+
+def checkpoints_to_fit(cfg: Config, existing: int) -> int:
+    """Checkpoints of ``cfg``'s run that its folder's file system must still fit, at the peak, beside the
+    ``existing`` complete ones there: a save writes the new checkpoint in full before it deletes all but
+    the last ``trainer.keep_last``, so a run's folder holds up to keep_last + 1 at once; a run that saves
+    fewer times (trainer.save_every, the last step) holds fewer."""
+    t = cfg.trainer
+    if t.save_every_minutes > 0:
+        saves = t.keep_last + 1  # as many as time allows
+    else:
+        saves = -(-t.steps // t.save_every) if t.save_every > 0 else 1  # every save_every steps and the last
+    return max(1, min(saves, t.keep_last + 1 - existing))
+
+
+def check_checkpoint_space(cfg: Config, key: str = "trainer.output_dir") -> None:
+    """The file system of ``cfg``'s run folder (its nearest existing ancestor) has room for the checkpoints
+    the run keeps plus the one being written (``checkpoints_to_fit``), each of ``preemption.checkpoint_bytes``
+    for the parameter count in the model's config.json. ``PreflightError`` naming the folder, the bytes needed
+    and free otherwise. A model whose config.json cannot be read is skipped here (``check_hf_dir`` reports
+    it). The free space is the file system's (``statvfs``): a user or project quota below it is not seen."""
+    from megareason.launch.plan_memory import total_params
+    from megareason.launch.preemption import checkpoint_bytes, trainable_params
+    from megareason.models.arch import ModelArch
+    from megareason.trainer.run_dir import RunDir
+
+    try:
+        arch = ModelArch.from_pretrained(resolve_model_path(cfg.model.path))
+    except (ArchError, FileNotFoundError, OSError, ValueError):
+        return
+    params = total_params(arch)
+    each = checkpoint_bytes(cfg, params, trainable_params(cfg, arch))
+    out = Path(cfg.trainer.output_dir).expanduser().absolute()
+    existing = len(RunDir(out).steps()) if out.is_dir() else 0
+    count = checkpoints_to_fit(cfg, existing)
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:  # not readable: check_writable reports the folder
+        return
+    if free < count * each:
+        there = f", {existing} of them there already" if existing else ""
+        raise PreflightError([
+            f"output folder {out} has {_size(free)} free on its file system ({probe}); the run needs "
+            f"{_size(count * each)}: {count} more checkpoint(s) of {_size(each)} ({params / 1e9:.2f}B parameters, "
+            f"{cfg.trainer.precision} weights + Adam state), as it keeps trainer.keep_last={cfg.trainer.keep_last} "
+            f"plus one being written{there}; free space there, lower trainer.keep_last, or name a folder on a "
+            f"larger file system ({key})"])
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def check_convert(source: str, out_dir: str, hf_source: bool, peft: bool = False) -> None:

@@ -1,10 +1,12 @@
 """Steps of a Slurm job that ``slurm/ray_cluster.sh`` runs with the job's Python (in the container).
 
-* ``run-dir [--config-dir DIR] --config-name NAME [KEY=VALUE ...]``: load and validate the training config
-  exactly as ``megareason train`` will (same arguments, same working directory, its model found) and print
-  its run folder (``trainer.output_dir``) as an absolute path. A bad config, override or model path fails
-  here, naming the field (exit code 2), before Ray starts; the job keeps the folder for the Ray logs of
-  each restart.
+* ``run-dir [--hosts N --checkout DIR] [--config-dir DIR] --config-name NAME [KEY=VALUE ...]``: load and
+  validate the training config exactly as ``megareason train`` will (same arguments, same working
+  directory), run its preflight (``launch/preflight.py``: the model, the data files, the run folder and the
+  free space for its checkpoints) and print its run folder (``trainer.output_dir``) as an absolute path. A
+  bad config, override, model or data path, or a file system without room fails here, naming the field
+  (exit code 2), before Ray starts; so does a run folder inside the checkout DIR on a job across N > 1
+  hosts (``outside_checkout``). The job keeps the folder for the Ray logs of each restart.
 * ``wait ADDRESS NODES GPUS SECONDS``: wait until the Ray cluster at ADDRESS reports NODES alive nodes and
   GPUS GPUs, or fail after SECONDS saying what is missing.
 """
@@ -18,23 +20,41 @@ import time
 from pathlib import Path
 
 
+def outside_checkout(run: Path, checkout: Path, hosts: int) -> None:
+    """A job across more than one host writes its run folder outside the checkout: the checkout is where the
+    code is, often a home directory whose quota a large model's first checkpoint fills (hundreds of GB to a
+    TB), and a quota is what the free-space check cannot see. ``ValueError`` naming both folders otherwise.
+    A job on one host (one node, or a test cluster's nodes on one machine) may keep its run inside."""
+    run, checkout = run.resolve(), checkout.resolve()
+    if hosts > 1 and run.is_relative_to(checkout):
+        raise ValueError(f"the run folder {run} (trainer.output_dir) lies inside the checkout {checkout}, on a job "
+                         f"across {hosts} hosts: its checkpoints belong on a scratch file system, not where the "
+                         f"code is (a home quota fills at the first save); set trainer.output_dir to a folder "
+                         f"there, e.g. trainer.output_dir=/scratch/$USER/RUN")
+
+
 def run_dir(argv: list[str]) -> int:
-    from megareason.config import ConfigError, load_config
+    from megareason.config import load_config
 
     p = argparse.ArgumentParser(prog="slurm_job run-dir")
     p.add_argument("--config-name", required=True)
     p.add_argument("--config-dir", default=None)
+    p.add_argument("--hosts", type=int, default=1, help="distinct hosts among the job's nodes")
+    p.add_argument("--checkout", default="", help="the megareason checkout the job runs from")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from megareason.models.hub import resolve_model_path
+    from megareason.launch.preflight import check_run
 
     try:
         cfg = load_config(args.config_name, args.overrides, args.config_dir, training=True)
-        resolve_model_path(cfg.model.path)  # the driver's first check too
-    except (ConfigError, FileNotFoundError) as e:
+        run = Path(cfg.trainer.output_dir).resolve()
+        if args.checkout:
+            outside_checkout(run, Path(args.checkout), args.hosts)
+        check_run(cfg, "train")  # the driver's own preflight
+    except (FileNotFoundError, ValueError) as e:  # ConfigError and PreflightError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(Path(cfg.trainer.output_dir).resolve())
+    print(run)
     return 0
 
 
@@ -72,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_dir(argv[1:])
     if argv[:1] == ["wait"] and len(argv) == 5:
         return wait(argv[1], int(argv[2]), int(argv[3]), float(argv[4]))
-    print("usage: python -m megareason.launch.slurm_job run-dir --config-name NAME [KEY=VALUE ...] | "
-          "wait ADDRESS NODES GPUS SECONDS", file=sys.stderr)
+    print("usage: python -m megareason.launch.slurm_job run-dir [--hosts N --checkout DIR] --config-name NAME "
+          "[KEY=VALUE ...] | wait ADDRESS NODES GPUS SECONDS", file=sys.stderr)
     return 2
 
 
