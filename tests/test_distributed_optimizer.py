@@ -138,6 +138,16 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
     return out
 
 
+def _timeouts() -> list:
+    """How long a collective waits in the default process group and in megatron-core's DP and TP groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    groups = [dist.group.WORLD, ps.get_data_parallel_group(with_context_parallel=True),
+              ps.get_tensor_model_parallel_group()]
+    return [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
+
+
 def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
     from megareason.models.build import HFCheckpoint
     from megareason.models.checkpoint import load_checkpoint, save_checkpoint
@@ -146,6 +156,7 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
     hf = HFCheckpoint(model_dir)
     out = {}
     init_parallel(1, 1)  # DP=1
+    out["timeouts"] = _timeouts()
     model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
     assert load_checkpoint(ckpt, model, opt)["step"] == 1
     out["loaded"] = _full_state(model, opt)
@@ -220,6 +231,15 @@ def test_every_dp_rank_writes_its_share_and_other_layouts_load_it_exactly(runs):
         assert loaded.keys() == saved.keys(), what
         for key, t in saved.items():
             assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t), f"{what}: {key}"
+
+
+def test_collectives_wait_as_long_as_a_save_may_take(runs):
+    """The default group's and megatron-core's groups' timeout: torch's default (10 minutes for NCCL)
+    does not cover a slow node's checkpoint write."""
+    from megareason.models.parallel import COLLECTIVE_TIMEOUT
+
+    _, _, (dp1,) = runs
+    assert dp1["timeouts"] == [COLLECTIVE_TIMEOUT] * 3
 
 
 def test_bf16_main_weights_and_moments_round_trip_exactly(runs):
