@@ -71,17 +71,25 @@ def _main_state(opt) -> list[dict[str, torch.Tensor]]:
             for group in d.optimizer.param_groups for p in group["params"]]
 
 
-def _full_state(model, opt) -> dict[str, torch.Tensor]:
+def _full_state(model, opt) -> dict[tuple, torch.Tensor]:
     """The model's tensors and the optimizer's per-parameter state (fp32 main weights, moments) gathered
-    over DP, by checkpoint key: the same keys and shapes at any DP size (TP = PP = 1). A DP collective."""
+    over DP, by checkpoint key and offset (layers share a key): the same entries at any DP size (TP = PP = 1).
+    A DP collective."""
+    from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
 
     from megareason.models.checkpoint import DISTRIB_OPTIM_SHARDING, SHARDING_KEY
 
     model_sd = model.sharded_state_dict()
     opt_sd = opt.sharded_state_dict(model_sd, metadata={SHARDING_KEY: DISTRIB_OPTIM_SHARDING})
-    return {sh.key: sh.data.detach().clone() for sd in (model_sd, opt_sd) for sh in nested_values(sd)
-            if isinstance(getattr(sh, "data", None), torch.Tensor)}
+    tensors = []
+    for sd in (model_sd, opt_sd):
+        apply_factories(sd)  # SwiGLU's fc1: its gate and up halves
+        tensors += [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+    state = {(sh.key, sh.global_offset): sh.data.detach().clone() for sh in tensors}
+    assert len(state) == len(tensors)
+    return state
 
 
 def _bytes_written(ckpt: str) -> dict[int, Counter]:
@@ -225,7 +233,7 @@ def test_every_dp_rank_writes_its_share_and_other_layouts_load_it_exactly(runs):
         for part in ("model", "optimizer"):
             assert 0.3 < w[part] / total[part] < 0.7, (part, written)
     saved = dp2[0]["saved"]
-    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in saved)
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key, _ in saved)
     for what, loaded in [("DP=1", dp1["loaded"]), ("TP=2 -> DP=2 rank 0", dp2[0]["reloaded"]),
                          ("TP=2 -> DP=2 rank 1", dp2[1]["reloaded"])]:
         assert loaded.keys() == saved.keys(), what
