@@ -1,8 +1,12 @@
 """megatron-core's distributed optimizer (``optim.use_distributed_optimizer``) on gloo: its step equals the
 plain optimizer's, and its dist_checkpointing state resumes at another DP size and at another TP size
-(fp32), and round-trips bit for bit with bf16 params (fp32 main weights). 2 processes, then 1."""
+(fp32), and round-trips bit for bit with bf16 params (fp32 main weights). Every DP rank writes its share
+of the checkpoint. 2 processes, then 1."""
 
 from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,7 +71,41 @@ def _main_state(opt) -> list[dict[str, torch.Tensor]]:
             for group in d.optimizer.param_groups for p in group["params"]]
 
 
-def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str):
+def _full_state(model, opt) -> dict[tuple, torch.Tensor]:
+    """The model's tensors and the optimizer's per-parameter state (fp32 main weights, moments) gathered
+    over DP, by checkpoint key and offset (layers share a key): the same entries at any DP size (TP = PP = 1).
+    A DP collective."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+
+    from megareason.models.checkpoint import DISTRIB_OPTIM_SHARDING, SHARDING_KEY
+
+    model_sd = model.sharded_state_dict()
+    opt_sd = opt.sharded_state_dict(model_sd, metadata={SHARDING_KEY: DISTRIB_OPTIM_SHARDING})
+    tensors = []
+    for sd in (model_sd, opt_sd):
+        apply_factories(sd)  # SwiGLU's fc1: its gate and up halves
+        tensors += [sh for sh in nested_values(sd) if isinstance(sh, ShardedTensor)]
+    state = {(sh.key, sh.global_offset): sh.data.detach().clone() for sh in tensors}
+    assert len(state) == len(tensors)
+    return state
+
+
+def _bytes_written(ckpt: str) -> dict[int, Counter]:
+    """Bytes of model and of optimizer state each rank wrote into ``ckpt``: torch_dist's .metadata names
+    the file ``__<rank>_<n>.distcp`` that holds every item."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    written: dict[int, Counter] = {}
+    for index, info in FileSystemReader(ckpt).read_metadata().storage_data.items():
+        rank = int(Path(info.relative_path).name.split("_")[2])
+        part = "optimizer" if index.fqn.startswith("optimizer.") else "model"
+        written.setdefault(rank, Counter())[part] += info.length
+    return written
+
+
+def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
     from megareason.models.build import HFCheckpoint
     from megareason.models.checkpoint import load_checkpoint, read_metadata, save_checkpoint
     from megareason.models.parallel import init_parallel
@@ -79,8 +117,10 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str):
     out[(1, 1, "plain")] = _stepped(hf, ddp, opt)
     model, ddp, opt = _trainer(hf, distributed=True)
     out[(1, 1, "distributed")] = _stepped(hf, ddp, opt)
+    out["saved"] = _full_state(model, opt)
     save_checkpoint(ckpt, model, hf.arch, model_dir, optimizer=opt, metadata={"step": 1})
     out["sharding"] = read_metadata(ckpt)["distrib_optim_sharding_type"]
+    out["written"] = _bytes_written(ckpt)
     out[(1, 1, "continued")] = _stepped(hf, ddp, opt)  # the uninterrupted run's second step
 
     # bf16 params: megatron-core's mixed-precision distributed optimizer (fp32 main weights).
@@ -96,8 +136,24 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str):
     init_parallel(2, 1)  # TP=2, DP=1
     model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
     assert load_checkpoint(ckpt, model, opt)["step"] == 1
+    save_checkpoint(ckpt_tp2, model, hf.arch, model_dir, optimizer=opt)  # what it loaded, saved at TP=2
     out[(2, 1, "resumed")] = _stepped(hf, ddp, opt)
+
+    init_parallel(1, 1)  # DP=2 again: the replicas read the TP=2 checkpoint a half each and exchange the rest
+    model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
+    load_checkpoint(ckpt_tp2, model, opt)
+    out["reloaded"] = _full_state(model, opt)
     return out
+
+
+def _timeouts() -> list:
+    """How long a collective waits in the default process group and in megatron-core's DP and TP groups."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    groups = [dist.group.WORLD, ps.get_data_parallel_group(with_context_parallel=True),
+              ps.get_tensor_model_parallel_group()]
+    return [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
 
 
 def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
@@ -108,8 +164,10 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
     hf = HFCheckpoint(model_dir)
     out = {}
     init_parallel(1, 1)  # DP=1
+    out["timeouts"] = _timeouts()
     model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
     assert load_checkpoint(ckpt, model, opt)["step"] == 1
+    out["loaded"] = _full_state(model, opt)
     out[(1, 1, "resumed")] = _stepped(hf, ddp, opt)
     model, _, opt = _trainer(hf, distributed=False, from_hf=False)
     try:
@@ -128,7 +186,7 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
 @pytest.fixture(scope="module")
 def runs(tiny_qwen2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed_optimizer")
-    dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"))
+    dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"), str(tmp / "ckpt_tp2"))
     dp1 = run_workers(1, _dp1_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "unstepped"))
     return ModelArch.from_pretrained(tiny_qwen2), dp2, dp1
 
@@ -158,6 +216,38 @@ def test_resume_reproduces_the_next_step(runs, tp):
     per_rank, key = (dp1 if tp == 1 else dp2), (tp, 1, "resumed")
     _assert_close(_merged(per_rank, key, arch), continued, 1e-6, f"resumed at TP={tp}")
     assert abs(per_rank[0][key][1] - dp2[0][(1, 1, "continued")][1]) < 1e-6
+
+
+def test_every_dp_rank_writes_its_share_and_other_layouts_load_it_exactly(runs):
+    """megatron-core's fully parallel save: the DP replicas split the writing of the model and of the
+    gathered optimizer state (rather than DP rank 0 writing all of it). Loaded at DP=1, the checkpoint holds
+    exactly what DP=2 saved; so does it after a load at TP=2, a save there and a (fully parallel) load at
+    DP=2 again."""
+    _, dp2, (dp1,) = runs
+    # Without the wrapper megatron-core's writer puts all 6.4 MB (1.6 MB model, 4.8 MB optimizer) on rank 0.
+    written = dp2[0]["written"]
+    assert sorted(written) == [0, 1], written
+    total = sum(written.values(), Counter())
+    for w in written.values():
+        assert 0.3 < w.total() / total.total() < 0.7, written
+        for part in ("model", "optimizer"):
+            assert 0.3 < w[part] / total[part] < 0.7, (part, written)
+    saved = dp2[0]["saved"]
+    assert any(key.startswith("optimizer.state.exp_avg_sq.") for key, _ in saved)
+    for what, loaded in [("DP=1", dp1["loaded"]), ("TP=2 -> DP=2 rank 0", dp2[0]["reloaded"]),
+                         ("TP=2 -> DP=2 rank 1", dp2[1]["reloaded"])]:
+        assert loaded.keys() == saved.keys(), what
+        for key, t in saved.items():
+            assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t), f"{what}: {key}"
+
+
+def test_collectives_wait_as_long_as_a_save_may_take(runs):
+    """The default group's and megatron-core's groups' timeout: torch's default (10 minutes for NCCL)
+    does not cover a slow node's checkpoint write."""
+    from megareason.models.parallel import COLLECTIVE_TIMEOUT
+
+    _, _, (dp1,) = runs
+    assert dp1["timeouts"] == [COLLECTIVE_TIMEOUT] * 3
 
 
 def test_bf16_main_weights_and_moments_round_trip_exactly(runs):

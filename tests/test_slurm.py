@@ -65,13 +65,24 @@ def test_the_preemption_lead_covers_a_step_and_a_checkpoint_and_the_70b_recipe_a
     # 70B, bf16: 2 bytes of weights + 12 of fp32 main weights and Adam moments per parameter
     cfg = load_config("raro_70b", [])
     assert checkpoint_bytes(cfg, 70_000_000_000, 70_000_000_000) == 70e9 * 14
-    lead = preemption_lead(1000.0, 8e12, nodes=4, options=LeadOptions(write_gb_s_per_node=2.0))
-    assert lead.checkpoint_s == 1000.0  # 8 TB over 4 nodes x 2 GB/s
+    # 32 trainer ranks, 8 per node, each writing 1/32 of 8 TB: 2 TB per node at 2 GB/s
+    lead = preemption_lead(1000.0, 8e12, ranks=32, ranks_per_node=8, options=LeadOptions(write_gb_s_per_node=2.0))
+    assert (lead.nodes, lead.bytes_per_node, lead.checkpoint_s) == (4, 2e12, 1000.0)
     assert lead.seconds == 60 * -(-(2000 * 1.25 + 120) // 60) == 2640  # whole minutes, rounded up
+    assert lead.line() == ("pre-emption lead: a step 1000 s + a checkpoint of 8000 GB written by 4 nodes, 2000 GB per "
+                           "node at 2 GB/s = 1000 s, x 1.25 + 120 s teardown = #SBATCH --signal=B:USR1@2640")
+    # 12 trainer ranks beside separate engines on 2 nodes of 8: the first node writes 8/12 of it
+    assert preemption_lead(0.0, 6e12, ranks=12, ranks_per_node=8).bytes_per_node == 4e12
+    assert preemption_lead(0.0, 6e12, ranks=4, ranks_per_node=8).bytes_per_node == 6e12  # all on one node
     plan = plan_config("raro_70b", [], PlanOptions(nodes=8, gpus_per_node=8), "llama-3.1-70b")
     need = plan_lead(plan, cfg)
     assert need.step_s == pytest.approx(sum(plan.seconds.values()))
-    assert 0.9e12 < need.checkpoint_bytes < 1.1e12  # ~1 TB: 70.6B parameters x 14 bytes
+    # 70,553,706,496 parameters x 14 bytes = 987.75 GB; TP 8 x PP 4 x DP 2 fill the 8 nodes: 123.47 GB per
+    # node, 61.7 s at 2 GB/s
+    assert plan.total_params == 70_553_706_496 and need.checkpoint_bytes == 70_553_706_496 * 14
+    assert need.nodes == 8 and need.bytes_per_node == pytest.approx(123.47e9, rel=1e-4)
+    assert need.checkpoint_s == pytest.approx(61.73, abs=0.01)
+    assert "written by 8 nodes, 123 GB per node at 2 GB/s = 62 s" in need.line()
     directives = nemo_run.sbatch_directives(REPO / "slurm" / "raro_70b.sbatch")
     granted = int(re.fullmatch(r"B:USR1@(\d+)", directives["signal"]).group(1))
     assert granted >= need.seconds, f"slurm/raro_70b.sbatch's --signal lead {granted} s < {need.line()}"

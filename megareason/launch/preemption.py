@@ -7,11 +7,14 @@ the teardown (Ray stopped, ``scontrol requeue``), so::
 
     lead = (step seconds + checkpoint seconds) x SAFETY + TEARDOWN_S, rounded up to whole minutes
 
-with the step's seconds from ``megareason plan`` (``launch/plan.py``) and the checkpoint's seconds from its
-bytes over the nodes' write bandwidth. A checkpoint holds every parameter in the training precision plus
-the Adam state of every trainable one (``models/checkpoint.py``): bf16 weights and fp32 main weights + two
-fp32 moments = 14 bytes per parameter (fp32 training: 4 + 8 = 12), the critic's again for PPO, and with
-LoRA the frozen base weights plus the adapters' states. The lead is printed by ``megareason plan``;
+with the step's seconds from ``megareason plan`` (``launch/plan.py``) and the checkpoint's seconds those of
+the node that writes the most, at ``--checkpoint-write-gbs`` per node. Every trainer rank writes about an
+equal share of the checkpoint (the data-parallel replicas split the writing of their TP x PP shard:
+``models/checkpoint.py``), so a node writes the checkpoint's bytes x its trainer ranks / all trainer ranks:
+bytes / nodes when the trainer fills the nodes; separate rollout engines write nothing. A checkpoint holds
+every parameter in the training precision plus the Adam state of every trainable one: bf16 weights and fp32
+main weights + two fp32 moments = 14 bytes per parameter (fp32 training: 4 + 8 = 12), the critic's again
+for PPO, and with LoRA the frozen base weights plus the adapters' states. The lead is printed by ``megareason plan``;
 ``tests/test_slurm.py`` checks ``slurm/raro_70b.sbatch``'s ``--signal`` against it.
 
 A pre-emption without that signal (SIGTERM to the job's steps, then SIGKILL after the site's GraceTime) gets
@@ -47,14 +50,17 @@ class LeadOptions:
 class Lead:
     step_s: float
     checkpoint_bytes: float
-    checkpoint_s: float
+    nodes: int  # the nodes of the trainer's ranks, which write the checkpoint
+    bytes_per_node: float  # what the busiest of them writes
+    checkpoint_s: float  # bytes_per_node at the write bandwidth of a node
     seconds: int  # the --signal lead: whole minutes
     options: LeadOptions
 
     def line(self) -> str:
-        o = self.options
+        o, nodes = self.options, f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
         return (f"pre-emption lead: a step {self.step_s:.0f} s + a checkpoint of {self.checkpoint_bytes / GB:.0f} GB "
-                f"{self.checkpoint_s:.0f} s (at {o.write_gb_s_per_node:g} GB/s per node), x {o.safety:g} + "
+                f"written by {nodes}, {self.bytes_per_node / GB:.0f} GB per node at "
+                f"{o.write_gb_s_per_node:g} GB/s = {self.checkpoint_s:.0f} s, x {o.safety:g} + "
                 f"{o.teardown_s:.0f} s teardown = #SBATCH --signal=B:USR1@{self.seconds}")
 
 
@@ -76,18 +82,23 @@ def trainable_params(cfg: Config, arch) -> int:
     return total_params(arch)
 
 
-def preemption_lead(step_s: float, ckpt_bytes: float, nodes: int, options: LeadOptions = LeadOptions()) -> Lead:
+def preemption_lead(step_s: float, ckpt_bytes: float, ranks: int, ranks_per_node: int,
+                    options: LeadOptions = LeadOptions()) -> Lead:
+    """The lead for a step of ``step_s`` and a checkpoint of ``ckpt_bytes`` written by ``ranks`` trainer ranks,
+    an equal share each, at most ``ranks_per_node`` of them on a node."""
     if options.write_gb_s_per_node <= 0:
         raise ConfigError(f"--checkpoint-write-gbs must be > 0, got {options.write_gb_s_per_node}")
-    ckpt_s = ckpt_bytes / (options.write_gb_s_per_node * GB * max(nodes, 1))
+    ranks_per_node = min(ranks_per_node, ranks)
+    per_node = ckpt_bytes * ranks_per_node / ranks
+    ckpt_s = per_node / (options.write_gb_s_per_node * GB)
     seconds = 60 * math.ceil(((step_s + ckpt_s) * options.safety + options.teardown_s) / 60)
-    return Lead(step_s, ckpt_bytes, ckpt_s, seconds, options)
+    return Lead(step_s, ckpt_bytes, math.ceil(ranks / ranks_per_node), per_node, ckpt_s, seconds, options)
 
 
 def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
     """The lead of a ``megareason plan`` result (``plan.Plan``) for its config."""
     ckpt = checkpoint_bytes(cfg, plan.total_params, trainable_params(cfg, plan.arch))
-    return preemption_lead(plan.step_seconds, ckpt, plan.nodes, options)
+    return preemption_lead(plan.step_seconds, ckpt, plan.trainer_gpus, plan.gpus_per_node, options)
 
 
 def lead_for(args: argparse.Namespace) -> Lead:

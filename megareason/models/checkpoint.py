@@ -9,6 +9,12 @@ Layout of a checkpoint directory::
 Every rank writes into ``<dir>.tmp-<id>`` and rank 0 renames it to ``<dir>`` once all ranks are done,
 so a crash mid-save leaves the previous checkpoint (if any) intact and never a half-written one.
 
+Saves and loads are spread over the data-parallel replicas (megatron-core's fully parallel strategies):
+the DP ranks that hold the same TP x PP shard split its tensors between them, so each writes about
+1/DP of it (rather than DP rank 0 writing all of it while the others wait), and on load each reads about
+1/DP of it and the ranks exchange the rest over the DP group. A save of B bytes thus writes about
+B / nodes on every node (``launch/preemption.py`` assumes that).
+
 Optimizer state is saved and resharded like the model (any TP/PP/DP on load). The distributed
 optimizer's (``optim.use_distributed_optimizer``) goes in megatron-core's ``fully_reshardable`` format
 (gathered over DP on save, sliced per rank on load; 0.16.1's default format no longer saves at all),
@@ -73,7 +79,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
         state = {"model": model.sharded_state_dict()}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(state["model"], **_sharding_kwargs(sharding))
-        dist_checkpointing.save(state, str(tmp))
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy())
         dist.barrier()
         if dist.get_rank() == 0:
             (tmp / "hf").mkdir()
@@ -93,6 +99,43 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
         _stop_writer_manager()
     dist.barrier()
     return path
+
+
+def _save_strategy():
+    """megatron-core's default (torch_dist) writer, its work split over the data-parallel group.
+
+    Every DP replica holds the same model and, with the distributed optimizer's ``fully_reshardable``
+    format, the same gathered optimizer state; megatron-core marks DP rank 0's copy as the one to write.
+    The wrapper reassigns each tensor to the DP rank with the fewest bytes so far, so the replicas write
+    about equal shares. With context parallelism the CP ranks hold replicas too (megatron-core's
+    ``with_context_parallel``). At DP = 1 it writes exactly what the plain writer would.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    # Each save plans its own split (one all-gather of the tensors' metadata over the DP group, no data):
+    # the wrapper is built per save, so a cached plan would never be reused.
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy(),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True),
+                                            do_cache_distribution=False)
+
+
+def _load_strategy(path: Path):
+    """megatron-core's reader for ``path``, its reads split over the data-parallel group.
+
+    Each DP rank reads about 1/DP of the tensors its replica needs and they broadcast them to each other
+    over the DP group, instead of every replica reading the whole of its TP x PP shard (the distributed
+    optimizer's ``fully_reshardable`` state included) from the file system. Which tensors a rank needs
+    follows the layout it loads at, so resharding over TP, PP and DP is unchanged; at DP = 1 it is the
+    plain reader.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True))
 
 
 def _occupied(path: Path) -> str | None:
@@ -224,7 +267,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
     state = {"model": model.sharded_state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, **_sharding_kwargs(sharding))
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = dist_checkpointing.load(state, str(path), sharded_strategy=_load_strategy(path))
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
         with _distributed_optimizer_loading(distributed):

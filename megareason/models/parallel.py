@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# How long a collective waits for its slowest rank before it fails, in the default process group and in
+# megatron-core's groups. The longest wait in a healthy run is a checkpoint save: the ranks that are done
+# writing wait for the slowest node, which writes about checkpoint bytes / nodes (models/checkpoint.py),
+# ~120 GB for a 70B run on 8 nodes: a minute at 2 GB/s, 20 minutes at 0.1 GB/s. torch's default for NCCL
+# is 10 minutes. A rank that dies is reported by Ray at once (trainer/group.py) without waiting for this.
+COLLECTIVE_TIMEOUT = timedelta(minutes=60)
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,9 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, store=No
     environment variables (``env://``).
 
     The world size must be a multiple of ``tp * pp``; the rest is data parallel, of which ``ep`` ranks at
-    a time share out the experts of an MoE model (``ep`` must divide the data-parallel size). On a
-    machine without CUDA the backend is gloo and ``cpu_compat`` patches megatron-core's CUDA-only calls.
+    a time share out the experts of an MoE model (``ep`` must divide the data-parallel size). Collectives
+    time out after ``COLLECTIVE_TIMEOUT``. On a machine without CUDA the backend is gloo and ``cpu_compat``
+    patches megatron-core's CUDA-only calls.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -55,10 +64,10 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, store=No
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if on_gpu else "gloo"
         if store is None:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
         else:
             dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=COLLECTIVE_TIMEOUT)
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not a multiple of TP x PP = {tp} x {pp}")
@@ -70,7 +79,8 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 0, ep: int = 1, store=No
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep,
+                                 distributed_timeout_minutes=int(COLLECTIVE_TIMEOUT.total_seconds() // 60))
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return current_layout()
 
