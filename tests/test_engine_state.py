@@ -368,32 +368,40 @@ def test_sft_sleeps_before_megatron_and_its_validation_syncs_then_generates(tok,
     _check_machine(w)
 
 
-def test_a_sigterm_during_generation_drops_the_step_saves_the_one_before_and_the_resume_repeats_it(tok, tmp_path):
-    """A SIGTERM (a real signal to this process) while step 3 generates: the engine gives up at once (the
-    driver's stop file), the step is dropped, step 2's state is saved (no checkpoint held it yet) with the
-    engine asleep, and the run exits with 75. The next run does steps 3 and 4 on the prompts an uninterrupted
-    run gives them: the saved prompt order is the one from before step 3 drew its prompts."""
+def _run_stopped_in_generate(cfg, out, prompts, val, tok, call: int) -> StubPolicy:
+    """A run that gets a SIGTERM (a real signal to this process) in its generate call ``call`` and exits
+    with EXIT_STOPPED; its worker."""
     import os
     import signal
 
     from megareason.trainer.driver import EXIT_STOPPED, stop_signals
 
+    sent, started = [], []
+
+    def reply(text, k):
+        if k == call and not sent:  # the call's first prompt
+            sent.append(os.kill(os.getpid(), signal.SIGTERM))
+        return _reply(text, k)
+
+    with stop_signals() as stop, pytest.raises(SystemExit) as stopped:
+        _run(cfg, out, prompts, val, tok, reply=reply, stop=stop, started=started)
+    assert stopped.value.code == EXIT_STOPPED
+    (worker,) = started[0].workers
+    return worker
+
+
+def test_a_sigterm_during_generation_drops_the_step_saves_the_one_before_and_the_resume_repeats_it(tok, tmp_path):
+    """A SIGTERM (a real signal to this process) while step 3 generates: the engine gives up at once (the
+    driver's stop file), the step is dropped, step 2's state is saved (no checkpoint held it yet) with the
+    engine asleep, and the run exits with 75. The next run does steps 3 and 4 on the prompts an uninterrupted
+    run gives them: the saved prompt order is the one from before step 3 drew its prompts."""
     cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=4", "trainer.val_every=0", "trainer.val_before_train=false"])
     prompts, val = _prompts(tok, 5), _prompts(tok, 2)  # 5 prompts: step 3 draws across an epoch boundary
     (straight,) = _run(cfg, tmp_path / "straight", prompts, val, tok).workers
 
-    sent = []
-
-    def term_in_step_3(text, call):
-        if call == 2 and not sent:  # step 3's first prompt
-            sent.append(os.kill(os.getpid(), signal.SIGTERM))
-        return _reply(text, call)
-
-    out, started = tmp_path / "stopped", []
-    with stop_signals() as stop, pytest.raises(SystemExit) as stopped:
-        _run(cfg, out, prompts, val, tok, reply=term_in_step_3, stop=stop, started=started)
-    assert stopped.value.code == EXIT_STOPPED and RunDir(str(out)).steps() == [2]
-    (interrupted,) = started[0].workers
+    out = tmp_path / "stopped"
+    interrupted = _run_stopped_in_generate(cfg, out, prompts, val, tok, call=2)  # step 3's
+    assert RunDir(str(out)).steps() == [2]
     assert _phases(interrupted) == ["gen"] + UPDATE + ["gen"] + UPDATE + ["gen", "stopped"] + SAVE
     assert (out / ".stopping").exists()
     (resumed,) = _run(cfg, out, prompts, val, tok).workers
@@ -407,26 +415,12 @@ def test_a_sigterm_during_validation_saves_the_step_and_the_next_run_validates_i
     """A SIGTERM while step 2's validation generates: the update is done, so step 2 is saved (with its
     metrics, waiting for their validation) and the run exits with 75; the next run validates step 2 first,
     logs its row, and goes on: every row has what an uninterrupted run's has, validation included."""
-    import os
-    import signal
-
-    from megareason.trainer.driver import EXIT_STOPPED, stop_signals
-
     cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=3", "trainer.val_every=2", "trainer.val_before_train=false"])
     prompts, val = _prompts(tok, 4), _prompts(tok, 2)
     _run(cfg, tmp_path / "straight", prompts, val, tok)
-    sent = []
-
-    def term_in_validation(text, call):
-        if call == 2 and not sent:  # step 1, step 2, then step 2's validation
-            sent.append(os.kill(os.getpid(), signal.SIGTERM))
-        return _reply(text, call)
-
-    out, started = tmp_path / "stopped", []
-    with stop_signals() as stop, pytest.raises(SystemExit) as stopped:
-        _run(cfg, out, prompts, val, tok, reply=term_in_validation, stop=stop, started=started)
-    assert stopped.value.code == EXIT_STOPPED and RunDir(str(out)).steps() == [2]
-    (interrupted,) = started[0].workers
+    out = tmp_path / "stopped"
+    interrupted = _run_stopped_in_generate(cfg, out, prompts, val, tok, call=2)  # step 1, step 2, its validation
+    assert RunDir(str(out)).steps() == [2]
     assert _phases(interrupted) == ["gen"] + UPDATE + ["gen"] + UPDATE + ["gen", "stopped"] + SAVE
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     (resumed,) = _run(cfg, out, prompts, val, tok).workers
