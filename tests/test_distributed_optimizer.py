@@ -6,6 +6,7 @@ of the checkpoint. 2 processes, then 1."""
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,50 @@ from megareason.models.arch import ModelArch
 
 LR = 1e-2
 EPS = 1e-3  # see test_megatron_checkpoint: Adam with a tiny eps turns rounding noise into full steps
+
+
+class GroupStepAdam(torch.optim.Optimizer):
+    """AdamW with the state layout of TransformerEngine's (and Apex's) FusedAdam, megatron-core's Adam where
+    they are installed (the NGC containers): ``step`` in each parameter group, counted at each ``step()``,
+    and only ``exp_avg`` / ``exp_avg_sq`` per parameter, created at the first step. The update is theirs
+    with ``adam_w_mode`` (decoupled weight decay)."""
+
+    def __init__(self, params, lr, weight_decay, betas, eps, adam_w_mode=True):
+        assert adam_w_mode
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            (b1, b2), step = group["betas"], group["step"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (state["exp_avg_sq"] / (1 - b2 ** step)).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"] / (1 - b1 ** step), denom, value=-group["lr"])
+
+
+@contextmanager
+def _fused_adam_layout():
+    """megatron-core builds ``GroupStepAdam`` and takes its TransformerEngine branches, as when TE is installed."""
+    import megatron.core.optimizer as mo
+    import megatron.core.optimizer.distrib_optimizer as do
+
+    saved = mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam, do.HAVE_APEX_OR_TE, do.USING_TE_OPTIMIZER
+    # the import-time flags of TE's branch: distrib_optimizer.py reads the step from the param groups
+    mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam, do.HAVE_APEX_OR_TE, do.USING_TE_OPTIMIZER = (
+        GroupStepAdam, False, GroupStepAdam, True, True)
+    try:
+        yield
+    finally:
+        mo.Adam, mo.USING_PYTORCH_OPTIMIZER, do.Adam, do.HAVE_APEX_OR_TE, do.USING_TE_OPTIMIZER = saved
 
 
 def _trainer(hf, *, distributed: bool, precision: str = "fp32", from_hf: bool = True):
@@ -108,6 +153,7 @@ def _bytes_written(ckpt: str) -> dict[int, Counter]:
 def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
     from megareason.models.build import HFCheckpoint
     from megareason.models.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from megareason.models.offload import TrainingStateOffload
     from megareason.models.parallel import init_parallel
 
     hf = HFCheckpoint(model_dir)
@@ -131,6 +177,15 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
     model2, ddp2, opt2 = _trainer(hf, distributed=True, precision="bf16", from_hf=False)
     load_checkpoint(ckpt_bf16, model2, opt2)
     out["bf16"] = (before, _main_state(opt2))
+    # trainer.offload_optimizer: the first run's gradients and optimizer state leave their storages and come
+    # back between its steps; the resumed run (never offloaded) is its reference.
+    offload = TrainingStateOffload(ddp, opt)
+    offload.offload()
+    out["offload"] = {"bytes": offload.offloaded_bytes, "params": sum(p.numel() for p in model.parameters()),
+                      "emptied": [t.untyped_storage().nbytes() for t, _, _ in offload._host],
+                      "kinds": [host is not None for _, host, _ in offload._host],
+                      "model_params_kept": all(p.untyped_storage().nbytes() for p in model.parameters())}
+    offload.onload()
     out["bf16_next"] = _stepped(hf, ddp, opt), _stepped(hf, ddp2, opt2)
 
     init_parallel(2, 1)  # TP=2, DP=1
@@ -156,7 +211,7 @@ def _timeouts() -> list:
     return [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
 
 
-def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
+def _dp1_worker(model_dir: str, ckpt: str, unstepped: str, fused: str):
     from megareason.models.build import HFCheckpoint
     from megareason.models.checkpoint import load_checkpoint, save_checkpoint
     from megareason.models.parallel import init_parallel
@@ -180,6 +235,23 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
     model2, ddp2, opt2 = _trainer(hf, distributed=True, from_hf=False)
     load_checkpoint(unstepped, model2, opt2)
     out["unstepped"] = _stepped(hf, ddp, opt), _stepped(hf, ddp2, opt2)
+
+    # TransformerEngine's FusedAdam layout (step per group): saved before its first step (a pre-emption in
+    # step 1), it resumes as a fresh optimizer; saved after one, the resumed run's next step is the
+    # uninterrupted one's.
+    with _fused_adam_layout():
+        model, ddp, opt = _trainer(hf, distributed=True)
+        (d,) = opt.chained_optimizers
+        out["fused_class"] = type(d.optimizer).__name__
+        save_checkpoint(f"{fused}/unstepped", model, hf.arch, model_dir, optimizer=opt)
+        model2, ddp2, opt2 = _trainer(hf, distributed=True, from_hf=False)
+        load_checkpoint(f"{fused}/unstepped", model2, opt2)
+        out["fused_unstepped"] = _stepped(hf, ddp, opt), _stepped(hf, ddp2, opt2)
+        save_checkpoint(f"{fused}/stepped", model, hf.arch, model_dir, optimizer=opt)
+        model3, ddp3, opt3 = _trainer(hf, distributed=True, from_hf=False)
+        load_checkpoint(f"{fused}/stepped", model3, opt3)
+        out["fused_resumed"] = _stepped(hf, ddp, opt), _stepped(hf, ddp3, opt3)
+        out["fused_steps"] = [g.get("step") for g in opt3.chained_optimizers[0].optimizer.param_groups]
     return out
 
 
@@ -187,7 +259,7 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str):
 def runs(tiny_qwen2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed_optimizer")
     dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"), str(tmp / "ckpt_tp2"))
-    dp1 = run_workers(1, _dp1_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "unstepped"))
+    dp1 = run_workers(1, _dp1_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "unstepped"), str(tmp / "fused"))
     return ModelArch.from_pretrained(tiny_qwen2), dp2, dp1
 
 
@@ -259,7 +331,13 @@ def test_bf16_main_weights_and_moments_round_trip_exactly(runs):
             assert b["param"].dtype == torch.float32 and set(b) == set(a) == {"param", "step", "exp_avg", "exp_avg_sq"}
             for key in b:
                 assert torch.equal(a[key], b[key]), key
-        # ... and the next step is the uninterrupted one's, bit for bit
+        # ... and the next step is the uninterrupted one's, bit for bit (which offloaded its gradient buffer
+        # and optimizer state, emptying their storages, and brought them back before this step)
+        off = rank["offload"]
+        assert off["emptied"] and not any(off["emptied"]) and off["model_params_kept"]
+        assert off["kinds"].count(False) == 1  # the gradient buffer (zeroed on return); then weights and moments
+        n = off["params"]  # fp32 gradients of every parameter + this rank's half of main weights and 2 moments
+        assert 4 * n + 12 * n // 2 <= off["bytes"] <= 4 * n + 12 * n // 2 + 4096
         (continued, loss), (resumed, resumed_loss) = rank["bf16_next"]
         assert resumed_loss == loss
         assert all(torch.equal(resumed[1][n], t) for n, t in continued[1].items())
@@ -271,3 +349,15 @@ def test_unstepped_save_resumes_as_fresh_and_a_plain_optimizer_is_refused(runs):
     assert resumed_loss == loss
     assert all(torch.equal(resumed[1][n], t) for n, t in fresh[1].items())
     assert "optim.use_distributed_optimizer=true" in dp1["plain_error"]
+
+
+def test_fused_adam_state_layout_saves_unstepped_and_resumes_exactly(runs):
+    """TransformerEngine's FusedAdam keeps ``step`` per parameter group (``GroupStepAdam``): an unstepped save
+    resumes as fresh, and a resumed run's next step, loss and per-group step count are the uninterrupted one's."""
+    _, _, (dp1,) = runs
+    assert dp1["fused_class"] == "GroupStepAdam"
+    for key in ("fused_unstepped", "fused_resumed"):
+        (straight, loss), (resumed, resumed_loss) = dp1[key]
+        assert resumed_loss == loss, key
+        assert all(torch.equal(resumed[1][n], t) for n, t in straight[1].items()), key
+    assert dp1["fused_steps"] == [2] * len(dp1["fused_steps"])  # loaded 1, then the step above

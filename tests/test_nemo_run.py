@@ -162,13 +162,15 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
 def test_local_executor_runs_ppo_with_a_critic_whose_value_loss_falls(launch_venv, tiny_qwen2, tmp_path):
     """`megareason launch --executor local` runs the recipe through NeMo-Run's local executor: here PPO (a
     critic, the KL in the reward, two mini-batches) for 6 steps, whose curve is the golden "ppo" one (recorded
-    with k3 in the reward: which estimator the reward reads is test_trainer_losses.py's)."""
+    with k3 in the reward: which estimator the reward reads is test_trainer_losses.py's) — with
+    ``trainer.offload_optimizer`` on, so the actor's and critic's gradient buffers and optimizer state leave
+    their storages before each engine wake-up (the critic after each update) and come back exactly."""
     from test_train_e2e import _args
 
     out = tmp_path / "ppo"
     overrides = _args(tiny_qwen2, tmp_path, out, "algorithm.name=ppo", "trainer.steps=6", "optim.critic_lr=1e-3",
                       "algorithm.kl_coef=0.01", "algorithm.kl_in_reward=true", "algorithm.kl_reward_kind=k3",
-                      "algorithm.mini_batches=2", "trainer.save_every=0")[4:]
+                      "algorithm.mini_batches=2", "trainer.save_every=0", "trainer.offload_optimizer=true")[4:]
     proc = _launch("--executor", "local", "--python", sys.executable, "--job-dir", str(tmp_path / "jobs"),
                    "grpo_smollm2_cpu", *overrides, timeout=800, NEMORUN_HOME=str(tmp_path / "nemo_run"),
                    VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")

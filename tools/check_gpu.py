@@ -5,11 +5,14 @@ process groups, the model on the device, micro-batches moved to it, log-probs (p
 one AdamW step against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's
 offload/onload, the streaming export against the naive gather, a CUDA-IPC bucket read by another
 process (as vLLM's worker does), and a checkpoint round trip through the HF converter; for a dense Qwen2,
-a tied Llama and a Qwen3-MoE (megatron-core's MoE layers on the GPU). Needs
-megatron-core, transformers and safetensors (not Ray or vLLM). Prints one line per check and exits 1
-if any failed:
+a tied Llama and a Qwen3-MoE (megatron-core's MoE layers on the GPU). Then a ~1.2B Llama (random
+weights): the device memory of each phase (resident states, a training step, the checkpoint save's
+transient, the optimizer offload) against ``megareason plan``'s bytes, training tokens/s and MFU, and the
+device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safetensors (not Ray or vLLM);
+on a bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one
+line per check and exits 1 if any failed:
 
-    python tools/check_gpu.py [--out results.json]
+    python tools/check_gpu.py [--out results.json] [--skip-1b]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -143,6 +147,16 @@ def logprobs_bf16(model_dir):
     return {"mean_abs_diff_vs_fp32": err.mean().item(), "transformers_bf16_mean_abs_diff_vs_fp32": hf_err.mean().item()}
 
 
+def _checkpoint_names(hf) -> dict[str, torch.Tensor]:
+    """``hf``'s weights by their checkpoint names: transformers fuses an MoE's experts in memory
+    (``mlp.experts.gate_up_proj``) and writes them one per expert, the names the weight map uses."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        return {k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _nll(logp_BT, entropy_BT, batch):
     mask = batch.loss_mask_BT
     return -(logp_BT * mask).sum(), mask.sum(), {"entropy_sum": (entropy_BT * mask).sum()}
@@ -191,8 +205,8 @@ def train_step(model_dir):
     ok, grad_norm, _ = opt.step()
     assert ok, "optimizer step skipped"
     params = weight_map.to_hf({(0, 0): weight_map.model_state(ddp.module)}, ckpt.arch, 1, 1)
-    named = dict(hf.named_parameters())
-    worst = max((params[n].cpu() - named[n].detach().cpu()).abs().max().item() for n in params)
+    named = _checkpoint_names(hf)
+    worst = max((params[n].cpu() - named[n]).abs().max().item() for n in params)
     assert abs(sums["loss_sum"] / sums["count"] - loss.item()) < 1e-4, (sums, loss.item())
     assert abs(grad_norm - ref_norm) / ref_norm < 1e-3, (grad_norm, ref_norm)
     assert worst < 1e-4, f"max |param after AdamW - transformers'| = {worst}"
@@ -363,48 +377,6 @@ def ipc(model_dir):
     return {"tensors": checked, "buckets": buckets}
 
 
-@check("bf16_distributed_optimizer_recompute_memory")
-def scale_memory(model_dir):
-    """One training step in bf16 with the distributed optimizer and full recomputation (the large-model
-    setting): its peak allocated memory beside megareason plan's bytes for the same config, model and micro-batch."""
-    from megareason.config.load import load_config
-    from megareason.launch.plan_memory import memory_per_rank
-    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights, uses_transformer_engine
-    from megareason.models.logprobs import logprob_head
-    from megareason.models.train import TrainBatch, train_step, wrap_for_training
-    from megareason.settings import compute_settings, optimizer_settings
-
-    cfg = load_config("grpo_quickstart", ["trainer.precision=bf16", "optim.use_distributed_optimizer=true",
-                                          "trainer.recompute=full"])
-    ckpt = HFCheckpoint(model_dir)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    model = build_gpt(ckpt.arch, compute_settings(cfg))
-    load_hf_weights(model, ckpt)
-    ddp, optimizer = wrap_for_training(model, optimizer_settings(cfg, 1e-6))
-    tokens = 1024
-    row = _tokens(ckpt.arch.vocab_size, (1, tokens))
-    batch = TrainBatch(row, torch.ones(1, tokens), cu_seqlens=torch.tensor([0], dtype=torch.int32))
-
-    def nll(logp, entropy, b):
-        return -(logp * b.loss_mask_BT).sum(), b.loss_mask_BT.sum(), {}
-
-    for _ in range(2):  # the second step holds Adam's state from the first
-        train_step(ddp, optimizer, [batch], logprob_head(ckpt.arch.vocab_size), nll)
-    peak = torch.cuda.max_memory_allocated() - base
-    spec = "te" if uses_transformer_engine(model) else "local"
-    plan = memory_per_rank(cfg, ckpt.arch, 1, 1, 1, tokens, spec=spec, scored_tokens=tokens - 1)
-    planned = sum(plan.values())
-    ratio = peak / planned
-    del ddp, optimizer, model
-    torch.cuda.empty_cache()
-    # The plan leaves out transients (logits, the backward's temporaries, the allocator's rounding).
-    assert 0.8 <= ratio <= 2.0, f"peak {peak} B vs plan {planned} B: ratio {ratio:.2f}"
-    return {"peak_bytes": peak, "planned_bytes": planned, "ratio": round(ratio, 3), "spec": spec,
-            **{f"planned_{k}": v for k, v in plan.items()}}
-
-
 @check("bucket_fill_bandwidth")
 def bandwidth(_model_dir):
     """Copying into a CUDA bucket vs a plain device-to-device copy of the same bytes."""
@@ -471,9 +443,172 @@ def checkpoint(model_dir):
     return {"max_abs_diff": diff}
 
 
+# ------------------------------------------------------------- a ~1B Llama at scale: memory phases, speed
+
+ONE_B = "llama-3.2-1b"  # megareason plan's shape of Llama-3.2-1B, random weights (nothing downloaded)
+ONE_B_TOKENS, ONE_B_SEQ = 4096, 1024  # one packed row per micro-batch: 4 sequences of 1,024 tokens
+
+
+def _one_b_setup(recompute: str = "none"):
+    """(cfg, arch, compute, optimizer settings) of a bf16 + distributed-optimizer run of the 1B shape."""
+    from megareason.config.load import load_config
+    from megareason.launch.plan_records import MODEL_SHAPES
+    from megareason.settings import compute_settings, optimizer_settings
+
+    cfg = load_config("grpo_quickstart", ["trainer.precision=bf16", "optim.use_distributed_optimizer=true",
+                                          f"trainer.recompute={recompute}",
+                                          f"trainer.micro_batch_tokens={ONE_B_TOKENS}"])
+    return cfg, MODEL_SHAPES[ONE_B], compute_settings(cfg), optimizer_settings(cfg, 1e-5)
+
+
+def _one_b_batches(arch, rows: int, seed: int = 0):
+    from megareason.models.train import TrainBatch
+
+    cu = torch.arange(0, ONE_B_TOKENS, ONE_B_SEQ, dtype=torch.int32)
+    return [TrainBatch(_tokens(arch.vocab_size, (1, ONE_B_TOKENS), seed=seed + i), torch.ones(1, ONE_B_TOKENS),
+                       cu_seqlens=cu) for i in range(rows)]
+
+
+def _sum_nll(logp, entropy, b):
+    return -(logp * b.loss_mask_BT).sum(), b.loss_mask_BT.sum(), {}
+
+
+@check("llama_1b_memory_by_phase")
+def one_b_memory(_model_dir):
+    """A ~1.2B Llama (bf16, distributed optimizer, megatron-core's local layers): the device memory each phase
+    allocates (``torch.cuda.max_memory_allocated`` around it) beside megareason plan's bytes for it — the
+    resident states, a training step's peak, the checkpoint save's transient — and what the optimizer
+    offload (``trainer.offload_optimizer``) frees and how long its round trip takes."""
+    from megareason.launch.plan_memory import checkpoint_save_bytes, memory_per_rank
+    from megareason.models.build import build_gpt, uses_transformer_engine
+    from megareason.models.checkpoint import save_checkpoint
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.offload import TrainingStateOffload
+    from megareason.models.train import train_step, wrap_for_training
+
+    cfg, arch, compute, optim = _one_b_setup()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_gpt(arch, compute)
+    ddp, optimizer = wrap_for_training(model, optim)
+    spec = "te" if uses_transformer_engine(model) else "local"
+    plan = memory_per_rank(cfg, arch, 1, 1, 1, ONE_B_TOKENS, spec=spec)
+    head = logprob_head(arch.vocab_size)
+    batches = _one_b_batches(arch, 1)
+    out = {"spec": spec, "params": sum(p.numel() for p in model.parameters()),
+           "built_bytes": torch.cuda.memory_allocated() - base}
+    peaks = []
+    for _ in range(2):  # the second step holds Adam's moments from the first
+        torch.cuda.reset_peak_memory_stats()
+        train_step(ddp, optimizer, batches, head, _sum_nll)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    resident = torch.cuda.memory_allocated() - base
+    planned_states = plan["parameters"] + plan["gradients"] + plan["optimizer_state"]
+    out.update(step_peaks_bytes=peaks, planned_step_bytes=sum(plan.values()), resident_bytes=resident,
+               planned_resident_bytes=planned_states, planned=plan)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        save_checkpoint(f"{tmp}/ckpt", model, arch, tmp, optimizer)
+        out["save_seconds"] = round(time.perf_counter() - start, 2)
+        out["save_transient_bytes"] = torch.cuda.max_memory_allocated() - before
+    out["planned_save_transient_bytes"] = checkpoint_save_bytes(cfg, arch, 1, 1, 1, 0)
+
+    offload = TrainingStateOffload(ddp, optimizer)
+    before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    offload.offload()
+    out["offload_seconds"] = round(time.perf_counter() - start, 3)
+    out["offload_freed_bytes"] = before - torch.cuda.memory_allocated()
+    out["planned_offload_bytes"] = plan["gradients"] + plan["optimizer_state"]
+    start = time.perf_counter()
+    offload.onload()
+    out["onload_seconds"] = round(time.perf_counter() - start, 3)
+    after = train_step(ddp, optimizer, batches, head, _sum_nll)
+    out["loss_after_onload"] = after.loss
+    del ddp, optimizer, model, offload
+    torch.cuda.empty_cache()
+    # The plan leaves out transients (logits' temporaries, the allocator's rounding): the step within 25 %.
+    ratio = max(peaks) / out["planned_step_bytes"]
+    out["step_ratio"] = round(ratio, 3)
+    out["save_ratio"] = round(out["save_transient_bytes"] / max(out["planned_save_transient_bytes"], 1), 3)
+    out["offload_ratio"] = round(out["offload_freed_bytes"] / out["planned_offload_bytes"], 3)
+    problems = []
+    if not 0.75 <= ratio <= 1.25:
+        problems.append(f"step peak / plan = {ratio:.2f}")
+    if not 0.9 <= out["save_ratio"] <= 1.1:
+        problems.append(f"save transient / plan = {out['save_ratio']}")
+    if not 0.95 <= out["offload_ratio"] <= 1.05:
+        problems.append(f"offload freed / plan = {out['offload_ratio']}")
+    if not math.isfinite(after.loss):
+        problems.append("loss not finite after onload")
+    assert not problems, f"{problems}: {json.dumps(out, default=str)}"
+    return out
+
+
+@check("llama_1b_training_throughput")
+def one_b_throughput(_model_dir):
+    """Training tokens/s of the ~1.2B Llama (bf16, distributed optimizer, local layers, no recomputation) over
+    steps of 4 micro-batches of one packed 4,096-token row each, and the model FLOPs utilisation: (6·N·tokens +
+    causal attention's 3·2·L·d_attn·s² per sequence) / seconds / the GPU's dense bf16 peak, beside the MFU
+    megareason plan assumes."""
+    from megareason.launch.plan_memory import flop_params
+    from megareason.launch.plan_records import GPUS, PlanOptions
+    from megareason.models.build import build_gpt
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.train import train_step, wrap_for_training
+
+    _, arch, compute, optim = _one_b_setup()
+    model = build_gpt(arch, compute)
+    ddp, optimizer = wrap_for_training(model, optim)
+    head = logprob_head(arch.vocab_size)
+    batches = _one_b_batches(arch, 4)
+    for _ in range(2):
+        train_step(ddp, optimizer, batches, head, _sum_nll)
+    torch.cuda.synchronize()
+    steps = 5
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(ddp, optimizer, batches, head, _sum_nll)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    tokens = len(batches) * ONE_B_TOKENS
+    sequences = tokens // ONE_B_SEQ
+    attention = sequences * 2 * arch.num_layers * arch.num_heads * arch.head_dim * ONE_B_SEQ ** 2
+    flops = 3 * (2 * flop_params(arch) * tokens + attention)
+    name = torch.cuda.get_device_name()
+    gpu = GPUS["H200"] if "H200" in name else GPUS["H100-80GB"] if "H100" in name else None
+    del ddp, optimizer, model
+    torch.cuda.empty_cache()
+    out = {"tokens_per_step": tokens, "step_seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds),
+           "tflops_per_s": round(flops / seconds / 1e12, 1), "plan_mfu": PlanOptions().mfu}
+    if gpu is not None:
+        out["mfu"] = round(flops / seconds / gpu.bf16_flops, 3)
+    return out
+
+
+@check("device_memory_totals")
+def device_totals(_model_dir):
+    """What the CUDA runtime reports as the device's memory (``cudaMemGetInfo``: vLLM sizes its share of
+    this), beside the planner's figure for the GPU, and what this process holds outside torch's allocator
+    (the CUDA context, cuBLAS workspaces, NCCL) after the checks above."""
+    from megareason.launch.plan_records import GPUS
+
+    free, total = torch.cuda.mem_get_info()
+    name = torch.cuda.get_device_name()
+    gpu = GPUS["H200"] if "H200" in name else GPUS["H100-80GB"] if "H100" in name else None
+    return {"device": name, "cuda_total_bytes": total, "cuda_total_gib": round(total / 2**30, 3),
+            "plan_gib": gpu.memory_gib if gpu else None,
+            "outside_torch_bytes": total - free - torch.cuda.memory_reserved()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--skip-1b", action="store_true", help="leave out the ~1.2B-parameter Llama's checks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("check_gpu.py needs a CUDA device")
@@ -496,12 +631,16 @@ def main() -> int:
         for family, tied, kw in (("qwen2", False, {}), ("llama", True, {}), ("qwen3_moe", False, moe)):
             model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied, **kw))
             for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
-                       ipc, checkpoint, scale_memory):
+                       ipc, checkpoint):
                 before = set(RESULTS)
                 fn(model_dir)
                 for k in set(RESULTS) - before:
                     RESULTS[f"{family}/{k}"] = RESULTS.pop(k)
         bandwidth(None)
+        if not args.skip_1b:
+            one_b_memory(None)
+            one_b_throughput(None)
+        device_totals(None)
     if args.out:
         Path(args.out).write_text(json.dumps(RESULTS, indent=2))
     failed = [k for k, r in RESULTS.items() if r["ok"] is False]

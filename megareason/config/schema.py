@@ -407,6 +407,11 @@ class TrainerConfig:
     # full: 0 recomputes every layer (one layer per checkpoint); N > 0 only the first N layers of each
     # pipeline stage (the rest keep their activations).
     recompute_num_layers: int = 0
+    # Colocated GPU runs: the trainer's fp32 gradient buffers and optimizer state (main weights, Adam moments)
+    # move to host memory before each vLLM wake-up and come back before the next update or save
+    # (NeMo-RL's offload before refit, verl's optimizer_offload + grad_offload): the generation phase then
+    # holds only the model's parameters beside vLLM. Costs a host round trip of the optimizer state per step.
+    offload_optimizer: bool = False
     # Mixture-of-experts models: the router's load-balancing loss (switch/aux loss, megatron-core's
     # moe_aux_loss_coeff; 0 turns it off, the metrics moe/* are logged either way) and z-loss (off).
     moe_aux_loss_coeff: float = 0.001

@@ -58,6 +58,7 @@ from megareason.launch.plan_format import as_overrides, format_plan
 from megareason.launch.plan_memory import (
     BYTES,
     active_params,
+    checkpoint_save_bytes,
     layer_bytes,
     layer_spec,
     params_per_gpu,
@@ -87,11 +88,20 @@ __all__ = ["GPUS", "MODEL_SHAPES", "Plan", "PlanError", "PlanOptions", "decode_s
            "kv_bytes_per_token", "make_plan", "plan_config", "rollout_engines", "workload"]
 
 VLLM_RESERVE_GIB = 2.0  # inside vLLM's share: its profiled activation peak and non-torch allocations
-RUNTIME_OVERHEAD_GIB = 2.0  # per Megatron process: CUDA context, NCCL buffers, allocator slack
+RUNTIME_OVERHEAD_GIB = 2.0  # per Megatron process: CUDA context, cuBLAS workspaces, allocator slack
+# One NCCL communicator's device buffers with NVLink SHARP off (slurm/ray_cluster.sh and the local launcher
+# set NCCL_NVLS_ENABLE=0, as NeMo's launcher does: an NVLS communicator costs over 1 GiB, NVIDIA/nccl#864).
+NCCL_COMMUNICATOR_GIB = 0.25
+# A colocated engine asleep at level 1 (its weights in host memory, its KV cache freed) keeps its CUDA
+# graphs and communicators on the device.
+VLLM_ASLEEP_GIB = 1.0
+# What every phase must leave free of cudaMemGetInfo's total (fragmentation: vLLM's sleep-mode allocator
+# turns PyTorch's expandable_segments off inside its pool, vllm/device_allocator/cumem.py).
+MARGIN_GIB = 5.0
 
 # The trainer's memory settings: read from the config, varied only to say what would make a plan fit.
 SETTINGS = ("trainer.precision", "optim.use_distributed_optimizer", "trainer.recompute",
-            "trainer.recompute_num_layers", "parallel.sequence_parallel")
+            "trainer.recompute_num_layers", "parallel.sequence_parallel", "trainer.offload_optimizer")
 
 
 def _get(cfg: Config, key: str):
@@ -200,10 +210,12 @@ def _cheapest_fix(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU,
                   nodes: int) -> tuple[dict[str, object], Plan] | None:
     """The change of the memory settings that makes the plan fit with the shortest estimated step (then the
     fewest changed fields), and its plan; None if none does. Tried: the distributed optimizer, sequence
-    parallelism (TP > 1), bf16 for fp32, and more recomputation (selective, then full on 1, 2, ... layers
-    of each stage)."""
+    parallelism (TP > 1), bf16 for fp32, more recomputation (selective, then full on 1, 2, ... layers
+    of each stage) and, colocated, the optimizer state in host memory while vLLM is awake."""
     t, tp, pp = cfg.trainer, cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    choices: list[list[dict[str, object]]] = [[{}], [{}], [{}], [{}]]
+    choices: list[list[dict[str, object]]] = [[{}], [{}], [{}], [{}], [{}]]
+    if not t.offload_optimizer and cfg.rollout.placement == "colocated":
+        choices[4].append({"trainer.offload_optimizer": True})
     if not cfg.optim.use_distributed_optimizer:
         choices[0].append({"optim.use_distributed_optimizer": True})
     if tp > 1 and not cfg.parallel.sequence_parallel:
@@ -249,7 +261,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
 
     # vLLM's share while it generates.
     dbytes = element_bytes(r.dtype)
-    budget = r.gpu_memory_utilization * gpu.memory_gib * GiB
+    budget = r.gpu_memory_utilization * gpu.cuda_total_gib * GiB  # vLLM: a share of cudaMemGetInfo's total
     vllm_weights = total_params(arch) * dbytes / vtp
     kv = budget - vllm_weights - VLLM_RESERVE_GIB * GiB
     kv_tok = kv_bytes_per_token(arch, vtp, dbytes)
@@ -271,7 +283,10 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         }
         if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
             lines["critic: parameters + gradients + optimizer"] = sum(lines.values())
-        lines["runtime overhead (CUDA contexts, NCCL)"] = RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)
+        lines["CUDA context, cuBLAS workspaces, allocator slack"] = RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)
+        comms = megatron_communicators(tp, pp, dp, ep)
+        lines[f"NCCL communicators: {comms} of Megatron's (NVLS off)"] = (
+            comms * NCCL_COMMUNICATOR_GIB * GiB * (2 if critic else 1))
         recompute = {"none": "no recompute", "selective": "selective recompute"}.get(
             t.recompute, f"full recompute {recomputed_layers(cfg, arch, pp)}/{arch.num_layers // pp} layers")
         working = layer_bytes(cfg, arch, tp, tok, spec)  # a forward's transients: about one layer's activations
@@ -284,12 +299,29 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
         largest, bucket = arch.padded_vocab_size(1) * arch.hidden_size * dbytes, t.weight_sync_bucket_mb * 2**20
         sync = {"weight sync: largest gathered tensor + bucket": largest + bucket}
         engine = {**vllm, "weight sync: a received bucket (beside vLLM's share)": bucket}
+        # trainer.offload_optimizer: gradients and optimizer state in host memory while vLLM is awake.
+        awake = dict(lines)
+        if t.offload_optimizer and not separate:
+            awake = {k: v for k, v in lines.items() if not k.startswith(("gradients", "optimizer", "critic"))}
+            awake["trainer's gradients + optimizer state: in host memory (trainer.offload_optimizer)"] = 0
+            if critic:
+                awake["critic: parameters (gradients, optimizer in host memory)"] = st["parameters"]
+        if vtp > 1 and not separate:  # created before vLLM's memory snapshot: outside its share
+            awake["NCCL communicator of the vLLM engine"] = NCCL_COMMUNICATOR_GIB * GiB
+        # A save: gradient buffers emptied (models/roles.py), the engine asleep at level 1, megatron-core's
+        # distributed-optimizer gather buffers (plan_memory.checkpoint_save_bytes).
+        saving = {k: (0 if k.startswith("gradients") else v) for k, v in lines.items()}
+        saving["checkpoint save: distributed optimizer's gather buffers"] = checkpoint_save_bytes(
+            cfg, arch, tp, pp, dp, stage, ep) * (2 if critic else 1)
+        if not separate:
+            saving["vLLM asleep (CUDA graphs, communicators)"] = VLLM_ASLEEP_GIB * GiB
         phases = {
-            "generation": engine if separate else {**lines, **vllm},
-            "sync": {**lines, **sync} if separate else {**lines, "vLLM weights": vllm_weights, **sync},
+            "generation": engine if separate else {**awake, **vllm},
+            "sync": {**lines, **sync} if separate else {**awake, "vLLM weights": vllm_weights, **sync},
             "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
                          training_activations(cfg, stage)},
             "logprobs": {**lines, "forward working set": working},
+            "save": saving,
         }
         if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
             phases["logprobs"]["reference model (onloaded)"] = act * stage_params(arch, tp, pp, stage, ep)
@@ -317,6 +349,13 @@ def _optimizer_shards(cfg: Config, arch: ModelArch) -> str:
     return f" (/ DP {dp}, experts / DP/EP {dp // ep})" if arch.is_moe else f" (/ DP {dp})"
 
 
+def megatron_communicators(tp: int, pp: int, dp: int, ep: int) -> int:
+    """NCCL communicators a Megatron rank uses (NCCL builds one at a group's first collective): the world
+    group (the weight sync's agreement), TP, DP (gradients, the distributed optimizer), PP (activations) and
+    the embedding group joining the first and last stage, EP (the tokens' all-to-all) and the experts' DP."""
+    return 1 + (tp > 1) + (dp > 1) + 2 * (pp > 1) + 2 * (ep > 1)
+
+
 def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
     """vLLM engines of the trainer (trainer/workers.py): at rollout.tensor_parallel_size > 1 one SPMD
     engine per ``vllm_tp`` consecutive ranks (every GPU generates, ``rollout/colocated.py``); at 1 one
@@ -327,12 +366,12 @@ def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
 
 def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
     """Why the plan cannot run (naming the fields) and which other field would lower it, or None."""
-    cap = plan.gpu.memory_gib * GiB
+    cap = (plan.gpu.cuda_total_gib - MARGIN_GIB) * GiB
     gen = plan.memory["generation"]
     kv = gen["vLLM KV cache"]
     if kv <= 0:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
-                f"{cfg.rollout.gpu_memory_utilization * plan.gpu.memory_gib:.1f} GiB per GPU, less than its weights "
+                f"{cfg.rollout.gpu_memory_utilization * plan.gpu.cuda_total_gib:.1f} GiB per GPU, less than its weights "
                 f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
                 f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache",
                 "raise it" + (" or rollout.tensor_parallel_size" if plan.placement == "separate" else ""))
@@ -349,8 +388,9 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
             if not big.startswith(("activations", "vLLM")):
                 fix = ("split the model over more GPUs: parallel.tensor_model_parallel_size / "
                        f"pipeline_model_parallel_size{' / expert_model_parallel_size' if plan.arch.is_moe else ''}")
-            return (f"does not fit: the {phase} phase needs {need / GiB:.1f} GiB per GPU > {plan.gpu.memory_gib} GiB "
-                    f"on {plan.gpu.name} with {as_overrides(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
+            return (f"does not fit: the {phase} phase needs {need / GiB:.1f} GiB per GPU > {cap / GiB:.1f} GiB "
+                    f"(cudaMemGetInfo's {plan.gpu.cuda_total_gib} GiB on {plan.gpu.name} less a {MARGIN_GIB:g} GiB "
+                    f"margin) with {as_overrides(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
                     f"no change of {', '.join(SETTINGS)} makes it fit: {fix}")
     return None
 

@@ -64,20 +64,23 @@ def format_plan(plan: Plan) -> str:
         f"settings (from the config): {as_overrides(plan.settings)}",
         f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
-        f"{'memory per GPU (GiB)':<{label + 2}}{'generation':>11}{'sync':>10}{'training':>10}{'logprobs':>10}",
+        f"{'memory per GPU (GiB)':<{label + 2}}{'generation':>11}{'sync':>10}{'training':>10}{'logprobs':>10}"
+        f"{'save':>10}",
     ]
-    phases = ("generation", "sync", "training", "logprobs")
-    widths = (11, 10, 10, 10)
+    phases = ("generation", "sync", "training", "logprobs", "save")
+    widths = (11, 10, 10, 10, 10)
     if separate:  # the generation column is an engine's GPU, the others the trainer's
-        out.append(f"  {'(on the GPUs of)':<{label}}{'an engine':>11}" + "".join(f"{'trainer':>10}" for _ in range(3)))
+        out.append(f"  {'(on the GPUs of)':<{label}}{'an engine':>11}" + "".join(f"{'trainer':>10}" for _ in range(4)))
     lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
     for line in lines:
         cells = [plan.memory[ph].get(line) for ph in phases]
         out.append(f"  {line:<{label}}" + "".join(f"{'-' if c is None else f'{c / GiB:.1f}':>{w}}"
                                            for c, w in zip(cells, widths, strict=True)))
     totals = [sum(plan.memory[ph].values()) / GiB for ph in phases]
-    out.append(f"  {'total (of ' + str(g.memory_gib) + ')':<{label}}" + "".join(f"{x:>{w}.1f}" for x, w in
-                                                                           zip(totals, widths, strict=True)))
+    out.append(f"  {'total (of ' + str(g.cuda_total_gib) + ', cudaMemGetInfo)':<{label}}" + "".join(
+        f"{x:>{w}.1f}" for x, w in zip(totals, widths, strict=True)))
+    out.append(f"  {'free':<{label}}" + "".join(f"{g.cuda_total_gib - x:>{w}.1f}" for x, w in
+                                                zip(totals, widths, strict=True)))
     act = plan.activations_by_recompute
     stages = ["-" if separate and ph == "generation" else plan.stages[ph] for ph in phases]
     out += [
@@ -115,8 +118,8 @@ def _vllm_start(plan: Plan) -> str:
     (vllm/v1/worker/gpu_worker.py); colocated, the generation column is that sum, so it fits iff vLLM starts."""
     if plan.placement == "separate":
         return (f"  vLLM start-up: an engine's GPU holds vLLM alone, rollout.gpu_memory_utilization x total = "
-                f"{_vllm_share(plan) / GiB:.1f} GiB of {plan.gpu.memory_gib}; the trainer's GPUs hold no vLLM")
-    return (f"  vLLM start-up: {plan.gpu.memory_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
+                f"{_vllm_share(plan) / GiB:.1f} GiB of {plan.gpu.cuda_total_gib}; the trainer's GPUs hold no vLLM")
+    return (f"  vLLM start-up: {plan.gpu.cuda_total_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
             f"{_trainer_resident(plan) / GiB:.1f} GiB, needs rollout.gpu_memory_utilization x total = "
             f"{_vllm_share(plan) / GiB:.1f} GiB")
 

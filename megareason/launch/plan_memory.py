@@ -178,6 +178,27 @@ def states(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, stage: int, 
     return {"parameters": p * n, "gradients": 4 * n, "optimizer_state": optimizer}
 
 
+def checkpoint_save_bytes(cfg: Config, arch: ModelArch, tp: int, pp: int, dp: int, stage: int, ep: int = 1) -> int:
+    """Device bytes a checkpoint save adds on one rank of ``stage``, on top of its resident states.
+
+    The distributed optimizer's ``fully_reshardable`` save (megatron-core 0.16,
+    ``optimizer/distrib_optimizer.py``, ``get_parameter_state_dp_zero`` with ``return_on_all_ranks``)
+    all-gathers each gradient buffer's DP shards of the fp32 main weights, then of each Adam moment, one
+    state at a time, into a list of CUDA receive buffers of the whole buffer's size, sending its own shard
+    from the device; PyTorch's NCCL all-gather into a list gathers into one flat tensor of that size first
+    (``ProcessGroupNCCL::allgather``, ``newLikeFlat``) and copies out: 4·n·(2 + 1/DP) bytes for a buffer of n
+    parameters (measured on an H200 at DP 1: 12·n, ``tools/check_gpu.py``). With ``overlap_grad_reduce`` off DDP makes
+    one bucket per buffer (``distributed/distributed_data_parallel.py``: ``bucket_size = None``), so n is
+    every trained parameter of the rank: the dense ones over DP, an MoE's experts (their own buffer) over
+    DP / EP; the larger of the two counts. A plain optimizer's state is written from the tensors it has (0)."""
+    if not cfg.optim.use_distributed_optimizer:
+        return 0
+    if cfg.lora.enabled:
+        return int(4 * lora_params_per_gpu(arch, tp, pp, cfg.lora.rank, cfg.lora.targets) * (2 + 1 / dp))
+    dense, expert = stage_param_split(arch, tp, pp, stage, ep)
+    return int(max(4 * dense * (2 + 1 / dp), 4 * expert * (2 + ep / dp)))
+
+
 # ----------------------------------------------------------------------------------------- activations
 
 

@@ -22,6 +22,7 @@ class PlanError(ConfigError):
 class GPU:
     name: str
     memory_gib: float  # as nvidia-smi reports it
+    cuda_total_gib: float  # cudaMemGetInfo's total: what vLLM's gpu_memory_utilization is a share of
     bf16_flops: float  # dense peak, FLOP/s (bf16 and fp16 tensor cores)
     fp32_flops: float  # dense fp32 peak without TF32 (megatron-core leaves torch's TF32 matmuls off)
     hbm_bytes_s: float  # HBM bandwidth, bytes/s
@@ -36,9 +37,11 @@ class GPU:
 GPUS = {
     g.name: g
     for g in (
-        GPU("H100-80GB", 79.6, 989e12, 67e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
-        GPU("H200", 140.4, 989e12, 67e12, 4.8e12, 450e9, 50e9, 1024),
-        GPU("A100-80GB", 80.0, 312e12, 19.5e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
+        # cudaMemGetInfo totals: H200 measured by tools/check_gpu.py (150,109,880,320 B); H100 and A100 as
+        # PyTorch's out-of-memory message reports their "total capacity".
+        GPU("H100-80GB", 79.6, 79.19, 989e12, 67e12, 3.35e12, 450e9, 50e9, 1024),  # SXM, 400 Gb/s NDR per GPU
+        GPU("H200", 140.4, 139.80, 989e12, 67e12, 4.8e12, 450e9, 50e9, 1024),
+        GPU("A100-80GB", 80.0, 79.15, 312e12, 19.5e12, 2.039e12, 300e9, 25e9, 256),  # SXM, 200 Gb/s HDR per GPU
     )
 }
 
@@ -61,6 +64,7 @@ def _moe(dense: ModelArch, experts: int, top_k: int, expert_ffn: int, norm_topk:
 MODEL_SHAPES = {
     "llama-3.1-70b": _llama(128256, 8192, 28672, 80, 64, 8),  # also Llama-3.3-70B
     "llama-3.1-8b": _llama(128256, 4096, 14336, 32, 32, 8),
+    "llama-3.2-1b": _llama(128256, 2048, 8192, 16, 32, 8, tied=True, factor=32.0),
     "qwen2.5-72b": _llama(152064, 8192, 29568, 80, 64, 8, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,
                           max_pos=32768),
     "qwen2.5-7b": _llama(152064, 3584, 18944, 28, 28, 4, family="qwen2", theta=1e6, factor=0.0, eps=1e-6,

@@ -67,7 +67,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
     distributed = _distributed_optimizers(optimizer)
     sharding = DISTRIB_OPTIM_SHARDING if distributed else None
     for d in distributed:  # before anything is written
-        _init_state(d, loading=False)
+        _init_state(d)
     occupied = _broadcast(_occupied(path) if dist.get_rank() == 0 else None)  # every rank stops alike
     if occupied:
         raise OccupiedFolder(occupied)
@@ -174,14 +174,17 @@ def _sharding_kwargs(sharding: str | None) -> dict:
     return {"metadata": {SHARDING_KEY: sharding}} if sharding else {}
 
 
-def _init_state(dopt, loading: bool) -> None:
-    """Give a distributed optimizer that has not stepped yet its per-parameter state.
+def _init_state(dopt) -> None:
+    """Give a distributed optimizer that has not stepped yet its per-parameter state, as its first step would.
 
-    Its ``state_dict()`` (called by ``sharded_state_dict``, on save and on load) reads that state, which
-    torch's Adam creates lazily at its first step (with ``step`` 0 and zero moments: created here as that
-    step would, so a saved unstepped optimizer resumes exactly). TransformerEngine's / Apex's FusedAdam
-    (not in our images) keep other state: on load megatron-core's own dummy step creates it (the load then
-    overwrites every value); an unstepped one cannot be saved.
+    Its ``state_dict()`` (called by ``sharded_state_dict``, on save and on load) reads that state, which the
+    optimizers create lazily at their first step. torch's Adam (megatron-core's without TransformerEngine or
+    Apex) keeps ``step`` per parameter: created here with ``step`` 0 and zero moments. TransformerEngine's
+    and Apex's FusedAdam (megatron-core's Adam when they are installed, as in the NGC containers) keep
+    ``step`` in the parameter group and only the moments per parameter: megatron-core's own
+    ``init_state_fn`` (``optimizer/__init__.py``) creates those zero moments, what their first step would.
+    (Its ``_init_optimizer_states_with_dummy_values`` instead runs a step on zero gradients, which applies
+    the weight decay and counts a step: not a state to save.) A saved unstepped optimizer resumes exactly.
     """
     inner = dopt.optimizer
     params = [p for group in inner.param_groups for p in group["params"]]
@@ -194,11 +197,8 @@ def _init_state(dopt, loading: bool) -> None:
                 if not inner.state.get(p):
                     inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                       "exp_avg_sq": torch.zeros_like(p)}
-    elif loading:
-        dopt._init_optimizer_states_with_dummy_values()
     else:
-        raise ValueError(f"{type(inner).__name__} under the distributed optimizer (optim.use_distributed_optimizer) "
-                         "has no state before its first step and cannot be saved yet; save after a step")
+        dopt.init_state_fn(inner, dopt.config)
 
 
 @contextmanager
@@ -263,7 +263,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
         raise ValueError(f"{path}: the optimizer state was saved {'with' if sharding else 'without'} the distributed "
                          f"optimizer; resume with optim.use_distributed_optimizer={str(bool(sharding)).lower()}")
     for d in distributed:
-        _init_state(d, loading=True)
+        _init_state(d)
     state = {"model": model.sharded_state_dict()}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True, **_sharding_kwargs(sharding))

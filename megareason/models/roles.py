@@ -24,6 +24,7 @@ from megareason.models.checkpoint import load_checkpoint, save_checkpoint
 from megareason.models.logprobs import logprob_head
 from megareason.models.lora import LoRASettings, apply_lora
 from megareason.models.moe import RouterWatch
+from megareason.models.offload import TrainingStateOffload
 from megareason.models.schedule import LossFn, forward_outputs, padded_micro_batches
 from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
 
@@ -33,8 +34,14 @@ class _Trainable:
         self.model, self.arch, self.hf_dir, self.lora = model, ckpt.arch, ckpt.dir, lora
         self.ddp, self.optimizer = wrap_for_training(model, settings)
         self.router_watch = RouterWatch(model) if ckpt.arch.is_moe else None
+        self.training_state = TrainingStateOffload(self.ddp, self.optimizer)
+
+    def offload_training_state(self) -> None:
+        """Gradient buffers and optimizer state to host memory until the next update, save or load."""
+        self.training_state.offload()
 
     def train_step(self, micro_batches, loss_fn: LossFn) -> StepResult:
+        self.training_state.onload()
         return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn, self.router_watch)
 
     def save(self, path, metadata: dict | None = None):
@@ -44,10 +51,15 @@ class _Trainable:
         lora = {"lora": asdict(self.lora), "base_model": str(self.hf_dir)} if self.lora is not None else {}
         # bf16: the model tensors are the optimizer's fp32 main weights rounded (the export reads either).
         precision = {"precision": "bf16" if self.model.config.bf16 else "fp32"}
+        # The save needs the optimizer state, not the gradients (the next update zeroes them first): their
+        # buffers stay empty through the save's transient (``plan_memory.checkpoint_save_bytes``).
+        self.training_state.onload()
+        self.training_state.offload(optimizer=False)
         return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer,
                                {**(metadata or {}), **lora, **precision})
 
     def load(self, path) -> dict:
+        self.training_state.onload()
         return load_checkpoint(path, self.model, self.optimizer)
 
 

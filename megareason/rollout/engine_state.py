@@ -90,8 +90,9 @@ class EngineStateError(RuntimeError):
 
 
 class EngineStateMachine:
-    """See the module docstring. ``empty_cache`` frees this process's cached device memory before each
-    wake-up (replaceable for tests)."""
+    """See the module docstring. ``empty_cache`` frees this process's device memory before each wake-up:
+    the trainer's worker also moves its optimizer state to host memory there (``trainer.offload_optimizer``);
+    tests replace it to record the phase."""
 
     def __init__(self, engine: SleepableEngine, empty_cache: Callable[[], None] = empty_cuda_cache):
         self.engine, self._empty_cache = engine, empty_cache

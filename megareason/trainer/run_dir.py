@@ -212,6 +212,7 @@ RESUMABLE_CHANGES = (
     "trainer.val_every", "trainer.val_before_train",
     "trainer.dump_rollouts_every", "trainer.ray_address", "trainer.weight_sync_bucket_mb",
     "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.recompute", "trainer.recompute_num_layers",
+    "trainer.offload_optimizer",
     "parallel", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
     "reward.workers", "reward.tinyv.base_url", "reward.tinyv.concurrency", "eval", "benchmark",
 )

@@ -197,7 +197,17 @@ class PolicyWorker(_Worker):
             self.engine = VLLMEngine(engine_settings(cfg), self.rank) if is_consumer() else None
             self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
-            self.engine = EngineStateMachine(self.engine)
+            self.engine = EngineStateMachine(self.engine, empty_cache=self._before_wake)
+
+    def _before_wake(self) -> None:
+        """Before this GPU's engine wakes: with ``trainer.offload_optimizer`` the actor's gradient buffers and
+        optimizer state leave for host memory (they come back at the next update or save); then the cached
+        device memory goes back to the driver, where vLLM allocates."""
+        from megareason.rollout.engine_state import empty_cuda_cache
+
+        if self.cfg.trainer.offload_optimizer:
+            self.actor.offload_training_state()
+        empty_cuda_cache()
 
     def attach_engines(self, remote) -> None:
         """rollout.placement: separate: the first rank that receives the weights (replica 0's consumer)
@@ -352,5 +362,8 @@ class CriticWorker(_Worker):
         """One optimizer step of the value loss over this replica's share of ``exp`` (a mini-batch)."""
         from megareason.trainer.losses import value_loss_fn
 
-        return self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
-                           value_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_tokens), lr, CriticStats)
+        stats = self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
+                            value_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_tokens), lr, CriticStats)
+        if self.cfg.trainer.offload_optimizer:  # no engine in this process: off after each update
+            self.critic.offload_training_state()
+        return stats
