@@ -109,8 +109,13 @@ class StubPolicy(PolicyWorker):
         super().__init__(cfg, rank, dp)
         self.layout = SimpleNamespace(dp=dp, dp_rank=rank, tp=1, tp_rank=0, pp=1, pp_rank=0)
         self.vllm = FakeVLLM(tok, reply)
-        self.engine = EngineStateMachine(self.vllm, empty_cache=self.vllm.empty_cache)
+        # the worker's own hook before a wake-up: trainer.offload_optimizer's offload, then empty_cache
+        self.engine = EngineStateMachine(self.vllm, empty_cache=self._before_wake)
         self.engine_index, self.engine_leader = rank, True
+        self.actor = SimpleNamespace(offload_training_state=lambda: self.vllm.calls.append("offload"))
+
+    def _empty_cache(self):
+        self.vllm.empty_cache()
 
     def _hf_weights(self):
         yield "model.embed_tokens.weight", torch.ones(4, 2)
@@ -236,7 +241,7 @@ def _run(cfg, tmp_path, prompts, val, tok, dp: int = 1, reply=_reply, score=_sco
 
 def _phases(worker: StubPolicy) -> list[str]:
     """The engine calls, empty_cache folded into the wake-up it precedes (FakeVLLM checks the pairing)."""
-    return [c for c in worker.vllm.calls if c != "empty_cache"]
+    return [c for c in worker.vllm.calls if c not in ("empty_cache", "offload")]
 
 
 def _check_machine(worker: StubPolicy) -> None:
@@ -258,6 +263,24 @@ VAL = ["gen"]
 UPDATE = ["sleep2", "wake:weights", "sync", "wake:kv_cache"]
 SAVE = ["sleep1", "save"]  # every checkpoint is written with the engine asleep, its weights in host memory
 WAKE = ["wake:weights,kv_cache"]  # the generate after a checkpoint
+
+
+def test_offload_optimizer_leaves_the_gpu_before_every_wake_up_and_only_then(tok, tmp_path):
+    """trainer.offload_optimizer: the actor's gradients and optimizer state leave the device right before each
+    engine wake-up (the weights' before the sync, the KV cache's after it, a checkpointed engine's before
+    the next generate), never otherwise; without it, never."""
+    for on in (True, False):
+        cfg = _cfg("grpo_smollm2_cpu", [f"trainer.offload_optimizer={str(on).lower()}", "trainer.save_every=1"])
+        (w,) = _run(cfg, tmp_path / str(on), _prompts(tok, 4), _prompts(tok, 2), tok).workers
+        calls = w.vllm.calls
+        wakes = [i for i, c in enumerate(calls) if c.startswith("wake")]
+        assert wakes and all(calls[i - 1] == "empty_cache" for i in wakes)
+        if on:
+            assert all(calls[i - 2] == "offload" for i in wakes)
+            assert calls.count("offload") == len(wakes)
+        else:
+            assert "offload" not in calls
+        assert _phases(w) == VAL + ["gen"] + UPDATE + VAL + SAVE + WAKE + ["gen"] + UPDATE + VAL + SAVE
 
 
 @pytest.mark.parametrize("dp", [1, 2])

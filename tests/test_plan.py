@@ -293,8 +293,9 @@ def test_refuses_what_no_setting_makes_fit():
     seventy = MODEL_SHAPES["llama-3.1-70b"]
     one_node = _cfg("parallel.tensor_model_parallel_size=8", "rollout.tensor_parallel_size=8")
     with pytest.raises(PlanError, match=r"does not fit: the generation phase needs .* GiB per GPU > 74.2 GiB "
-                                        r"\(cudaMemGetInfo's 79.19 GiB on H100-80GB less a 5 GiB margin\).*largest: optimizer.*no change of trainer.precision.* makes "
-                                        r"it fit: split the model over more GPUs"):
+                                        r"\(cudaMemGetInfo's 79.19 GiB on H100-80GB less a 5 GiB margin\).*largest: "
+                                        r"optimizer.*no change of trainer.precision.* makes it fit: split the model "
+                                        r"over more GPUs"):
         make_plan(one_node, seventy, PlanOptions(gpus_per_node=8))
     with pytest.raises(PlanError, match="rollout.gpu_memory_utilization=0.05 .* no room for a KV cache"):
         _plan_70b("rollout.gpu_memory_utilization=0.05")

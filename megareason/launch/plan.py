@@ -89,8 +89,8 @@ __all__ = ["GPUS", "MODEL_SHAPES", "Plan", "PlanError", "PlanOptions", "decode_s
 
 VLLM_RESERVE_GIB = 2.0  # inside vLLM's share: its profiled activation peak and non-torch allocations
 RUNTIME_OVERHEAD_GIB = 2.0  # per Megatron process: CUDA context, cuBLAS workspaces, allocator slack
-# One NCCL communicator's device buffers with NVLink SHARP off (slurm/ray_cluster.sh and the local launcher
-# set NCCL_NVLS_ENABLE=0, as NeMo's launcher does: an NVLS communicator costs over 1 GiB, NVIDIA/nccl#864).
+# One NCCL communicator's device buffers with NVLink SHARP off (every trainer worker sets NCCL_NVLS_ENABLE=0
+# unless the site set it, as NeMo's launcher does: an NVLS communicator costs over 1 GiB, NVIDIA/nccl#864).
 NCCL_COMMUNICATOR_GIB = 0.25
 # A colocated engine asleep at level 1 (its weights in host memory, its KV cache freed) keeps its CUDA
 # graphs and communicators on the device.
@@ -371,7 +371,8 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
     kv = gen["vLLM KV cache"]
     if kv <= 0:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
-                f"{cfg.rollout.gpu_memory_utilization * plan.gpu.cuda_total_gib:.1f} GiB per GPU, less than its weights "
+                f"{cfg.rollout.gpu_memory_utilization * plan.gpu.cuda_total_gib:.1f} GiB per GPU, less than its "
+                f"weights "
                 f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
                 f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache",
                 "raise it" + (" or rollout.tensor_parallel_size" if plan.placement == "separate" else ""))

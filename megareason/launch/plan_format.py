@@ -119,7 +119,8 @@ def _vllm_start(plan: Plan) -> str:
     if plan.placement == "separate":
         return (f"  vLLM start-up: an engine's GPU holds vLLM alone, rollout.gpu_memory_utilization x total = "
                 f"{_vllm_share(plan) / GiB:.1f} GiB of {plan.gpu.cuda_total_gib}; the trainer's GPUs hold no vLLM")
-    return (f"  vLLM start-up: {plan.gpu.cuda_total_gib - _trainer_resident(plan) / GiB:.1f} GiB free beside the trainer's "
+    free = plan.gpu.cuda_total_gib - _trainer_resident(plan) / GiB
+    return (f"  vLLM start-up: {free:.1f} GiB free beside the trainer's "
             f"{_trainer_resident(plan) / GiB:.1f} GiB, needs rollout.gpu_memory_utilization x total = "
             f"{_vllm_share(plan) / GiB:.1f} GiB")
 

@@ -74,6 +74,9 @@ class _Worker:
 
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        # NVLink SHARP off unless the site turns it on: an NVLS communicator takes over 1 GiB of each GPU
+        # (NVIDIA/nccl#864), which colocated vLLM has no room for; NeMo's launcher sets the same.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         store = getattr(self, "_store", None) or dist.TCPStore(master[0], master[1], self.world, is_master=False,
                                                                timeout=RENDEZVOUS_TIMEOUT)
         if not torch.cuda.is_available():
@@ -203,10 +206,13 @@ class PolicyWorker(_Worker):
         """Before this GPU's engine wakes: with ``trainer.offload_optimizer`` the actor's gradient buffers and
         optimizer state leave for host memory (they come back at the next update or save); then the cached
         device memory goes back to the driver, where vLLM allocates."""
-        from megareason.rollout.engine_state import empty_cuda_cache
-
         if self.cfg.trainer.offload_optimizer:
             self.actor.offload_training_state()
+        self._empty_cache()
+
+    def _empty_cache(self) -> None:
+        from megareason.rollout.engine_state import empty_cuda_cache
+
         empty_cuda_cache()
 
     def attach_engines(self, remote) -> None:
