@@ -59,7 +59,6 @@ from megareason.launch.plan_memory import (
     BYTES,
     active_params,
     checkpoint_save_bytes,
-    layer_bytes,
     layer_spec,
     params_per_gpu,
     recomputed_layers,
@@ -67,6 +66,7 @@ from megareason.launch.plan_memory import (
     stage_params,
     states,
     total_params,
+    working_set,
 )
 from megareason.launch.plan_records import (
     GPU,
@@ -289,9 +289,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
             comms * NCCL_COMMUNICATOR_GIB * GiB * (2 if critic else 1))
         recompute = {"none": "no recompute", "selective": "selective recompute"}.get(
             t.recompute, f"full recompute {recomputed_layers(cfg, arch, pp)}/{arch.num_layers // pp} layers")
-        working = layer_bytes(cfg, arch, tp, tok, spec)  # a forward's transients: about one layer's activations
-        if stage == pp - 1:  # + logits, their fp32 copy, fp32 probabilities and log-probabilities
-            working += tok * arch.padded_vocab_size(tp) // tp * (act + 12)
+        working = working_set(cfg, arch, tp, pp, tok, stage, spec)
         # The weight sync: vLLM's weights woken (KV cache still asleep), every rank gathering whole HF
         # tensors in the engine's dtype (the largest, the embedding, plus a bucket in flight).
         # Separate engines: the GPUs that gather send, vLLM's GPUs (nothing else on them) receive a bucket at a
@@ -319,7 +317,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
             "generation": engine if separate else {**awake, **vllm},
             "sync": {**lines, **sync} if separate else {**awake, "vLLM weights": vllm_weights, **sync},
             "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
-                         training_activations(cfg, stage)},
+                         training_activations(cfg, stage), "backward working set": working},
             "logprobs": {**lines, "forward working set": working},
             "save": saving,
         }
