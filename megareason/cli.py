@@ -280,7 +280,7 @@ def _eval(args: argparse.Namespace) -> int:
     print()
     print(format_table(report.summaries))
     if report.hop_rows:
-        from megareason.envs.runner import format_rows
+        from megareason.trainer.episodes import format_rows
 
         print(f"\n{cfg.env.name} ({cfg.env.retriever} retriever), by hop count:")
         print(format_rows(report.hop_rows))

@@ -8,12 +8,15 @@ settings here, never field by field at the call site.
 
 from __future__ import annotations
 
-from megareason.config.schema import Config
+from dataclasses import replace
+
+from megareason.config.schema import Config, DataConfig
 from megareason.envs.retrieval_qa import SYSTEM_PROMPT, RetrievalQASettings
 from megareason.models.build import ComputeSettings
 from megareason.models.hub import resolve_model_path
 from megareason.models.lora import LoRASettings
 from megareason.models.train import OptimizerSettings
+from megareason.raro.prompts import POLICY_SYSTEM_PROMPT
 from megareason.rollout.records import EngineSettings, Sampling
 
 
@@ -73,3 +76,11 @@ def retrieval_qa_settings(cfg: Config) -> RetrievalQASettings:
     return RetrievalQASettings(retriever=e.retriever, top_k=e.top_k, max_calls_per_turn=e.max_calls_per_turn,
                                max_doc_chars=e.max_doc_chars, system_prompt=e.system_prompt or SYSTEM_PROMPT,
                                initial_search=e.initial_search)
+
+
+def policy_data(cfg: Config) -> DataConfig:
+    """``cfg.data`` with RARO's policy system prompt in place of ``data.system_prompt`` when
+    algorithm.name is raro (training, and evaluating a RARO policy as it was trained)."""
+    if cfg.algorithm.name != "raro":
+        return cfg.data
+    return replace(cfg.data, system_prompt=cfg.raro.policy_system_prompt or POLICY_SYSTEM_PROMPT)

@@ -8,9 +8,9 @@ import pytest
 from matplotlib.container import BarContainer, ErrorbarContainer
 from test_plots import error_bars, wilson_by_hand
 
-from megareason.envs.runner import format_rows, hop_rows
 from megareason.evaluation.benchmark import analyze, figures, load_results, run_name, tables
 from megareason.rewards.scoring import SampleResult
+from megareason.trainer.episodes import format_rows, hop_rows
 
 
 def sample(index, hops, em, f1, recall, end="done", searches=1, reward=None):

@@ -169,7 +169,7 @@ def test_each_row_is_scored_by_its_own_function_beside_a_built_in(files):
     cfg.reward.by_source = {"mine": str(verl), "trl_src": f"{trl}:length_ratio", "asks": f"{verl}:with_prompt"}
     prompts = [_prompt("math", "1+1?", "2"), _prompt("mine", "Capital?", "Paris"),
                _prompt("trl_src", "Spell it", "abcd"), _prompt("asks", "hello", "x")]
-    scorer = scorer_from(cfg, [p.record for p in prompts])
+    scorer = scorer_from(cfg.reward, [p.record for p in prompts])
     assert isinstance(scorer, CustomRewards)
     groups = [_completions(r"\boxed{2}", r"\boxed{3}"), _completions("Paris", "paris"),
               _completions("ab", "abcdabcd"), _completions("x")]
@@ -187,7 +187,7 @@ def test_custom_for_every_sample_and_by_source_before_it(files):
     cfg = Config()
     cfg.reward.custom = f"{verl}:no_prompt"
     cfg.reward.by_source = {"openai/gsm8k": f"{trl}:length_ratio"}
-    scorer = scorer_from(cfg, [PromptRecord([], "anything", "")])  # custom covers every data_source
+    scorer = scorer_from(cfg.reward, [PromptRecord([], "anything", "")])  # custom covers every data_source
     assert scorer("anything", "r", "g", {}) == R(2.0, True)
     assert scorer("openai/gsm8k", "abcd", "ab", {}) == R(2.0, True)
     assert scorer("openai/gsm8k_tinyv", "a", "ab", {}) == R(0.5, False)  # the name before _tinyv
@@ -197,14 +197,14 @@ def test_a_trl_batch_is_one_call_and_its_failures_are_counted(files):
     _, trl = files
     cfg = Config()
     cfg.reward.by_source = {"a": f"{trl}:length_ratio", "b": f"{trl}:some_none"}
-    scorer = scorer_from(cfg)
+    scorer = scorer_from(cfg.reward)
     prompts = [_prompt("a", "q", "ab"), _prompt("a", "q2", "ab"), _prompt("b", "q", "")]
     rows = score(prompts, [_completions("ab", "a"), _completions("abab"), _completions("ok", "skip")], scorer=scorer)
     assert scorer.by_source["a"].function.fn.__globals__["CALLS"] == [3]  # 3 completions of 2 prompts, one call
     assert [r.reward for r in rows] == [1.0, 0.5, 2.0, 1.0, 0.0]
     assert rows[4].score_error.endswith("trl_reward.py:some_none returned None for the sample")
     cfg.reward.by_source = {"a": f"{trl}:wrong_length"}
-    rows = score(prompts[:2], [_completions("ab", "a"), _completions("abab")], scorer=scorer_from(cfg))
+    rows = score(prompts[:2], [_completions("ab", "a"), _completions("abab")], scorer=scorer_from(cfg.reward))
     assert [r.reward for r in rows] == [0.0] * 3 and all("returned 1 items for 3" in r.score_error for r in rows)
 
 
@@ -212,10 +212,10 @@ def test_an_unknown_source_fails_at_start_up_unless_a_custom_reward_covers_it(fi
     verl, _ = files
     records = [PromptRecord([], "math", "1"), PromptRecord([], "my_task", "1")]
     with pytest.raises(DataError, match=r"unknown data_source 'my_task'.*reward\.by_source \(my_task: "):
-        scorer_from(Config(), records)
+        scorer_from(Config().reward, records)
     cfg = Config()
     cfg.reward.by_source = {"my_task": str(verl)}
-    assert scorer_from(cfg, records).route("math") is None  # the built-in reward
+    assert scorer_from(cfg.reward, records).route("math") is None  # the built-in reward
 
 
 def test_custom_rewards_pickle_into_reward_workers(files):

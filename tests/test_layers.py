@@ -14,8 +14,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megareason"
 MAX_LINES = 500
 # The layers, lowest first (docs/architecture.md, "Layers"): a module imports only from its own layer or
-# lower ones. A module belongs to the longest prefix listed; envs.runner (episodes from the config, for
-# train and eval) sits above the settings it builds, the rest of envs below them.
+# lower ones. A module belongs to the longest prefix listed.
 LAYERS = (
     ("megareason", "megareason.utils", "megareason.ports", "megareason.logs", "megareason.plotting",
      "megareason.config", "megareason.algorithms"),
@@ -25,10 +24,13 @@ LAYERS = (
     ("megareason.rewards",),
     ("megareason.envs", "megareason.raro"),
     ("megareason.settings",),
-    ("megareason.envs.runner",),
     ("megareason.evaluation", "megareason.trainer"),
     ("megareason.launch", "megareason.cli"),
 )
+# Where the whole run configuration (``config.schema.Config``) may be used: the layers below take the
+# settings records ``megareason.settings`` builds from it, or their own section of it (``RewardConfig``, ...).
+CONFIG_USERS = ("megareason.config", "megareason.settings", "megareason.evaluation", "megareason.trainer",
+                "megareason.launch", "megareason.cli")
 
 
 def _module_name(path: Path) -> str:
@@ -198,14 +200,33 @@ def test_settings_check_sees_defaults(tmp_path):
     assert _settings_defaults(src) == ["XSettings.b", "XSettings.c"]
 
 
-# The modules that start a vLLM engine (``VLLMEngine``); every other module outside rollout/ needs only the
-# records that cross the engine's interface (``megareason.rollout.records``).
-ENGINE_STARTERS = {"megareason.evaluation.runner", "megareason.evaluation.benchmark", "megareason.trainer.pool",
-                   "megareason.trainer.workers"}
+def test_only_rollout_imports_the_vllm_engine_module():
+    """``rollout/engine.py`` imports vLLM; the rest of the package starts an engine with
+    ``rollout.start_engine`` and needs only the records that cross its interface (``rollout/records.py``)."""
+    outside = sorted(m for m, deps in import_graph().items()
+                     if "megareason.rollout.engine" in deps and not m.startswith("megareason.rollout"))
+    assert not outside, f"modules outside megareason.rollout that import rollout/engine.py: {outside}"
 
 
-def test_only_the_engine_starters_import_the_vllm_engine_module():
-    graph = import_graph()
-    importers = {m for m, deps in graph.items() if "megareason.rollout.engine" in deps
-                 and not m.startswith("megareason.rollout")}
-    assert importers == ENGINE_STARTERS, f"import megareason.rollout.records instead in {importers - ENGINE_STARTERS}"
+def _uses_config(path: Path) -> bool:
+    """Whether ``path`` imports the class ``Config`` from megareason.config (its schema or the package)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megareason.config"):
+            if any(a.name == "Config" for a in node.names):
+                return True
+    return False
+
+
+def test_no_config_below_the_trainer():
+    """The layers below the trainer take their settings, not the run's whole configuration."""
+    users = sorted(name for name, path in _modules().items()
+                   if _uses_config(path) and not any(name == p or name.startswith(p + ".") for p in CONFIG_USERS))
+    assert not users, f"modules below the trainer that use config.schema.Config: {users}"
+
+
+def test_config_check_sees_the_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from megareason.config.schema import RewardConfig\n")
+    assert not _uses_config(src)
+    src.write_text("def f():\n    from megareason.config import Config, load_config\n")
+    assert _uses_config(src)

@@ -281,9 +281,9 @@ def test_tinyv_names_resolve_to_their_base_rule_reward(monkeypatch):
     with pytest.raises(ValueError, match="must not end in '_tinyv': x_tinyv"):
         register("x", "x_tinyv")(lambda r, g, e: None)
     records = [PromptRecord([{"role": "user", "content": "q"}], src, "1") for src in ("math_tinyv", "nope_tinyv")]
-    assert scorer_from(Config(), records[:1])("math_tinyv", "\\boxed{1}", "1", {}).correct
+    assert scorer_from(Config().reward, records[:1])("math_tinyv", "\\boxed{1}", "1", {}).correct
     with pytest.raises(DataError, match="nope_tinyv"):
-        scorer_from(Config(), records)
+        scorer_from(Config().reward, records)
 
 
 def _prompt(source: str, question: str, truth: str, **extra) -> TokenizedPrompt:
@@ -452,14 +452,15 @@ def test_rrm_rows_need_their_rubric_at_start_up():
                      "reward": {"tinyv": {"verifier": "rrm"}}})
     rows = [PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", {"index": 0, "criteria": RUBRIC}),
             PromptRecord([{"role": "user", "content": "q"}], "math", "1", {"index": 1})]
-    scorer_from(rrm, rows)  # a rule-only row needs no rubric
-    scorer_from(Config(), rows + [PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", {})])  # tinyv
+    scorer_from(rrm.reward, rows)  # a rule-only row needs no rubric
+    tinyv_row = PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", {})
+    scorer_from(Config().reward, rows + [tinyv_row])  # tinyv
     for criteria in (None, "", 3):
         extra = {"index": 3} | ({} if criteria is None else {"criteria": criteria})
         bad = PromptRecord([{"role": "user", "content": "q"}], "math_tinyv", "1", extra)
         with pytest.raises(DataError, match=r"data row 3 \(data_source 'math_tinyv'\).*extra_info\.criteria.*"
                                             r"non-empty text"):
-            scorer_from(rrm, rows + [bad])
+            scorer_from(rrm.reward, rows + [bad])
 
 
 def test_rubric_rm_recipe_is_the_run_scripts_main_run():
@@ -476,7 +477,7 @@ def test_rubric_rm_recipe_is_the_run_scripts_main_run():
                                                       "algorithm.kl_loss_coef=0.001"]))  # the KL-on variant
     records = load_records(cfg.data)
     assert records and all(r.data_source.endswith("_tinyv") and r.extra_info["criteria"] for r in records)
-    scorer_from(cfg, records)
+    scorer_from(cfg.reward, records)
 
 
 # --- verifier server lifecycle, on a stand-in for vLLM -------------------------------

@@ -175,8 +175,8 @@ def test_an_unknown_data_source_fails_at_start_up_listing_the_registered_ones():
 
     records = [PromptRecord([{"role": "user", "content": "q"}], src, "1") for src in ("math", "no_such_source")]
     with pytest.raises(DataError, match=r"no_such_source.*registered: .*countdown.*gsm8k"):
-        scorer_from(_cfg(), records)
-    assert scorer_from(_cfg(), records[:1])("math", "\\boxed{1}", "1", {}).correct
+        scorer_from(_cfg().reward, records)
+    assert scorer_from(_cfg().reward, records[:1])("math", "\\boxed{1}", "1", {}).correct
 
 
 def test_dapo_overlong_shaping_and_truncation_mask_on_a_steps_rows():

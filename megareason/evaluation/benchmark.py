@@ -44,10 +44,10 @@ def run_name(model: str, retriever: str) -> str:
 
 def run_benchmark(cfg: Config) -> Path:
     """Evaluate every (model, retriever) pair; returns the results folder."""
-    from megareason.envs.runner import env_enabled
     from megareason.evaluation.runner import run_eval
-    from megareason.rollout.engine import VLLMEngine
+    from megareason.rollout import start_engine
     from megareason.settings import engine_settings
+    from megareason.trainer.episodes import env_enabled
 
     b = cfg.benchmark
     if not env_enabled(cfg):
@@ -64,7 +64,7 @@ def run_benchmark(cfg: Config) -> Path:
     bar = tqdm(total=len(todo), desc="benchmark", unit="run")
     for model in dict.fromkeys(m for m, _ in todo):
         model_cfg = replace(cfg, model=replace(cfg.model, path=model))
-        engine = VLLMEngine(engine_settings(model_cfg))
+        engine = start_engine(engine_settings(model_cfg))
         try:
             for m, retriever in todo:
                 if m != model:
@@ -122,7 +122,7 @@ def tables(runs: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def analyze(results: str | Path) -> tuple[str, list[Path]]:
     """The tables as text and the plots written to ``<results>/plots/``."""
-    from megareason.envs.runner import format_rows
+    from megareason.trainer.episodes import format_rows
 
     runs = load_results(results)
     overall, by_hop = tables(runs)

@@ -15,14 +15,13 @@ from pathlib import Path
 
 from megareason.config.schema import Config
 from megareason.data import load_records, tokenize_prompts
-from megareason.envs.runner import check_env_data, env_enabled, hop_rows, run_env
 from megareason.models.hub import resolve_model_path
-from megareason.raro.prompts import policy_data
 from megareason.raro.rerank import rerank
 from megareason.rewards.scoring import SampleResult, SourceSummary, score, scorer_from, scoring_pool, summarize
-from megareason.rollout.engine import VLLMEngine
+from megareason.rollout import start_engine
 from megareason.rollout.records import RolloutEngine
-from megareason.settings import engine_settings, sampling_from
+from megareason.settings import engine_settings, policy_data, sampling_from
+from megareason.trainer.episodes import check_env_data, env_enabled, hop_rows, run_env
 from megareason.utils import atomic_write
 
 log = logging.getLogger(__name__)
@@ -42,13 +41,13 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     With an environment (``env.name``) each sample is a multi-turn episode the environment scores."""
     t0 = time.perf_counter()
     records = load_records(policy_data(cfg))  # data and reward errors surface before the engine starts
-    scorer = scorer_from(cfg, records)
+    scorer = scorer_from(cfg.reward, records)
     if env_enabled(cfg):
         check_env_data(cfg, records)
     own_engine = engine is None
     if own_engine:
         resolve_model_path(cfg.model.path)  # a Hub model: fetched into the cache the engine reads
-        engine = VLLMEngine(engine_settings(cfg))
+        engine = start_engine(engine_settings(cfg))
     try:
         t1 = time.perf_counter()
         prompts = tokenize_prompts(records, engine.tokenizer, cfg.data.max_prompt_length, cfg.data.truncation)
@@ -71,7 +70,7 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     if env_samples is not None:  # the environments scored their episodes
         samples = env_samples
     else:
-        with scoring_pool(cfg, scorer) as pool:
+        with scoring_pool(cfg.reward, scorer) as pool:
             samples = score(prompts, groups, scorer, pool, tinyv=cfg.reward.tinyv)
     t3 = time.perf_counter()
     report = EvalReport(

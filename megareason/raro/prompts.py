@@ -5,9 +5,6 @@ answer is cut out of its response. Both prompts are overridable from config (``r
 from __future__ import annotations
 
 import re
-from dataclasses import replace
-
-from megareason.config.schema import Config, DataConfig
 
 POLICY_SYSTEM_PROMPT = (
     "You are a careful problem solver. Think through the problem step by step inside <think> </think>, "
@@ -51,11 +48,3 @@ def critic_messages(system_prompt: str, question: str, answer_a: str, answer_b: 
             f"Answer B:\n{answer_b.strip()}\n\n"
             "Which answer is the expert's? End with 'Verdict: A', 'Verdict: B' or 'Verdict: Tie'.")
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": user}]
-
-
-def policy_data(cfg: Config) -> DataConfig:
-    """``cfg.data`` with RARO's policy system prompt in place of ``data.system_prompt`` when
-    algorithm.name is raro (training, and evaluating a RARO policy as it was trained)."""
-    if cfg.algorithm.name != "raro":
-        return cfg.data
-    return replace(cfg.data, system_prompt=cfg.raro.policy_system_prompt or POLICY_SYSTEM_PROMPT)

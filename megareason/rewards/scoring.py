@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import comb
 
-from megareason.config.schema import Config, TinyVConfig
+from megareason.config.schema import RewardConfig, TinyVConfig
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 from megareason.rewards.custom import CustomRewards, CustomScorer, Scorer, load_rewards
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
@@ -60,13 +60,13 @@ class SourceSummary:
     rerank_accuracy: float | None = None
 
 
-def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
+def scorer_from(reward: RewardConfig, records: Iterable[PromptRecord] = ()) -> Scorer:
     """The configured custom rewards (``reward.custom``, ``reward.by_source``) routed beside the built-in
     ones, else the built-in rewards alone (by data_source). Every data_source of ``records`` must have
     a reward, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv`` row its rubric
     (``extra_info.criteria``): checked here, at start-up, not mid-run."""
     records = list(records)
-    if cfg.reward.tinyv.verifier == "rrm":
+    if reward.tinyv.verifier == "rrm":
         for rec in records:
             if is_tinyv(rec.data_source):
                 try:
@@ -75,7 +75,7 @@ def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
                 except ValueError as e:
                     raise DataError(f"{e} (set it in the row, or data.sources[].extra_info.criteria for the "
                                     "whole source)") from None
-    r = cfg.reward
+    r = reward
     custom = load_rewards(r.custom, r.by_source, r.trl_format) if r.custom or r.by_source else None
     for source in sorted({rec.data_source for rec in records}):
         if custom is not None and custom.route(source) is not None:
@@ -87,11 +87,11 @@ def scorer_from(cfg: Config, records: Iterable[PromptRecord] = ()) -> Scorer:
     return custom if custom is not None else compute_score
 
 
-def scoring_pool(cfg: Config, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
+def scoring_pool(reward: RewardConfig, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
     """``reward.workers`` scoring processes with ``reward.timeout`` per sample; 0 workers: none."""
-    if cfg.reward.workers == 0:
+    if reward.workers == 0:
         return contextlib.nullcontext()
-    return ScorePool(scorer, workers=cfg.reward.workers, timeout=cfg.reward.timeout)
+    return ScorePool(scorer, workers=reward.workers, timeout=reward.timeout)
 
 
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,

@@ -32,11 +32,11 @@ from megareason.config import Config, ConfigError, validate_training
 from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
-from megareason.envs.runner import check_env_data, env_enabled, run_env
-from megareason.raro.prompts import policy_data
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
 from megareason.rollout.records import GenerationStopped
+from megareason.settings import policy_data
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
+from megareason.trainer.episodes import check_env_data, env_enabled, run_env
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
 from megareason.trainer.handles import CriticHandle, PolicyHandle, start_rollouts, start_workers
@@ -58,10 +58,10 @@ def train(cfg: Config) -> Path:
     run.check_resume(cfg)  # a resume with a changed config is refused here, before anything is loaded
     # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
     prompts, val_prompts, tokenizer = _load_prompts(cfg)
-    scorer = scorer_from(cfg, [p.record for p in prompts + val_prompts])
+    scorer = scorer_from(cfg.reward, [p.record for p in prompts + val_prompts])
     if env_enabled(cfg):
         check_env_data(cfg, [p.record for p in prompts + val_prompts])
-    with scoring_pool(cfg, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
+    with scoring_pool(cfg.reward, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
         groups, engines = start_workers(cfg, with_critic=cfg.algorithm.name == "ppo"), None
         try:
             engines = start_rollouts(cfg)

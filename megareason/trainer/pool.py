@@ -38,13 +38,13 @@ class RolloutWorker:
         if cores:  # CPU: this engine's cores, apart from the trainer's
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
             os.sched_setaffinity(0, cores)
-        from megareason.rollout.engine import VLLMEngine
+        from megareason.rollout import start_engine
         from megareason.rollout.vllm_worker import SHM_BACKEND
         from megareason.settings import engine_settings
 
         settings = engine_settings(cfg)  # the weights arrive through vLLM's weight-transfer API
         settings.extra = {**settings.extra, "weight_transfer_config": {"backend": SHM_BACKEND}}
-        self.index, self.engine = index, VLLMEngine(settings, index)
+        self.index, self.engine = index, start_engine(settings, index)
 
     def node(self) -> str:
         import ray

@@ -92,8 +92,8 @@ def sft(cfg: Config) -> Path:
     if len(train_set[0]) < t.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} but the training data has only "
                           f"{len(train_set[0])} demonstrations")
-    scorer = scorer_from(cfg, [p.record for p in train_set[0] + (val_set[0] if val_set else [])])
-    with scoring_pool(cfg, scorer) as pool, ray_session(t.ray_address), stop_signals() as stop:
+    scorer = scorer_from(cfg.reward, [p.record for p in train_set[0] + (val_set[0] if val_set else [])])
+    with scoring_pool(cfg.reward, scorer) as pool, ray_session(t.ray_address), stop_signals() as stop:
         (actors,) = start_workers(cfg, with_critic=False)
         try:
             _loop(cfg, run, actors, train_set, val_set, partial(score, scorer=scorer, pool=pool), stop)

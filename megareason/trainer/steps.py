@@ -22,13 +22,13 @@ import torch
 from megareason.algorithms.dapo import dynamic_sampling, mask_truncated, overlong_penalty
 from megareason.config import Config
 from megareason.data.records import TokenizedPrompt
-from megareason.envs.runner import env_enabled, run_env
 from megareason.raro.critic import critic_round
 from megareason.raro.replay import ReplayBuffer
 from megareason.rewards.scoring import SampleResult
 from megareason.rollout.records import Completion, Sampling, WeightUpdate
 from megareason.settings import sampling_from
 from megareason.trainer.driver import timed
+from megareason.trainer.episodes import env_enabled, run_env
 from megareason.trainer.experience import Experience, build_experience
 from megareason.trainer.handles import PolicyHandle
 

@@ -172,7 +172,7 @@ class PolicyWorker(_Worker):
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference
         from megareason.rollout.colocated import ColocatedEngine
-        from megareason.rollout.engine import VLLMEngine
+        from megareason.rollout import start_engine
         from megareason.rollout.engine_state import EngineStateMachine
         from megareason.rollout.weight_sync import is_consumer
 
@@ -197,7 +197,7 @@ class PolicyWorker(_Worker):
             self.engine_index = self.engine.layout.engine
             self.engine_leader = self.engine.layout.leader
         else:  # the first rank of each data-parallel replica holds a whole engine
-            self.engine = VLLMEngine(engine_settings(cfg), self.rank) if is_consumer() else None
+            self.engine = start_engine(engine_settings(cfg), self.rank) if is_consumer() else None
             self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
             self.engine = EngineStateMachine(self.engine, empty_cache=self._before_wake)

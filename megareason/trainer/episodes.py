@@ -38,7 +38,7 @@ def check_env_data(cfg: Config, records: Iterable) -> None:
 def run_env(cfg: Config, prompts: list[TokenizedPrompt], generate: GenerateFn, tokenizer,
             sampling: Sampling) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
     n = sampling.n
-    envs = make_envs([p.record for p in prompts], n, retrieval_qa_settings(cfg), scorer_from(cfg))
+    envs = make_envs([p.record for p in prompts], n, retrieval_qa_settings(cfg), scorer_from(cfg.reward))
     episodes = run_episodes(envs, generate, tokenizer, sampling, max_turns=cfg.env.max_turns,
                             max_model_len=cfg.rollout.max_model_len)
     seen, groups, samples = [], [], []
