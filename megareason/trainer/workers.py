@@ -171,8 +171,8 @@ class PolicyWorker(_Worker):
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference
-        from megareason.rollout.colocated import ColocatedEngine
         from megareason.rollout import start_engine
+        from megareason.rollout.colocated import ColocatedEngine
         from megareason.rollout.engine_state import EngineStateMachine
         from megareason.rollout.weight_sync import is_consumer
 
