@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 
+from megareason.algorithms.estimate import compute_advantages
 from megareason.algorithms.losses import aggregate, ppo_policy_loss
 from megareason.algorithms.raro import Verdict, parse_label, reward_matrix, role_advantage_scale, to_role
 from megareason.config.schema import AlgorithmConfig, Config, RaroConfig
@@ -22,7 +23,6 @@ from megareason.raro.prompts import CRITIC_SYSTEM_PROMPT, critic_messages, polic
 from megareason.raro.replay import ReplayBuffer, Triplet
 from megareason.rollout.records import Completion, Sampling
 from megareason.trainer.experience import build_experience
-from megareason.trainer.loop import compute_advantages
 
 # --- labels and the reward matrix -------------------------------------------------------------------
 
@@ -282,7 +282,8 @@ def test_unparseable_judgements_and_long_responses_are_masked_out_of_the_update(
     kept_texts = {response_texts[k] for k in keep}
     assert "<answer>cut off" not in kept_texts and "I think it is the first one" not in kept_texts
     cfg = Config(algorithm=AlgorithmConfig(name="raro"))
-    adv = compute_advantages(cfg, exp, rb.reward_B[keep], rb.group_B[keep], rb.is_critic_B[keep])["adv_BT"]
+    adv = compute_advantages(cfg.algorithm, cfg.raro, exp, rb.reward_B[keep], rb.group_B[keep],
+                             rb.is_critic_B[keep])["adv_BT"]
     assert torch.isfinite(adv).all()
     # Every group kept a single row here (no baseline): advantages exactly 0.
     assert adv.abs().sum() == 0
@@ -517,7 +518,7 @@ def test_every_mini_batch_weighs_the_roles_lambda_pol_to_lambda_crit(n_pol):
     assert [p.tolist() for p in parts] == [list(range(half)) + list(range(n_pol, n_pol + 16)),
                                            list(range(half, n_pol)) + list(range(n_pol + 16, B))]
     assert [p.tolist() for p in role_mini_batches(is_critic_B, 1)] == [list(range(B))]
-    adv_BT = compute_advantages(cfg, exp, reward_B, group_B, is_critic_B, parts)["adv_BT"]
+    adv_BT = compute_advantages(cfg.algorithm, cfg.raro, exp, reward_B, group_B, is_critic_B, parts)["adv_BT"]
     from megareason.algorithms.advantages import grpo_advantages
 
     w_B = adv_BT[:, 0] / grpo_advantages(reward_B, group_B)  # each row's weight (every mask starts at column 0)

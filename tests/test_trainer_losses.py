@@ -233,8 +233,8 @@ def _policy():
                                                         ({"kl_reward_kind": "k3", "kl_loss_kind": "k1"}, True, False)],
                          ids=["defaults-k1-reward-k3-loss", "swapped"])
 def test_the_reward_and_the_loss_term_read_their_own_kl_kind(kinds, reward_k3, loss_k3):
+    from megareason.algorithms.estimate import compute_advantages
     from megareason.config.schema import Config
-    from megareason.trainer.loop import compute_advantages
     from megareason.trainer.losses import policy_loss_fn
 
     beta = 0.1
@@ -246,7 +246,7 @@ def test_the_reward_and_the_loss_term_read_their_own_kl_kind(kinds, reward_k3, l
     exp = Experience(tokens_BT=pad(TOKENS + 1), lengths_B=torch.full((4,), 2), mask_BT=pad(torch.ones(4)),
                      rollout_logp_BT=torch.zeros(4, 2), old_logp_BT=pad(logp_B.detach()), ref_logp_BT=pad(ref_B),
                      values_BT=torch.zeros(4, 2))
-    adv_B = compute_advantages(Config(algorithm=alg), exp, torch.zeros(4), torch.arange(4))["adv_BT"][:, 1]
+    adv_B = compute_advantages(alg, Config().raro, exp, torch.zeros(4), torch.arange(4))["adv_BT"][:, 1]
     (logp_B * adv_B).mean().backward()
     expected = -beta * (GRAD_KL + Q_MINUS_PI if reward_k3 else GRAD_KL)
     assert z.grad.tolist() == pytest.approx(expected.tolist(), abs=1e-6)

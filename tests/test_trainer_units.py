@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megareason.algorithms.advantages import gae_reference
+from megareason.algorithms.estimate import compute_advantages
 from megareason.config import ConfigError, from_dict, validate_training
 from megareason.config.schema import Config
 from megareason.data.records import PromptRecord, TokenizedPrompt
@@ -17,7 +18,6 @@ from megareason.rewards.custom import load_custom
 from megareason.rewards.registry import RewardOutput
 from megareason.rollout.records import Completion
 from megareason.trainer.experience import build_experience, pack_experience, unpack_to_rows
-from megareason.trainer.loop import compute_advantages
 from megareason.trainer.run_dir import RunDir, SamplerState, TrainerState
 from megareason.trainer.tracking import Tracker, read_metrics
 
@@ -107,7 +107,8 @@ def _cfg(**sections) -> Config:
 
 def test_grpo_advantages_by_hand():
     exp = _experience()  # two groups of two samples
-    out = compute_advantages(_cfg(rollout={"n": 2}), exp.with_fields(), torch.tensor([1.0, 0.0, 0.5, 0.5]),
+    cfg = _cfg(rollout={"n": 2})
+    out = compute_advantages(cfg.algorithm, cfg.raro, exp.with_fields(), torch.tensor([1.0, 0.0, 0.5, 0.5]),
                              torch.tensor([0, 0, 1, 1]))
     # group 0: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / sqrt(0.5) on each response token;
     # group 1: all equal -> 0
@@ -122,7 +123,7 @@ def test_ppo_puts_the_reward_on_the_last_response_token_and_runs_gae():
     exp = exp.with_fields(values_BT=values)
     cfg = _cfg(algorithm={"name": "ppo", "gamma": 0.9, "lam": 0.8, "whiten_advantages": False})
     reward = torch.tensor([1.0, 0.0, 0.5, 2.0])
-    out = compute_advantages(cfg, exp, reward, torch.arange(4) // 2)
+    out = compute_advantages(cfg.algorithm, cfg.raro, exp, reward, torch.arange(4) // 2)
     token_reward = torch.zeros_like(exp.mask_BT)
     for b, last in enumerate([4, 3, 4, 3]):  # the last response token of each row, by hand
         token_reward[b, last] = reward[b]

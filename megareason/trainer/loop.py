@@ -19,15 +19,8 @@ from pathlib import Path
 
 import torch
 
-from megareason.algorithms.advantages import (
-    broadcast_to_tokens,
-    gae,
-    grpo_advantages,
-    reinforce_pp_baseline_advantages,
-    whiten,
-)
-from megareason.algorithms.kl import kl_in_reward, kl_penalty
-from megareason.algorithms.raro import role_advantage_scale, role_mini_batches
+from megareason.algorithms.estimate import compute_advantages
+from megareason.algorithms.raro import role_mini_batches
 from megareason.config import Config, ConfigError, validate_training
 from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
@@ -138,7 +131,8 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
         if critic is not None:
             exp = exp.with_fields(values_BT=critic.values(exp))
 
-    exp = exp.with_fields(**compute_advantages(cfg, exp, rows.reward_B, rows.group_B, rows.is_critic_B, parts))
+    exp = exp.with_fields(**compute_advantages(cfg.algorithm, cfg.raro, exp, rows.reward_B, rows.group_B,
+                                               rows.is_critic_B, parts))
 
     with timed(timer, "train"):
         for _ in range(alg.ppo_epochs):
@@ -151,43 +145,6 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
         with timed(timer, "sync"):
             update.sync = actors.sync_weights()
     return exp, update
-
-
-def compute_advantages(cfg: Config, exp: Experience, reward_B: torch.Tensor, group_B: torch.Tensor,
-                       is_critic_B: torch.Tensor | None = None,
-                       parts: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """GRPO: the group-relative outcome advantage on every response token. RARO: the same within the
-    policy groups and within the critic groups, scaled so that the loss of each mini-batch (``parts``, row
-    indices; None: one) is lambda_pol * J_pol + lambda_crit * J_crit. REINFORCE++-baseline:
-    ``algorithms.advantages.reinforce_pp_baseline_advantages``. PPO: the outcome reward on the last
-    response token (minus the per-token KL when kl_in_reward), GAE with the critic's values, whitened
-    advantages; also the critic's targets (``returns_BT``). The KL in the reward (PPO and REINFORCE++-baseline)
-    is ``algorithm.kl_reward_kind``'s estimate on the old policy's log-probs."""
-    alg, mask_BT = cfg.algorithm, exp.mask_BT
-    if alg.name == "reinforce_pp_baseline":
-        kl_BT = (kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_reward_kind)
-                 if alg.kl_in_reward and alg.kl_coef > 0 else None)
-        return {"adv_BT": reinforce_pp_baseline_advantages(reward_B, group_B, mask_BT, kl_BT=kl_BT,
-                                                           kl_coef=alg.kl_coef)}
-    if alg.name in ("grpo", "raro"):
-        adv_B = grpo_advantages(reward_B, group_B, mode=alg.grpo_mode)
-        if alg.name == "raro":
-            scale_B = torch.empty_like(adv_B)
-            for rows in parts or [torch.arange(len(adv_B))]:
-                scale_B[rows] = role_advantage_scale(is_critic_B[rows], mask_BT[rows], alg.loss_agg_mode,
-                                                     lambda_pol=cfg.raro.lambda_pol, lambda_crit=cfg.raro.lambda_crit)
-            adv_B = adv_B * scale_B
-        return {"adv_BT": broadcast_to_tokens(adv_B, mask_BT)}
-    last_B = exp.lengths_B - 1
-    token_reward_BT = torch.zeros_like(mask_BT)
-    token_reward_BT[torch.arange(len(exp)), last_B] = reward_B
-    if alg.kl_in_reward and alg.kl_coef > 0:
-        kl_BT = kl_penalty(exp.old_logp_BT, exp.ref_logp_BT, alg.kl_reward_kind) * mask_BT
-        token_reward_BT = kl_in_reward(token_reward_BT, kl_BT, mask_BT, alg.kl_coef)
-    adv_BT, returns_BT = gae(token_reward_BT, exp.values_BT, mask_BT, gamma=alg.gamma, lam=alg.lam)
-    if alg.whiten_advantages:
-        adv_BT = whiten(adv_BT, mask_BT)
-    return {"adv_BT": adv_BT, "returns_BT": returns_BT}
 
 
 def validate(actors: PolicyHandle, val_prompts: list[TokenizedPrompt], cfg: Config, score_fn: ScoreFn,

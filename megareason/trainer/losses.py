@@ -38,7 +38,7 @@ def policy_loss_fn(alg: AlgorithmConfig, on_policy: bool, norm_length: int | Non
     sequences masked) by ``algorithms.rollout_correction`` on the old vs vLLM's log-probs.
     ``norm_length``: the constant of ``seq-mean-token-sum-norm`` (the trainer's rollout.max_tokens)."""
     # The KL loss term (estimator: kl_loss_kind): kl_coef's, or kl_loss_coef's beside the KL in the reward
-    # (kl_in_reward, whose estimator is kl_reward_kind: trainer/loop.compute_advantages).
+    # (kl_in_reward, whose estimator is kl_reward_kind: algorithms/estimate.compute_advantages).
     kl_loss_coef = alg.kl_loss_coef if alg.kl_in_reward else alg.kl_coef
     corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
 
