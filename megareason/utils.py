@@ -118,29 +118,34 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-# Processes by (pid, start time), from /proc (Linux): launch/reaper.py, rollout/engine.py.
+# Processes by (pid, start time), through psutil: launch/reaper.py, rollout/engine.py.
 
 
-def proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """(parent pid, state, start time in clock ticks since boot) of ``pid``, or None if it is gone."""
+def proc_stat(pid: int) -> tuple[int, str, float] | None:
+    """(parent pid, psutil status, start time) of ``pid``, or None if it is gone."""
+    import psutil
+
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        p = psutil.Process(pid)
+        with p.oneshot():
+            return p.ppid(), p.status(), p.create_time()
+    except psutil.Error:
         return None
-    fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces or ")"
-    return int(fields[1]), fields[0], int(fields[19])
 
 
-def process_table() -> dict[int, tuple[int, str, int]]:
-    """Every process: pid -> (parent pid, state, start time)."""
+def process_table() -> dict[int, tuple[int, str, float]]:
+    """Every process: pid -> (parent pid, psutil status, start time)."""
+    import psutil
+
     out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (st := proc_stat(int(entry))) is not None:
-            out[int(entry)] = st
+    for p in psutil.process_iter(["ppid", "status", "create_time"]):
+        info = p.info
+        if info["create_time"] is not None and info["ppid"] is not None:
+            out[p.pid] = (info["ppid"], info["status"], info["create_time"])
     return out
 
 
-def descendants(roots: set[int], table: dict[int, tuple[int, str, int]]) -> dict[int, int]:
+def descendants(roots: set[int], table: dict[int, tuple[int, str, float]]) -> dict[int, float]:
     """Every process in ``table`` below one of ``roots`` (pid -> start time), roots excluded."""
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in table.items():
@@ -154,7 +159,19 @@ def descendants(roots: set[int], table: dict[int, tuple[int, str, int]]) -> dict
     return found
 
 
-def alive(pid: int, start: int) -> bool:
+def alive(pid: int, start: float) -> bool:
     """``pid`` still runs the process that started at ``start`` (not a zombie, not a recycled pid)."""
+    import psutil
+
     st = proc_stat(pid)
-    return st is not None and st[2] == start and st[1] != "Z"
+    return st is not None and st[2] == start and st[1] != psutil.STATUS_ZOMBIE
+
+
+def process_name(pid: int) -> str:
+    """The process's name (Linux: its ``comm``, 15 characters at most), or "" if it is gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""

@@ -18,7 +18,9 @@
 #      folder (trainer.output_dir) outside the checkout, on scratch storage;
 #   3. starts a Ray head on the first node and a Ray worker on each other node (srun steps running
 #      megareason/launch/ray_node.py: `ray start --block` with SIGTERM blocked, retried while the cluster
-#      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range;
+#      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range (not
+#      `ray symmetric-run`, which starts every node alike: each node here gets its own port block and
+#      ray_node.py's pre-emption handling);
 #   4. waits until Ray reports every node (and every GPU, when the job has GPUs), or fails saying what is
 #      missing (a Ray step that dies fails the job at once);
 #   5. runs `megareason train --config-name CONFIG trainer.ray_address=HEAD:PORT OVERRIDES...` on the first

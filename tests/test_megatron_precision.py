@@ -221,6 +221,9 @@ def _bf16_worker(model_dir, tokens, mask, export_dir):
                      nll_loss)
     assert opt.step()[0]
     save_checkpoint(f"{export_dir}/ckpt_dist", model, ckpt.arch, model_dir, opt, {"precision": "bf16"})
+    from megareason.models import convert
+
+    convert.MAX_SHARD_BYTES = 400_000  # this export in several shards (as a model over 5 GiB is written)
     megatron_to_hf(f"{export_dir}/ckpt_dist", f"{export_dir}/hf_dist", dtype="float32")
     return out
 
@@ -292,7 +295,12 @@ def test_hf_export_of_a_bf16_checkpoint_writes_main_or_model_weights(bf16_run, t
         assert auto[name].dtype == torch.float32 and torch.equal(auto[name], main[name]), name
         assert bf16[name].dtype == torch.bfloat16 and torch.equal(bf16[name], model[name]), name
     assert any(not torch.equal(auto[n], bf16[n].float()) for n in main)  # they differ: main weights are finer
-    dist = load_file(export / "hf_dist" / "model.safetensors")
+    # The distributed optimizer's export, written in shards with their index: transformers loads it whole.
+    from transformers import AutoModelForCausalLM
+
+    shards = sorted(p.name for p in (export / "hf_dist").glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (export / "hf_dist" / "model.safetensors.index.json").is_file(), shards
+    dist = AutoModelForCausalLM.from_pretrained(export / "hf_dist", dtype=torch.float32).state_dict()
     assert all(torch.equal(dist[n], main[n]) for n in main)
 
 

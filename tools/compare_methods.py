@@ -151,6 +151,8 @@ def held_out(folder: Path) -> dict[int, np.ndarray]:
     return out
 
 
+# The bootstrap and the exact McNemar test in numpy: scipy.stats has both (bootstrap, binomtest) but is not a
+# dependency of megareason, for two few-line statistics.
 def bootstrap_mean(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
     """95% percentile bootstrap interval of the mean of ``x`` (resampling prompts)."""
     idx = rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))

@@ -30,7 +30,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from megareason.logs import NODE_HOOK_ENV
+from megareason.utils import proc_stat, process_table
 
 STOP_FILE, UP_FILE, RUN_DIR_FILE = "ray.stop", "ray.up", "run_dir"
 POLL_S = 1.0
@@ -74,16 +77,10 @@ def shield_worker() -> None:
 
 
 def process_tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (children first found, then theirs), from /proc."""
+    """``pid`` and its descendants (children first found, then theirs)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name in parentheses may hold spaces
-            children.setdefault(ppid, []).append(int(entry.name))
+    for p, (ppid, _, _) in process_table().items():
+        children.setdefault(ppid, []).append(p)
     tree, queue = [], [pid]
     while queue:
         p = queue.pop(0)
@@ -102,15 +99,9 @@ def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
             pass
     proc.wait()
     deadline = time.monotonic() + timeout
-    while any(Path(f"/proc/{p}").exists() and not _zombie(p) for p in pids[1:]) and time.monotonic() < deadline:
+    while any((st := proc_stat(p)) is not None and st[1] != psutil.STATUS_ZOMBIE for p in pids[1:]) \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def keep_logs(temp_dir: Path, job_dir: Path) -> Path | None:

@@ -11,7 +11,8 @@ Why a watcher: once the command's process dies, its children are re-parented to 
 linked them to it is lost (Ray's dashboard and runtime-env agents, and the vLLM engine core of a Ray
 worker, outlive a SIGKILLed driver by minutes, as measured). ``PR_SET_PDEATHSIG`` only reaches
 direct children the command forks itself, and Ray and vLLM start most of these. Recording (pid, start time)
-means a recycled pid is never killed. Linux only (``/proc``); elsewhere the call does nothing.
+means a recycled pid is never killed (the process table through psutil). Linux only; elsewhere the call does
+nothing.
 """
 
 from __future__ import annotations

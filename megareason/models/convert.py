@@ -142,7 +142,9 @@ def _load_for_export(ckpt_dir, arch, settings, meta: dict, main_weights: bool):
 
 def write_peft(tensors: dict[str, torch.Tensor], config: dict, out_dir: str | Path) -> Path:
     """A PEFT adapter directory, atomically; an existing ``out_dir`` must be empty or an earlier adapter
-    (``utils.OccupiedFolder``)."""
+    (``utils.OccupiedFolder``). The shards and index are transformers' layout, written here rather than by
+    huggingface_hub's ``save_torch_state_dict``, which refuses tensors that view part of a larger storage (the
+    weight map's gate and up halves of fc1) unless each is copied first: twice the export's host memory."""
     from safetensors.torch import save_file
 
     with atomic_directory(out_dir, PEFT_ADAPTER) as tmp:

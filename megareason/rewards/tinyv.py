@@ -38,6 +38,8 @@ The client uses only the standard library (urllib in a thread pool) and talks to
 directly, ignoring ``http_proxy``: a verifier runs beside the trainer, not behind a proxy. Every
 request has a timeout and a bounded number of retries, so a hung server costs at most
 ``(max_retries + 1) * timeout_s`` plus the backoff per batch of ``concurrency`` requests, never a hang.
+Not the OpenAI client: its retries also wait on HTTP 429 for as long as the server's ``Retry-After`` asks,
+so a batch's time would be the server's to choose rather than bounded as above.
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 from megareason.models.hub import resolve_model_path
+from megareason.utils import process_table
 
 _POLL_S = 0.5
 _STOP_GRACE_S = 30.0
@@ -87,18 +90,15 @@ class VerifierServer:
 
 
 def group_alive(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes in process group ``pgid`` (Linux: read from /proc)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """Pids of the live (not zombie) processes in process group ``pgid``."""
+    out = []
+    for pid, (_, status, _) in process_table().items():
         try:
-            text = stat.read_text()
+            if status != psutil.STATUS_ZOMBIE and os.getpgid(pid) == pgid:
+                out.append(pid)
         except OSError:  # exited while we looked
             continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
-        state, _ppid, pgrp = text[text.rindex(")") + 2:].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            alive.append(int(text.split()[0]))
-    return alive
+    return out
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -23,7 +23,7 @@ from megareason.rollout.buckets import new_bucket
 
 # The records, also under this module's name: pickles written before they moved name it.
 from megareason.rollout.records import Completion, EngineSettings, GenerationStopped, Sampling, WeightUpdate  # noqa: F401
-from megareason.utils import alive, process_table
+from megareason.utils import alive, process_name, process_table
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class _EngineWatch:
     def __init__(self, poll_s: float = 1.0):
         me = os.getpid()
         self.cores = {pid: start for pid, (parent, _, start) in process_table().items()
-                      if parent == me and _comm(pid).startswith("VLLM::EngineCor")}
+                      if parent == me and process_name(pid).startswith("VLLM::EngineCor")}
         self._stopped = threading.Event()
         if self.cores:
             threading.Thread(target=self._run, args=(poll_s,), name="engine-watch", daemon=True).start()
@@ -280,13 +280,6 @@ class _EngineWatch:
 
     def stop(self) -> None:
         self._stopped.set()
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 def _completion(c) -> Completion:

@@ -88,6 +88,8 @@ def hold_run_lock(root: str | Path) -> None:
     ``RunFolderBusy`` naming the holder when another live process has it, ``OccupiedFolder`` when ``root``
     is a folder of someone else's (``check_run_folder``). The descriptor is not inherited
     by programs this process execs (Python opens files non-inheritable); the reward pool spawns."""
+    # fcntl.flock on a file of ours, not filelock: the holder's PID, host and start time live in the locked
+    # file itself, for a second run to name who holds it.
     root = Path(root).resolve()
     if root in _LOCKS:
         return
