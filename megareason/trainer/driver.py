@@ -13,9 +13,13 @@ meet (``trainer.must_save_by_minutes``, a Slurm job's end time: ``deadline_near`
 
     driver.start()
     for step, rows in driver.steps():
-        ...                                   # the algorithm's step
-        driver.end_step(step, metrics, state)  # validation, metrics, checkpoint, stop
+        ...                                           # the algorithm's step
+        if driver.validation_due(step):
+            driver.validate_step(step, metrics, state)  # validation (a stopped one: saved, pending)
+        driver.finish_step(step, metrics, state)      # metrics, checkpoint when due, stop when asked
     driver.close()
+
+(``end_step`` is those two, for a loop with nothing to do between them.)
 """
 
 from __future__ import annotations
@@ -117,9 +121,6 @@ class Driver:
         self.cfg, self.run, self.roles, self.num_prompts, self.desc = cfg, run, roles, num_prompts, desc
         self.validate, self.stop = validate, stop
         self.resumed_from: Path | None = None  # the checkpoint ``start`` resumed from
-        # Called with the checkpoint's temporary folder before it is committed: state that is not the
-        # roles' models or trainer_state.json (one step off-policy's batch in flight).
-        self.save_hooks: list[Callable[[Path], None]] = []
         self.stop_reason = ""  # why a run stops without a signal (a deadline)
 
     def start(self) -> TrainerState:
@@ -174,15 +175,31 @@ class Driver:
             yield step, self.sampler.next(t.prompts_per_step)
 
     def end_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None) -> None:
-        """Validation when due, the step's metrics, a checkpoint when due or stopping (with
-        ``algorithm_state`` in ``trainer_state.json``: ``extra``), then the exit of a stopped run."""
+        """``validate_step`` when due, then ``finish_step``."""
+        if self.validation_due(step):
+            self.validate_step(step, metrics, algorithm_state)
+        self.finish_step(step, metrics, algorithm_state)
+
+    def validation_due(self, step: int) -> bool:
+        """Validate after ``step``: the last one, and every ``trainer.val_every`` (with a validation set)."""
         t = self.cfg.trainer
-        if self.validate is not None and (step == t.steps or (t.val_every and step % t.val_every == 0)):
-            try:
-                metrics.update(self.validate(step))
-            except GenerationStopped:  # the update is done: saved, its row waits for the next run's validation
-                self._save(step, algorithm_state or {}, pending_metrics=metrics)
-                self._exit(f" during step {step}'s validation: saved; the next run validates it first")
+        return self.validate is not None and (step == t.steps or bool(t.val_every and step % t.val_every == 0))
+
+    def validate_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None) -> None:
+        """Validation's metrics into ``metrics``. A SIGTERM that stops its generation: the step is saved with
+        its metrics pending in ``trainer_state.json`` (the next run validates it first), and the run exits."""
+        try:
+            metrics.update(self.validate(step))
+        except GenerationStopped:  # the update is done: saved, its row waits for the next run's validation
+            self._save(step, algorithm_state or {}, pending_metrics=metrics)
+            self._exit(f" during step {step}'s validation: saved; the next run validates it first")
+
+    def finish_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None,
+                    save_files: Callable[[Path], None] | None = None) -> None:
+        """The step's metrics, a checkpoint when due or stopping (``algorithm_state`` in
+        ``trainer_state.json``: ``extra``; ``save_files(folder)`` writes the files of a state that is not the
+        roles' models, into the checkpoint's folder before it is committed), then the exit of a stopped run."""
+        t = self.cfg.trainer
         self.tracker.log(step, metrics)
         self.done_extra = json.loads(json.dumps(algorithm_state or {}))  # as a resume would read it
         now = time.monotonic()
@@ -194,7 +211,7 @@ class Driver:
                                 f"trainer.stop_margin_s ({t.stop_margin_s:g} s)")
         stopping = self._stopping() or near  # read once: save and exit agree
         if checkpoint_due(self.cfg, step, time.monotonic() - self.last_save) or stopping:
-            self._save(step, algorithm_state or {})
+            self._save(step, algorithm_state or {}, save_files=save_files)
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
 
@@ -222,7 +239,7 @@ class Driver:
             stop_file.touch()
 
     def _save(self, step: int, algorithm_state: dict, sampler: SamplerState | None = None,
-              pending_metrics: dict | None = None) -> None:
+              pending_metrics: dict | None = None, save_files: Callable[[Path], None] | None = None) -> None:
         saving = time.monotonic()
         sampler = sampler or SamplerState(self.sampler.epoch, self.sampler.position)
         state = TrainerState(step=step, sampler=sampler, extra=algorithm_state, pending_metrics=pending_metrics)
@@ -231,8 +248,8 @@ class Driver:
             tmp = self.run.begin_checkpoint(step)
             for role in self.roles:
                 role.save(str(tmp / role.name), {"step": step})
-            for hook in self.save_hooks:
-                hook(tmp)
+            if save_files is not None:
+                save_files(tmp)
             self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
         except RunError:
             raise

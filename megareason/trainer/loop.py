@@ -34,7 +34,7 @@ from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, ray_session
 from megareason.trainer.handles import CriticHandle, PolicyHandle, start_rollouts, start_workers
 from megareason.trainer.metrics import UpdateStats, step_metrics
-from megareason.trainer.offpolicy import OneStepOff, with_settle
+from megareason.trainer.offpolicy import OneStepOff
 from megareason.trainer.pool import RolloutPool
 from megareason.trainer.run_dir import RunDir, hold_run_lock
 from megareason.trainer.steps import ScoreFn, StepRows, rollout_step
@@ -76,33 +76,45 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     # log-probs (detached) and the train/generation mismatch, so no separate pass is needed.
     on_policy = alg.ppo_epochs == 1 and alg.mini_batches == 1 and not (alg.kl_in_reward and alg.kl_coef > 0)
     val = partial(validate, actors, val_prompts, cfg, score_fn, tokenizer, run.root) if val_prompts else None
-    rollout = None  # validation first settles a one-step-off rollout (``offpolicy.with_settle``)
-    driver = Driver(cfg, run, [actors] + ([critic] if critic else []), len(prompts), "training",
-                    with_settle(val, lambda: rollout), stop)
+    driver = Driver(cfg, run, [actors] + ([critic] if critic else []), len(prompts), "training", val, stop)
+    # Resume (every role's checkpoint loaded, the engines given its weights), or validate before training.
     state = driver.start()
     rollout = rollout_step(cfg, actors, score_fn, tokenizer, state.extra,
-                           more=lambda: [prompts[i] for i in driver.sampler.next(t.prompts_per_step)])
+                           more=partial(_next_prompts, prompts, driver.sampler, t.prompts_per_step))
     if t.max_staleness:
-        rollout = OneStepOff(cfg, rollout, actors, prompts, driver)
+        rollout = OneStepOff(cfg, rollout, actors, prompts, driver.sampler.peek, state.step, driver.resumed_from)
 
     for step, indices in driver.steps():
         timer: dict[str, float] = {}
+        # 1. generate and score (one step off: wait for this step's batch, push the weights, launch the next)
         try:
             rows = rollout(step, [prompts[i] for i in indices], timer)
         except GenerationStopped:  # a SIGTERM: the step's samples are dropped, the state before it saved
             driver.drop_step(step)
+        # 2. the engines asleep: log-probs, advantages, the updates; 3. the weight sync wakes the engines
         exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
         if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
-            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer, sync=not t.max_staleness)
+            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer,
+                                  sync=not rollout.pushes_weights)
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
-        update.sync = update.sync or rows.sync  # one step off-policy: pushed before the step's generation
+        update.sync = update.sync or rows.sync  # one step off: the variant's push before this step's batch
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, rows, update, timer)
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
             _dump_rollouts(run.root, step, rows)
-        driver.end_step(step, metrics, rollout.state())
+        # 4. validation (one step off: the batch in flight done and the newest weights pushed first)
+        if driver.validation_due(step):
+            rollout.before_validation(step)
+            driver.validate_step(step, metrics, rollout.state())
+        # 5. the metrics, a checkpoint when due (the engines asleep: PolicyWorker.save), a stop when asked
+        driver.finish_step(step, metrics, rollout.state(), save_files=rollout.save_files)
     driver.close()
+
+
+def _next_prompts(prompts: list[TokenizedPrompt], sampler, n: int) -> list[TokenizedPrompt]:
+    """The next ``n`` prompts of the run's order (DAPO's dynamic sampling draws them within a step)."""
+    return [prompts[i] for i in sampler.next(n)]
 
 
 def mini_batch_rows(cfg: Config, rows: StepRows) -> list[torch.Tensor]:

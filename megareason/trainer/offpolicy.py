@@ -13,8 +13,8 @@ scoring + log-probs + training): the engines cannot generate while their weights
 loss's rollout correction (``algorithm.rollout_tis_cap`` / ``rollout_mis_cap``) weighs the gap: the
 old log-probs are the trainer's, the rollout log-probs the engines'.
 
-Validation first settles (waits for the batch in flight, pushes the newest weights), so it scores the
-step's weights; that changes no sample. A checkpoint saves the batch in flight with the step
+Validation first settles (``before_validation``: waits for the batch in flight, pushes the newest weights),
+so it scores the step's weights; that changes no sample. A checkpoint saves the batch in flight with the step
 (``rollout_inflight.pt``: its completions, prompt indices and policy version) and a resumed run trains on
 it instead of generating it again: the weights it was generated with are not in the checkpoint, so
 regenerating would change the run. Resumed, the losses are those of the run that was not stopped.
@@ -32,10 +32,10 @@ import torch
 from megareason.config import Config
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.records import Completion
-from megareason.trainer.driver import Driver, timed
+from megareason.trainer.driver import timed
 from megareason.trainer.handles import PolicyHandle
 from megareason.trainer.pool import PendingGeneration
-from megareason.trainer.steps import SingleTurn, StepRows, sampling
+from megareason.trainer.steps import RolloutVariant, SingleTurn, StepRows, sampling
 
 INFLIGHT = "rollout_inflight.pt"
 log = logging.getLogger(__name__)
@@ -59,24 +59,27 @@ class Batch:
         return self.completions
 
 
-class OneStepOff:
-    """``SingleTurn``'s rows from batches generated one step ahead (module docstring)."""
+class OneStepOff(RolloutVariant):
+    """``SingleTurn``'s rows from batches generated one step ahead (module docstring). ``upcoming(n)``: the
+    indices of the next step's n prompts, not drawn yet (the prompt sampler's ``peek``); ``start_step`` and
+    ``resumed_from``: the step and checkpoint folder the run resumed from (0 and None: a fresh run)."""
+
+    pushes_weights = True  # before each batch is launched, while the engines are idle
 
     def __init__(self, cfg: Config, policy: SingleTurn, actors: PolicyHandle, prompts: list[TokenizedPrompt],
-                 driver: Driver):
+                 upcoming: Callable[[int], list[int]], start_step: int, resumed_from: Path | None):
         if actors.pool is None:
             raise ValueError("one step off-policy rollouts need a separate rollout pool")
-        self.cfg, self.policy, self.actors, self.prompts, self.driver = cfg, policy, actors, prompts, driver
+        self.cfg, self.policy, self.actors, self.prompts, self.upcoming = cfg, policy, actors, prompts, upcoming
         # The driver pushed the weights of the step resumed from into the engines (or they hold the
         # initial ones): both sides are at that version.
-        self.version = self.engine_version = driver.state.step
+        self.version = self.engine_version = start_step
         self.next: Batch | None = None
         self.syncs: list = []
-        if driver.resumed_from is not None and (driver.resumed_from / INFLIGHT).is_file():
-            self.next = load_inflight(driver.resumed_from / INFLIGHT)
+        if resumed_from is not None and (resumed_from / INFLIGHT).is_file():
+            self.next = load_inflight(resumed_from / INFLIGHT)
             log.info("resuming with the batch of step %d saved in flight (generated with the weights of step %d)",
                      self.next.step, self.next.version)
-        driver.save_hooks.append(self.save)
 
     def state(self) -> dict:
         return self.policy.state()
@@ -95,7 +98,7 @@ class OneStepOff:
             completions = current.wait()
         self._push(timer)  # the engines are idle: the newest weights, for the next batch
         if step < self.cfg.trainer.steps:
-            indices = self.driver.sampler.peek(self.cfg.trainer.prompts_per_step)
+            indices = self.upcoming(self.cfg.trainer.prompts_per_step)
             self.next = self._launch(step + 1, indices, [self.prompts[i] for i in indices])
         with timed(timer, "reward"):
             scored = self.policy.score_fn(batch, completions)
@@ -105,7 +108,7 @@ class OneStepOff:
             **rows.metrics, "rollout/policy_version": current.version,
             "rollout/staleness": self.version - current.version, "time/engine_generate": current.engine_s})
 
-    def settle(self, step: int) -> None:
+    def before_validation(self, step: int) -> None:
         """After step ``step``'s update: the batch in flight done and the engines on the newest weights
         (validation scores them)."""
         self.version = step
@@ -113,8 +116,8 @@ class OneStepOff:
             self.next.wait()
         self._push({})
 
-    def save(self, folder: Path) -> None:
-        """Checkpoint hook: the batch in flight, waited for (``INFLIGHT``)."""
+    def save_files(self, folder: Path) -> None:
+        """The batch in flight, waited for (``INFLIGHT``), into the checkpoint's folder."""
         if self.next is None:
             return
         b = self.next
@@ -141,18 +144,3 @@ def load_inflight(path: Path) -> Batch:
     d = torch.load(path, weights_only=True)
     return Batch(step=d["step"], indices=d["indices"], version=d["version"], engine_s=d["engine_s"],
                  completions=[[Completion(**c) for c in group] for group in d["completions"]])
-
-
-def with_settle(validate: Callable[..., dict] | None, rollout) -> Callable[..., dict] | None:
-    """``validate`` that first settles a ``OneStepOff`` rollout (``rollout()``: the run's variant, or None
-    before it exists)."""
-    if validate is None:
-        return None
-
-    def run(step: int) -> dict:
-        r = rollout()
-        if isinstance(r, OneStepOff) and step > 0:
-            r.settle(step)
-        return validate(step=step)
-
-    return run

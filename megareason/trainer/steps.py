@@ -9,6 +9,10 @@ reward and advantage group, and what the step logs. The variants:
 * ``RaroRound``: either of those for the policy, then RARO's critic round (``raro.critic``): the critic's
   verdicts pay both roles, the registered reward only monitors accuracy. Its replay buffer is the
   run's algorithm state (``state``, saved in ``trainer_state.json``).
+
+``trainer.offpolicy.OneStepOff`` wraps ``SingleTurn`` for one step off-policy rollouts. What the loop asks
+of every variant is ``RolloutVariant``'s: the step's rows, whether the variant pushes the weights itself,
+what to do before validation, and what a checkpoint keeps of it.
 """
 
 from __future__ import annotations
@@ -58,7 +62,28 @@ def sampling(cfg: Config, step: int, first_prompt: int = 0) -> Sampling:
     return replace(sampling_from(cfg), seed=(cfg.trainer.seed * 100_000 + step) * 10_000 + first_prompt)
 
 
-class SingleTurn:
+class RolloutVariant:
+    """What the training loop asks of a rollout variant, with the synchronous variants' answers."""
+
+    # Whether the variant pushes the weights into the engines itself (one step off: before launching the
+    # next batch); else the loop syncs them after each update.
+    pushes_weights = False
+
+    def __call__(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float]) -> StepRows:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """The variant's state for the checkpoint (``TrainerState.extra``): none."""
+        return {}
+
+    def before_validation(self, step: int) -> None:
+        """Make the engines ready to validate step ``step``'s weights: they are (the update's sync)."""
+
+    def save_files(self, folder) -> None:
+        """Write what a checkpoint keeps of the variant beside ``state``: nothing."""
+
+
+class SingleTurn(RolloutVariant):
     """``rollout.n`` completions per prompt, scored by ``score_fn``; rows in (prompt, sample) order. DAPO's
     options apply here (``algorithm.dynamic_sampling``: ``more()`` gives the next prompts to draw;
     ``overlong_buffer``; ``mask_truncated``)."""
@@ -66,10 +91,6 @@ class SingleTurn:
     def __init__(self, cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer,
                  more: Callable[[], list[TokenizedPrompt]] | None = None):
         self.cfg, self.actors, self.score_fn, self.tokenizer, self.more = cfg, actors, score_fn, tokenizer, more
-
-    def state(self) -> dict:
-        """The variant's state for the checkpoint (``TrainerState.extra``): none."""
-        return {}
 
     def samples(self, step: int, batch: list[TokenizedPrompt], timer: dict[str, float], first_prompt: int = 0
                 ) -> tuple[list[TokenizedPrompt], list[list[Completion]], list[SampleResult]]:
@@ -129,7 +150,7 @@ class Episodes(SingleTurn):
                            sampling(self.cfg, step, first_prompt))
 
 
-class RaroRound:
+class RaroRound(RolloutVariant):
     """The policy's samples (``policy``), then the critic's round: the joint update's rows are the policy
     rows, then the critic's; masked rows (filtered, unjudged, unparseable) leave the batch."""
 
@@ -162,7 +183,7 @@ class RaroRound:
 
 
 def rollout_step(cfg: Config, actors: PolicyHandle, score_fn: ScoreFn, tokenizer, state: dict,
-                 more: Callable[[], list[TokenizedPrompt]] | None = None):
+                 more: Callable[[], list[TokenizedPrompt]] | None = None) -> RolloutVariant:
     """The run's variant: ``Episodes`` under an environment, else ``SingleTurn``; RARO wraps either.
     ``state``: the algorithm state of the checkpoint resumed from (``TrainerState.extra``); ``more()``: the
     next trainer.prompts_per_step prompts (DAPO's dynamic sampling draws them)."""
