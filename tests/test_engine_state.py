@@ -525,3 +525,72 @@ def test_level_one_sleep_wakes_for_generate_and_a_failed_sleep_refuses_everythin
     for call in (lambda: m.generate([[1]], Sampling()), lambda: m.update_weights([], 1), m.wake_up):
         with pytest.raises(EngineStateError, match="failed: a sleep or wake-up failed .* restart the engine"):
             call()
+
+
+class FakePool:
+    """The separate rollout pool as one step off-policy uses it, recording into ``calls``: batches launched
+    (``generate_async``) and waited for, validation's generate; the completions are ``FakeVLLM``'s."""
+
+    def __init__(self, tok, calls: list[str]):
+        self.engine, self.calls = FakeVLLM(tok, _reply), calls
+
+    def remote_engines(self):
+        return None
+
+    def generate(self, prompt_ids, sampling):
+        self.calls.append("val")
+        return self.engine.generate(prompt_ids, sampling)
+
+    def generate_async(self, prompt_ids, sampling):
+        self.calls.append("launch")
+        out, calls = self.engine.generate(prompt_ids, sampling), self.calls
+
+        class Pending:
+            def result(self):
+                calls.append("wait")
+                return out, 0.0
+
+        return Pending()
+
+
+class PoolPolicy(StubPolicy):
+    """A policy rank beside a separate pool: no engine of its own; the weight push and the update recorded."""
+
+    def __init__(self, cfg, tok, calls: list[str]):
+        super().__init__(cfg, 0, 1, tok, _reply)
+        self.engine, self.calls = None, calls
+
+    def attach_engines(self, remote):
+        pass
+
+    def sync_weights(self):
+        self.calls.append("push")
+        return WeightUpdate(bytes=8, buckets=1, largest_bucket=8, seconds=0.0, vllm_seconds=0.0)
+
+    def train(self, exp, lr, on_policy):
+        self.calls.append("train")
+        return super().train(exp, lr, on_policy)
+
+    def _write_checkpoint(self, path, metadata):
+        self.calls.append("save")
+
+
+def test_one_step_off_launches_the_next_batch_before_training_and_settles_before_validation(tok, tmp_path):
+    """trainer.max_staleness=1: each step waits for its batch, launches the next before the update (trained
+    on while it generates), and before validation waits for it and pushes the newest weights; a checkpoint
+    keeps the batch in flight (rollout_inflight.pt) once it is done."""
+    from megareason.trainer.loop import _train_loop
+    from megareason.trainer.offpolicy import INFLIGHT
+
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.max_staleness=1", "rollout.placement=separate", "trainer.save_every=1"])
+    calls: list[str] = []
+    actors = InProcessGroup("actor", [PoolPolicy(cfg, tok, calls)])
+    _train_loop(cfg, RunDir(str(tmp_path)), [actors], _prompts(tok, 4), _prompts(tok, 2), _score, tok,
+                engines=FakePool(tok, calls))
+    assert calls == ["val",  # before training, on the initial weights
+                     "launch", "wait", "launch", "train",  # step 1: its batch, then step 2's launched
+                     "wait", "push", "val", "save",  # step 2's batch done, step 1's weights pushed
+                     "train", "push", "val", "save"]  # step 2 trains on its batch (generated meanwhile)
+    checkpoints = RunDir(str(tmp_path)).checkpoints
+    assert (checkpoints / "step_00000001" / INFLIGHT).is_file()
+    assert not (checkpoints / "step_00000002" / INFLIGHT).exists()  # the last step has nothing in flight
