@@ -25,6 +25,7 @@ from megareason.models.tiny import build_tokenizer
 from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
 from megareason.rollout.records import Completion, GenerationStopped, WeightUpdate
+from megareason.trainer.handles import critic_settings, policy_settings
 from megareason.trainer.run_dir import RunDir
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
 from megareason.trainer.workers import CriticWorker, PolicyWorker
@@ -106,7 +107,7 @@ class StubPolicy(PolicyWorker):
     """A PolicyWorker whose Megatron parts are stubs: generate, sleep_engine and sync_weights are real."""
 
     def __init__(self, cfg, rank: int, dp: int, tok, reply):
-        super().__init__(cfg, rank, dp)
+        super().__init__(policy_settings(cfg), rank, dp)
         self.layout = SimpleNamespace(dp=dp, dp_rank=rank, tp=1, tp_rank=0, pp=1, pp_rank=0)
         self.vllm = FakeVLLM(tok, reply)
         # the worker's own hook before a wake-up: trainer.offload_optimizer's offload, then empty_cache
@@ -147,7 +148,7 @@ class StubPolicy(PolicyWorker):
 
 class StubCritic(CriticWorker):
     def __init__(self, cfg, rank: int, dp: int):
-        super().__init__(cfg, rank, dp)
+        super().__init__(critic_settings(cfg), rank, dp)
         self.layout = SimpleNamespace(dp=dp, dp_rank=rank, tp=1, tp_rank=0, pp=1, pp_rank=0)
 
     def values(self, exp):

@@ -230,3 +230,8 @@ def test_config_check_sees_the_import(tmp_path):
     assert not _uses_config(src)
     src.write_text("def f():\n    from megareason.config import Config, load_config\n")
     assert _uses_config(src)
+
+
+def test_no_config_crosses_into_the_worker_processes():
+    """The trainer's workers receive settings records built on the driver (``workers.WorkerSettings``)."""
+    assert not _uses_config(PACKAGE / "trainer" / "workers.py")

@@ -307,3 +307,30 @@ def test_sigterm_during_validation_finishes_it_saves_and_exits_75(tmp_path):
     assert stopped.value.code == EXIT_STOPPED
     assert RunDir(tmp_path).steps() == [2]
     assert [(r["step"], r.get("val/accuracy")) for r in read_metrics(tmp_path)] == [(1, None), (2, 0.2)]
+
+
+def test_worker_settings_hold_what_the_workers_use_and_no_config():
+    """What a Ray worker receives: the policy's and the critic's settings, each one picklable record with
+    no ``Config`` inside (only its algorithm section), built from the config's own fields."""
+    import dataclasses
+    import pickle
+
+    from megareason.config.schema import Config
+    from megareason.trainer.handles import critic_settings, policy_settings
+
+    cfg = _cfg(optim={"lr": 2e-6, "critic_lr": 3e-5}, rollout={"tensor_parallel_size": 2},
+               parallel={"tensor_model_parallel_size": 2}, trainer={"offload_optimizer": True})
+
+    def walk(x):
+        yield x
+        if dataclasses.is_dataclass(x):
+            for f in dataclasses.fields(x):
+                yield from walk(getattr(x, f.name))
+
+    policy, critic = policy_settings(cfg), critic_settings(cfg)
+    for s in (policy, critic):
+        assert not any(isinstance(x, Config) for x in walk(s))
+        assert pickle.loads(pickle.dumps(s)) == s
+    assert (policy.optimizer.lr, critic.optimizer.lr) == (2e-6, 3e-5)
+    assert policy.colocated_engines and policy.offload_optimizer and policy.tensor_parallel == 2
+    assert policy.engine.tensor_parallel_size == 2 and policy.algorithm == cfg.algorithm

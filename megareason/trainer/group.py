@@ -106,7 +106,7 @@ def node_block(cfg: Config) -> tuple[int, str]:
     from megareason.trainer.workers import colocated_rollout
 
     tp = cfg.parallel.tensor_model_parallel_size
-    if not colocated_rollout(cfg):
+    if not colocated_rollout(cfg.rollout.placement, cfg.rollout.tensor_parallel_size):
         return tp, f"parallel.tensor_model_parallel_size={tp}"
     vtp = cfg.rollout.tensor_parallel_size
     return math.lcm(tp, vtp), (f"parallel.tensor_model_parallel_size={tp} with "
@@ -186,7 +186,8 @@ class WorkerGroup:
     torch.distributed and megatron-core's parallel groups (rendezvous at rank 0's address). The driver
     reaches it through the typed handles of ``trainer/handles.py``."""
 
-    def __init__(self, worker_cls, cfg: Config, name: str, gpus_per_worker: float, threads: int):
+    def __init__(self, worker_cls, cfg: Config, settings, name: str, gpus_per_worker: float, threads: int):
+        """``settings``: what each worker receives (``workers.WorkerSettings``); ``cfg`` places the ranks."""
         import ray
 
         p = cfg.parallel
@@ -197,7 +198,7 @@ class WorkerGroup:
         # bundle still pins the actor to its node. On GPU the roles split the bundle's GPU.
         self.workers = [ray.remote(worker_cls).options(
             num_cpus=0, num_gpus=gpus_per_worker, scheduling_strategy=placement.strategy(rank),
-        ).remote(cfg, rank, self.world) for rank in range(self.world)]
+        ).remote(settings, rank, self.world) for rank in range(self.world)]
         nodes = ray.get([w.__ray_call__.remote(_node_of) for w in self.workers])
         log.info("%s: ranks on %d Ray node(s): %s", name, len({node for _, node in nodes}),
                  ", ".join(f"rank {r} -> {ip} ({node[:12]})" for r, (ip, node) in enumerate(nodes)))

@@ -18,11 +18,12 @@ import torch
 from megareason.config import Config, ConfigError
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.records import Completion, Sampling, WeightUpdate
+from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, cluster_size
 from megareason.trainer.pool import RolloutPool, check_pool
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
-from megareason.trainer.workers import CriticWorker, PolicyWorker
+from megareason.trainer.workers import CriticWorker, PolicySettings, PolicyWorker, WorkerSettings, colocated_rollout
 
 
 class RoleHandle:
@@ -139,13 +140,14 @@ def check_cluster(cfg: Config) -> None:
 def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
     """The policy group (and the critic's, colocated on the same ranks) after ``check_cluster``."""
     check_cluster(cfg)
-    roles = [(PolicyWorker, "actor")] + ([(CriticWorker, "critic")] if with_critic else [])
+    roles = [(PolicyWorker, policy_settings, "actor")] + ([(CriticWorker, critic_settings, "critic")]
+                                                          if with_critic else [])
     # Colocated: the roles share each GPU; on CPU the ranks share the cores (the roles take turns).
     gpus = 1.0 / len(roles) if torch.cuda.is_available() else 0
     threads = max(1, (os.cpu_count() or 1) // _world(cfg))
     if cfg.rollout.placement == "separate" and not gpus:  # the separate engines' cores are theirs
         threads = max(1, ((os.cpu_count() or 1) - cfg.rollout.num_engines) // _world(cfg))
-    return [WorkerGroup(cls, cfg, name, gpus, threads) for cls, name in roles]
+    return [WorkerGroup(cls, cfg, settings(cfg), name, gpus, threads) for cls, settings, name in roles]
 
 
 def start_rollouts(cfg: Config) -> RolloutPool | None:
@@ -159,3 +161,31 @@ def start_rollouts(cfg: Config) -> RolloutPool | None:
 def _world(cfg: Config) -> int:
     p = cfg.parallel
     return p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+
+
+def worker_settings(cfg: Config, lr: float) -> WorkerSettings:
+    """What a rank of a trained role receives: its model, layout, precision, optimizer at ``lr``, LoRA, micro-
+    batching and loss settings (``WorkerSettings``); the critic's."""
+    p, t = cfg.parallel, cfg.trainer
+    return WorkerSettings(model_path=cfg.model.path, tensor_parallel=p.tensor_model_parallel_size,
+                          pipeline_parallel=p.pipeline_model_parallel_size,
+                          expert_parallel=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
+                          seed=t.seed, local_ray=t.ray_address == "", optimizer=optimizer_settings(cfg, lr),
+                          compute=compute_settings(cfg), lora=lora_settings(cfg),
+                          micro_batch_tokens=t.micro_batch_tokens, share_prompt_prefix=t.share_prompt_prefix,
+                          max_tokens=cfg.rollout.max_tokens, offload_optimizer=t.offload_optimizer,
+                          algorithm=cfg.algorithm)
+
+
+def critic_settings(cfg: Config) -> WorkerSettings:
+    return worker_settings(cfg, cfg.optim.critic_lr)
+
+
+def policy_settings(cfg: Config) -> PolicySettings:
+    """The policy's: ``worker_settings`` at ``optim.lr``, plus its rollout engines and weight sync."""
+    r = cfg.rollout
+    return PolicySettings(**vars(worker_settings(cfg, cfg.optim.lr)), temperature=r.temperature,
+                          engine=engine_settings(cfg), placement=r.placement,
+                          colocated_engines=colocated_rollout(r.placement, r.tensor_parallel_size),
+                          weight_sync_bucket_mb=cfg.trainer.weight_sync_bucket_mb,
+                          with_reference=cfg.algorithm.kl_coef > 0 and not cfg.lora.enabled)

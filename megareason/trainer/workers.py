@@ -13,18 +13,56 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
-from megareason.config.schema import Config
+from megareason.config.schema import AlgorithmConfig
+from megareason.models.build import ComputeSettings
+from megareason.models.lora import LoRASettings
 from megareason.models.schedule import forward_outputs
-from megareason.rollout.records import WeightUpdate
-from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
+from megareason.models.train import OptimizerSettings
+from megareason.rollout.records import EngineSettings, WeightUpdate
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats, TrainStats
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank joins the store within this (torch's default)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What one rank of a trained role uses, built once on the driver (``handles.worker_settings``): the run's
+    ``Config`` stays in the driver's process."""
+
+    model_path: str  # model.path (a Hub id resolves from the cache the driver filled)
+    tensor_parallel: int
+    pipeline_parallel: int
+    expert_parallel: int
+    sequence_parallel: bool
+    seed: int
+    local_ray: bool  # a local Ray session: the rendezvous listens on loopback
+    optimizer: OptimizerSettings  # at the role's learning rate (each update sets the step's)
+    compute: ComputeSettings
+    lora: LoRASettings | None
+    micro_batch_tokens: int
+    share_prompt_prefix: bool
+    max_tokens: int  # rollout.max_tokens: the losses' constant for seq-mean-token-sum-norm
+    offload_optimizer: bool
+    algorithm: AlgorithmConfig  # the loss functions' settings
+
+
+@dataclass(frozen=True)
+class PolicySettings(WorkerSettings):
+    """The policy's ranks: also the rollouts' temperature (log-probs are of logits / temperature), their
+    engines and the weight sync."""
+
+    temperature: float
+    engine: EngineSettings
+    placement: str  # rollout.placement
+    colocated_engines: bool  # SPMD engines over the ranks (rollout TP > 1, colocated): ``colocated_rollout``
+    weight_sync_bucket_mb: int
+    with_reference: bool  # a frozen reference copy (KL coefficient > 0, full fine-tuning)
 
 
 def share(n: int, dp: int, dp_rank: int) -> slice:
@@ -35,19 +73,19 @@ def share(n: int, dp: int, dp_rank: int) -> slice:
     return slice(n * dp_rank // dp, n * (dp_rank + 1) // dp)
 
 
-def colocated_rollout(cfg: Config) -> bool:
+def colocated_rollout(placement: str, rollout_tp: int) -> bool:
     """Whether the policy's engines are SPMD engines spread over the trainer's ranks (vLLM TP > 1)."""
-    return cfg.rollout.placement == "colocated" and cfg.rollout.tensor_parallel_size > 1
+    return placement == "colocated" and rollout_tp > 1
 
 
 class _Worker:
     """Rendezvous first (``address``), then ``setup`` with rank 0's address: torch.distributed and
     megatron-core's parallel groups for this role."""
 
-    def __init__(self, cfg: Config, rank: int, world: int):
+    def __init__(self, settings: WorkerSettings, rank: int, world: int):
         from megareason.logs import name_worker
 
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.settings, self.rank, self.world = settings, rank, world
         name_worker(type(self).__name__.removesuffix("Worker").lower(), rank)  # logs/policy_rank0.log
 
     def address(self) -> tuple[str, int]:
@@ -57,7 +95,7 @@ class _Worker:
 
         # A local Ray session lives on loopback; on a cluster, the address Ray reached this node at
         # (gethostbyname(gethostname()) can resolve to 127.0.1.1 there).
-        if self.cfg.trainer.ray_address == "":
+        if self.settings.local_ray:
             host = "127.0.0.1"
         else:
             import ray
@@ -81,9 +119,9 @@ class _Worker:
                                                                timeout=RENDEZVOUS_TIMEOUT)
         if not torch.cuda.is_available():
             torch.set_num_threads(threads)
-        p = self.cfg.parallel
-        self.layout = init_parallel(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                                    seed=self.cfg.trainer.seed, ep=p.expert_model_parallel_size, store=store)
+        s = self.settings
+        self.layout = init_parallel(s.tensor_parallel, s.pipeline_parallel, seed=s.seed, ep=s.expert_parallel,
+                                    store=store)
         self._build()
         return self.layout.dp_rank, self.layout.tp_rank, self.layout.pp_rank
 
@@ -95,19 +133,19 @@ class _Worker:
 
     def _width_multiple(self) -> int:
         """Sequence parallelism splits every micro-batch's row over the TP ranks."""
-        return self.layout.tp if self.cfg.parallel.sequence_parallel else 1
+        return self.layout.tp if self.settings.sequence_parallel else 1
 
     def _share_prefix(self, model) -> bool:
         from megareason.models.build import uses_transformer_engine
 
-        return self.cfg.trainer.share_prompt_prefix and not uses_transformer_engine(model)
+        return self.settings.share_prompt_prefix and not uses_transformer_engine(model)
 
     def _pack(self, mine: Experience, model, names=(), responses_only: bool = False) -> list:
         """This replica's share in micro-batches of ``trainer.micro_batch_tokens`` tokens. With experts spread
         over data-parallel ranks (EP > 1) every rank runs the largest rank's number of micro-batches: each
         micro-batch's MoE layers exchange tokens over the expert-parallel group (``packing.split_plan``)."""
         def pack(count: int = 0) -> list:
-            return pack_experience(mine, self.cfg.trainer.micro_batch_tokens, names,
+            return pack_experience(mine, self.settings.micro_batch_tokens, names,
                                    share_prefix=self._share_prefix(model), responses_only=responses_only,
                                    width_multiple=self._width_multiple(), count=count)
 
@@ -176,28 +214,23 @@ class PolicyWorker(_Worker):
         from megareason.rollout.engine_state import EngineStateMachine
         from megareason.rollout.weight_sync import is_consumer
 
-        cfg = self.cfg
+        s: PolicySettings = self.settings
         # download=False: the driver fetched a Hub model into the cache before any worker started.
-        ckpt = HFCheckpoint(resolve_model_path(cfg.model.path, download=False))
+        ckpt = HFCheckpoint(resolve_model_path(s.model_path, download=False))
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
-        temperature = cfg.rollout.temperature
-        lora = lora_settings(cfg)
-        compute = compute_settings(cfg)
-        self.role = self.actor = Actor(ckpt, optimizer_settings(cfg, cfg.optim.lr), compute, temperature=temperature,
-                                       lora=lora)
+        self.role = self.actor = Actor(ckpt, s.optimizer, s.compute, temperature=s.temperature, lora=s.lora)
         # With LoRA the reference is the actor with its adapters off: no second copy of the weights.
-        self.reference = (Reference(ckpt, compute, temperature=temperature)
-                          if cfg.algorithm.kl_coef > 0 and not lora else None)
+        self.reference = Reference(ckpt, s.compute, temperature=s.temperature) if s.with_reference else None
         if self.reference is not None and torch.cuda.is_available():
             self.reference.offload()
-        if cfg.rollout.placement == "separate":  # the engines live in their own processes (trainer.pool)
+        if s.placement == "separate":  # the engines live in their own processes (trainer.pool)
             self.engine, self.engine_index, self.engine_leader = None, None, False
-        elif colocated_rollout(cfg):  # every rank holds one vLLM TP rank of engine rank // TP
-            self.engine = ColocatedEngine(engine_settings(cfg))
+        elif s.colocated_engines:  # every rank holds one vLLM TP rank of engine rank // TP
+            self.engine = ColocatedEngine(s.engine)
             self.engine_index = self.engine.layout.engine
             self.engine_leader = self.engine.layout.leader
         else:  # the first rank of each data-parallel replica holds a whole engine
-            self.engine = start_engine(engine_settings(cfg), self.rank) if is_consumer() else None
+            self.engine = start_engine(s.engine, self.rank) if is_consumer() else None
             self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
         if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
             self.engine = EngineStateMachine(self.engine, empty_cache=self._before_wake)
@@ -206,7 +239,7 @@ class PolicyWorker(_Worker):
         """Before this GPU's engine wakes: with ``trainer.offload_optimizer`` the actor's gradient buffers and
         optimizer state leave for host memory (they come back at the next update or save); then the cached
         device memory goes back to the driver, where vLLM allocates."""
-        if self.cfg.trainer.offload_optimizer:
+        if self.settings.offload_optimizer:
             self.actor.offload_training_state()
         self._empty_cache()
 
@@ -251,7 +284,7 @@ class PolicyWorker(_Worker):
         """This rank's whole engine gives up a generate (``GenerationStopped``) once the file ``path``
         exists (the driver's stop file). Not an SPMD engine spread over ranks (rollout TP > 1 colocated):
         its ranks would stop at different engine steps and wait on each other in vLLM's collectives."""
-        if self.engine is not None and not colocated_rollout(self.cfg):
+        if self.engine is not None and not self.settings.colocated_engines:
             self.engine.engine.should_stop = functools.partial(os.path.exists, path)
 
     def sleep_engine(self) -> None:
@@ -288,19 +321,19 @@ class PolicyWorker(_Worker):
         train/generation mismatch against ``rollout_logp_BT``."""
         from megareason.trainer.losses import policy_loss_fn
 
-        alg = self.cfg.algorithm
+        alg = self.settings.algorithm
         corrected = alg.rollout_tis_cap > 0 or alg.rollout_mis_cap > 0
         names = ["mask_BT", "adv_BT"] + (["rollout_logp_BT"] if on_policy or corrected else [])
         names += [] if on_policy else ["old_logp_BT"]
         names += ["ref_logp_BT"] if exp.ref_logp_BT is not None else []
-        loss_fn = policy_loss_fn(alg, on_policy, self.cfg.rollout.max_tokens)
+        loss_fn = policy_loss_fn(alg, on_policy, self.settings.max_tokens)
         return self._train(self.actor, exp, names, loss_fn, lr, PolicyStats, responses_only=True)
 
     def sft_train(self, exp: Experience, lr: float) -> SftStats:
         """One supervised step: NLL of the response tokens (``megareason sft``)."""
         from megareason.trainer.losses import sft_loss_fn
 
-        loss_fn = sft_loss_fn(self.cfg.algorithm.loss_agg_mode, self.cfg.rollout.max_tokens)
+        loss_fn = sft_loss_fn(self.settings.algorithm.loss_agg_mode, self.settings.max_tokens)
         return self._train(self.actor, exp, ["mask_BT"], loss_fn, lr, SftStats, responses_only=True)
 
     def sync_weights(self) -> WeightUpdate | None:
@@ -316,21 +349,21 @@ class PolicyWorker(_Worker):
             from megareason.models.weight_map import hf_shapes
 
             return self.remote.update_weights(self._hf_weights, hf_shapes(self.actor.arch),
-                                              self.cfg.trainer.weight_sync_bucket_mb << 20)
+                                              self.settings.weight_sync_bucket_mb << 20)
         stream = self._hf_weights()
         if self.engine is None:
             for _ in stream:  # this rank gathers and sends; the consumer loads
                 pass
             return None
         # A sleeping engine's weights wake first, then its KV cache once they are loaded.
-        update = self.engine.update_weights(stream, self.cfg.trainer.weight_sync_bucket_mb << 20)
+        update = self.engine.update_weights(stream, self.settings.weight_sync_bucket_mb << 20)
         return update if self.engine_leader else None
 
     def _hf_weights(self):
         from megareason.rollout.weight_sync import stream_hf_tensors
 
         guard = self._guard
-        if colocated_rollout(self.cfg):  # every rank loads every tensor, in the engine's dtype, into its vLLM rank
+        if self.settings.colocated_engines:  # every rank loads every tensor, in the engine's dtype, into its vLLM rank
             stream = stream_hf_tensors(self.actor.model, self.actor.arch, every_rank=True,
                                        dtype=self.engine.engine.dtype, guard=guard)
         else:
@@ -352,10 +385,9 @@ class CriticWorker(_Worker):
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Critic
 
-        cfg = self.cfg
-        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(cfg.model.path, download=False)),
-                                         optimizer_settings(cfg, cfg.optim.critic_lr), compute_settings(cfg),
-                                         lora=lora_settings(cfg))
+        s = self.settings
+        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(s.model_path, download=False)),
+                                         s.optimizer, s.compute, lora=s.lora)
 
     def values(self, exp: Experience) -> torch.Tensor:
         """[B_share, T]: column t is the value of the state before token t."""
@@ -369,7 +401,7 @@ class CriticWorker(_Worker):
         from megareason.trainer.losses import value_loss_fn
 
         stats = self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
-                            value_loss_fn(self.cfg.algorithm, self.cfg.rollout.max_tokens), lr, CriticStats)
-        if self.cfg.trainer.offload_optimizer:  # no engine in this process: off after each update
+                            value_loss_fn(self.settings.algorithm, self.settings.max_tokens), lr, CriticStats)
+        if self.settings.offload_optimizer:  # no engine in this process: off after each update
             self.critic.offload_training_state()
         return stats
