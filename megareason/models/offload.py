@@ -34,7 +34,8 @@ def _storage_key(t: torch.Tensor) -> tuple:
 class TrainingStateOffload:
     """Offload and onload the gradient buffers of ``ddp`` and the state of ``optimizer`` (module docstring).
     ``offload(optimizer=False)`` frees the gradient buffers alone (a checkpoint save needs the optimizer
-    state, never the gradients); what is already offloaded stays so, ``onload`` brings everything back.
+    state, never the gradients); what is already offloaded stays so. ``onload`` brings everything back, or
+    with ``gradients=False`` the optimizer state alone (the gradient buffers stay empty).
     ``offloaded_bytes``: what is off the device now."""
 
     def __init__(self, ddp, optimizer):
@@ -92,13 +93,14 @@ class TrainingStateOffload:
         if cuda and entries:
             torch.cuda.empty_cache()  # freed blocks go back to the device, where vLLM allocates its own
 
-    def onload(self) -> None:
-        for t, host, nbytes in self._host:
+    def onload(self, gradients: bool = True) -> None:
+        back = [e for e in self._host if gradients or e[1] is not None]
+        for t, host, nbytes in back:
             t.untyped_storage().resize_(nbytes)
             if host is None:
                 t.detach().zero_()
             else:
                 t.detach().copy_(host, non_blocking=True)
-        if torch.cuda.is_available() and self._host:
+        if torch.cuda.is_available() and back:
             torch.cuda.synchronize()  # the host copies may be freed
-        self._host = []
+        self._host = [e for e in self._host if e[1] is None and not gradients]

@@ -53,7 +53,7 @@ class _Trainable:
         precision = {"precision": "bf16" if self.model.config.bf16 else "fp32"}
         # The save needs the optimizer state, not the gradients (the next update zeroes them first): their
         # buffers stay empty through the save's transient (``plan_memory.checkpoint_save_bytes``).
-        self.training_state.onload()
+        self.training_state.onload(gradients=False)
         self.training_state.offload(optimizer=False)
         return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer,
                                {**(metadata or {}), **lora, **precision})
