@@ -325,12 +325,13 @@ megareason_slurm_run() {
     _mr_log "run folder: $MR_RUN_DIR (this run's Ray logs: ray_logs/restart_${SLURM_RESTART_COUNT:-0}/)"
 
     # 3. Ray
+    # No --cpus-per-task: a step then has all of the job's CPUs on each of its nodes (srun's default without
+    # --exact), and each node's Ray declares its own node's count, whatever the others have.
     local ray_node=(bash "$MR_ROOT/slurm/ray_cluster.sh" node)
-    _mr_srun --nodes=1 --ntasks=1 -w "$head" --cpus-per-task="$SLURM_CPUS_ON_NODE" "${ray_node[@]}" &
+    _mr_srun --nodes=1 --ntasks=1 -w "$head" "${ray_node[@]}" &
     MR_RAY_STEPS+=($!)
     if (( n > 1 )); then
-        _mr_srun --nodes=$((n - 1)) --ntasks=$((n - 1)) --ntasks-per-node=1 --exclude="$head" \
-                 --cpus-per-task="$SLURM_CPUS_ON_NODE" "${ray_node[@]}" &
+        _mr_srun --nodes=$((n - 1)) --ntasks=$((n - 1)) --ntasks-per-node=1 --exclude="$head" "${ray_node[@]}" &
         MR_RAY_STEPS+=($!)
     fi
 

@@ -1,6 +1,9 @@
-"""A real Slurm cluster on this machine for the launch tests: slurmctld and two ``slurmd`` "nodes" (n1, n2).
+"""A real Slurm cluster on this machine for the launch tests: slurmctld and three ``slurmd`` "nodes".
 
-Each node gives jobs one CPU, so Ray (one CPU per node) must place two data-parallel ranks on both nodes.
+Partition ``debug`` (the default): n1 and n2, one CPU each, so Ray (one CPU per node) must place two
+data-parallel ranks on both nodes. Partition ``big``: n1 and n3, which declares a DGX H100 node's 224 logical
+CPUs (2 sockets x 56 cores x 2 threads; ``SlurmdParameters=config_overrides`` lets slurmd take the declared
+shape over this machine's), for a job whose Ray node must not start a worker per CPU.
 Slurm comes from Debian's ``slurm-wlm`` (installed when missing; the tests run as root), with ``auth/none``
 (no munge), ports and state in a private directory, every daemon bound to loopback and stopped by PID.
 One cluster serves every test of a session (``conftest.py``'s ``slurm`` fixture).
@@ -52,10 +55,17 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=10
 MinJobAge=300
+SlurmdParameters=config_overrides
 NodeName=n1 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n1_port} CPUs=1 RealMemory=4000 State=UNKNOWN
 NodeName=n2 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n2_port} CPUs=1 RealMemory=4000 State=UNKNOWN
+NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n3_port} RealMemory=4000 State=UNKNOWN \
+  Sockets=2 CoresPerSocket=56 ThreadsPerCore=2
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
+PartitionName=big Nodes=n1,n3 MaxTime=INFINITE State=UP
 """
+
+
+NODES = ("n1", "n2", "n3")
 
 
 @dataclass
@@ -122,34 +132,33 @@ def port_block(size: int) -> int:
 
 
 def start(base_dir: Path) -> Cluster:
-    """slurmctld and two slurmd on loopback, private ports and state under ``base_dir``; idle when returned."""
+    """slurmctld and three slurmd on loopback, private ports and state under ``base_dir``; idle when returned."""
     ensure_slurm()
     d = base_dir
     for sub in ("state", "spool", "run", "log"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     conf = d / "slurm.conf"
     name = f"mr{os.getpid()}"
-    # The Ray block holds 4 node slots of 200 ports (slurm/ray_cluster.sh); the daemons take the 3 after it.
-    ray_base = port_block(803)
+    # The Ray block holds 4 node slots of 200 ports (slurm/ray_cluster.sh); the daemons take the 4 after it.
+    ray_base = port_block(804)
     conf.write_text(SLURM_CONF.format(name=name, dir=d, ctld_port=ray_base + 800, n1_port=ray_base + 801,
-                                      n2_port=ray_base + 802))
+                                      n2_port=ray_base + 802, n3_port=ray_base + 803))
     ray_tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths are limited
     env = {**os.environ, "SLURM_CONF": str(conf), "MEGAREASON_PYTHON": sys.executable,
            "MEGAREASON_RAY_PORT_BASE": str(ray_base), "MEGAREASON_RAY_TMPDIR": str(ray_tmp),
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONUNBUFFERED": "1"}
     cluster = Cluster(name, d, env, ray_tmp)
     try:
-        for cmd, log in ((["slurmctld", "-D", "-i"], "ctld"), (["slurmd", "-D", "-N", "n1"], "n1"),
-                         (["slurmd", "-D", "-N", "n2"], "n2")):
+        for cmd, log in ((["slurmctld", "-D", "-i"], "ctld"), *((["slurmd", "-D", "-N", n], n) for n in NODES)):
             with open(d / "log" / f"{log}.stdout", "w") as out:
                 cluster.daemons.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
             time.sleep(1)
         deadline = time.time() + 60
-        while cluster.run("sinfo", "-h", "-o", "%T %D").stdout.split() != ["idle", "2"]:
+        while set(cluster.run("sinfo", "-h", "-N", "-o", "%N %T").stdout.splitlines()) != {f"{n} idle" for n in NODES}:
             if not all(p.poll() is None for p in cluster.daemons):
                 raise RuntimeError("a Slurm daemon exited; logs in " + str(d / "log"))
             if time.time() > deadline:
-                raise RuntimeError("the two nodes did not become idle: " + cluster.run("sinfo").stdout)
+                raise RuntimeError("the nodes did not become idle: " + cluster.run("sinfo").stdout)
             time.sleep(1)
     except BaseException:
         stop(cluster)
@@ -170,7 +179,8 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
 def stop(cluster: Cluster) -> None:
     """Cancel what is left in the queue, then stop the daemons by PID."""
     if cluster.daemons and cluster.daemons[0].poll() is None:
-        cluster.run("scancel", "--partition=debug")
+        for partition in ("debug", "big"):
+            cluster.run("scancel", f"--partition={partition}")
         deadline = time.time() + 90
         while cluster.run("squeue", "-h").stdout.strip() and time.time() < deadline:
             time.sleep(1)
@@ -244,6 +254,15 @@ def metrics(out: Path) -> dict[int, dict]:
     import json
 
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def wait_for_text(log: Path, text: str, timeout: float, count: int = 1) -> float:
+    """Until the job log holds ``text`` ``count`` times; the time it was seen (polled every 0.2 s)."""
+    deadline = time.time() + timeout
+    while read_log(log).count(text) < count:
+        assert time.time() < deadline, f"{text!r} x {count} not in the job log:\n" + read_log(log)[-6000:]
+        time.sleep(0.2)
+    return time.time()
 
 
 def wait_for_loop(out: Path, proc: subprocess.Popen | None, log: Path, runs: int = 1, timeout: float = 900) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,11 +93,13 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     """The tiny 70B RARO recipe (`slurm_cluster.tiny_raro`, 3 steps, one data-parallel rank per node) as
     `megareason launch --executor slurm` submits it (NeMo-Run renders the job around slurm/ray_cluster.sh,
     as `sbatch slurm/raro_70b.sbatch` runs it), interrupted twice, the two ways a job is told to stop:
-    during step 1, SIGUSR1 to the job script (what `--signal=B:USR1@LEAD` sends before the time limit);
-    during step 2 of the requeued run, SIGTERM to every process of every job step at once (what a
-    pre-emption sends: the driver, the reward workers, `ray start`, the GCS, the raylets, the actors, vLLM).
-    Each time: a checkpoint after the step, a requeue, a resume; the three runs together give the
-    uninterrupted run's metrics, every one of every step (golden "slurm_raro")."""
+    during step 1, SIGUSR1 to the job script (what `--signal=B:USR1@LEAD` sends before the time limit):
+    a checkpoint after the step, a requeue; during step 2's generation in the requeued run, SIGTERM alone to
+    every process of every job step at once (what a pre-emption sends: the driver, the reward workers,
+    `ray start`, the GCS, the raylets, the actors, vLLM), while that generation is held from ending
+    (tests/hold_generation: a large model's long generation): the engines give the step up, step 1's
+    checkpoint holds the state, and the job requeues within a bounded time, not after the generation. The
+    three runs together give the uninterrupted run's metrics, every one of every step (golden "slurm_raro")."""
     out = tmp_path / "run"
     overrides = tiny_raro(tiny_qwen2, tmp_path, out, "trainer.steps=3")
     if recording():  # the uninterrupted run, for tools/regen_golden.sh
@@ -105,8 +108,12 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
                                                                           "trainer.steps=3"))
         assert proc.wait(timeout=1500) == 0, slurm_cluster.read_log(log)[-6000:]
         check_golden("slurm_raro", metrics(straight))
+    hold = tmp_path / "hold_generation"
+    env = {**slurm.env, "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "hold_generation"),
+                                                       slurm.env.get("PYTHONPATH")]))}
     proc = _launch("--executor", "slurm", "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1",
-                   "--time", "90", "--job-dir", str(tmp_path / "jobs"), "raro_70b", *overrides, env=slurm.env,
+                   "--time", "90", "--job-dir", str(tmp_path / "jobs"), "raro_70b", *overrides, env=env,
                    timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = re.search(r"submitted raro_70b: Slurm job (\d+); run folder (\S+); job log (\S+);", proc.stdout)
@@ -117,8 +124,19 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
 
     wait_for_loop(out, None, log, runs=1)
     assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
-    wait_for_loop(out, None, log, runs=2)  # the requeued run's loop
+    slurm_cluster.wait_for_text(log, f"requeueing job {job}", 600)
+    hold.touch()  # the requeued run's generations wait until the SIGTERM stops them
+    seen = hold.with_name(hold.name + ".seen")
+    deadline = time.time() + 900
+    while not seen.exists():
+        assert time.time() < deadline and slurm.job_state(job).get("JobState") in ("PENDING", "RUNNING"), \
+            slurm_cluster.read_log(log)[-6000:]
+        time.sleep(0.2)
+    time.sleep(1.0)  # every engine of the step is generating by now
+    sent = time.time()
     assert slurm.run("scancel", "--signal=TERM", job).returncode == 0
+    requeued = slurm_cluster.wait_for_text(log, f"requeueing job {job}", 600, count=2)
+    hold.unlink()  # the third run generates as usual
     state = slurm.wait_for_job(job, timeout=1500)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "2", (state, text[-6000:])
@@ -139,10 +157,13 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     assert "SIGUSR1 (time limit or pre-emption ahead)" in text and "SIGUSR1: stopped after step 1" in text
     second = text[text.index("restart 1"):]
     assert "megareason-ray-node n1: SIGTERM" in second and "megareason-ray-node n2: SIGTERM" in second
-    # Step 2 is dropped if the SIGTERM came while it generated (its engines give up; step 1's checkpoint holds
-    # the state), else it finishes and is saved: either way the requeued run resumes where the golden run was.
-    assert ("SIGTERM during step 2's generation: the step was dropped" in second
-            or "SIGTERM: stopped after step 2 with a checkpoint" in second), second[-6000:]
+    # Step 2 is dropped (its engines give up its generation; step 1's checkpoint holds the state) and the job
+    # requeues within two minutes of the SIGTERM although that generation would never have ended.
+    assert "SIGTERM during step 2's generation: the step was dropped" in second, second[-6000:]
+    assert "SIGTERM: stopped after step 2" not in second
+    lead = requeued - sent
+    print(f"SIGTERM during a held generation -> requeue: {lead:.0f} s")
+    assert 0 < lead < 120, lead
     assert text.count(f"requeueing job {job}") == 2 and "resuming from" in second
     assert "resuming from" in text[text.index("restart 2"):]
     assert "driver exited with 0" in text and "Ray stopped" in text

@@ -215,6 +215,9 @@ def test_a_ray_node_declaring_224_cpus_starts_no_worker_per_cpu_and_gives_its_wo
         (tmp_path / "driver.py").write_text(RAY_DRIVER)
         driver = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), f"127.0.0.1:{base}"], env=env,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert node.stdout.readline().endswith(
+            f"megareason-ray-node n1: ray start: 224 CPUs, worker ports {base + 10}-{base + 135}, services from port "
+            f"{base + 136}, idle workers <= 32, worker prestart off\n")
         assert driver.stdout.readline().split() == ["cpus", "224"], driver.stderr.read()[-3000:]
         assert driver.stdout.readline().split() == ["env", str(base + 136), str(base + 136)]
         time.sleep(5)  # prestarted workers would be starting by now
@@ -294,6 +297,14 @@ def _git_repo(path: Path) -> str:
     (path / "code.py").write_text("x = 1\n")
     subprocess.run([*git, "add", "code.py"], check=True)
     subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _commit(root: Path, message: str) -> str:
+    """Commit everything in the checkout ``root``; the new commit's hash."""
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", message], check=True)
     return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -470,6 +481,48 @@ def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tm
     text = read_log(log)
     assert re.search(r"error: .*/nonexistent/model", text), text[-6000:]
     assert "the config was refused (exit code 2" in text and "Ray is up" not in text
+    slurm_cluster.assert_cleaned_up(slurm)
+
+
+@pytest.mark.slow
+def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_refuses_a_moved_checkout(slurm, tiny_qwen2,
+                                                                                                  tmp_path):
+    """The job on n1 and n3 (224 logical CPUs, a DGX H100 node with SMT), run from a checkout of its own: its
+    first run records the commit; a SIGUSR1 before the driver starts requeues it once Ray is up on both nodes
+    (Ray sees 225 CPUs; n3's Ray starts with the job's worker ports, the idle-worker limit and no prestart,
+    and starts no worker per CPU); a commit lands before the requeued run starts, which refuses to run it
+    (exit 2 before Ray, no further requeue)."""
+    root = tmp_path / "checkout"
+    _git_repo(root)
+    shutil.copytree(REPO / "slurm", root / "slurm")
+    first = _commit(root, "slurm")
+    env = {**slurm.env, "MEGAREASON_ROOT": str(root), "PYTHONPATH": str(REPO)}
+    log, out = tmp_path / "job.out", tmp_path / "run"
+    proc = subprocess.run(["sbatch", "--parsable", "--partition=big", "--nodes=2", "--gpus-per-node=0",
+                           "--cpus-per-task=1", "--time=90", "--job-name=big", f"--output={log}",
+                           "slurm/raro_70b.sbatch", *tiny_raro(tiny_qwen2, tmp_path, out)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    job = proc.stdout.strip()
+    assert proc.returncode == 0 and job.isdigit(), proc.stderr
+    slurm_cluster.wait_for_text(log, f"code: {root} at {first} clean", 300)
+    assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
+    (root / "code.py").write_text("x = 2\n")
+    second = _commit(root, "two")
+    state = slurm.wait_for_job(job, timeout=600)
+    text = read_log(log)
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "2:0", "1"), (state, text[-6000:])
+    run1, run2 = text.split("(restart 1)")
+    assert "SIGUSR1 before the driver started: requeueing once Ray is up" in run1, run1[-6000:]
+    assert "Ray is up: 2 nodes, 0 GPUs, 225 CPUs" in run1 and f"requeueing job {job}" in run1
+    b = int(slurm.env["MEGAREASON_RAY_PORT_BASE"]) + 200  # n3: the job's second node
+    assert (f"megareason-ray-node n3: ray start: 224 CPUs, worker ports {b + 10}-{b + 135}, services from port "
+            f"{b + 136}, idle workers <= 32, worker prestart off") in run1, run1[-6000:]
+    n3_logs = out / "ray_logs" / "restart_0" / "n3"
+    assert (n3_logs / "raylet.out").is_file() and len(list(n3_logs.glob("python-core-worker-*.log"))) <= 4
+    assert (f"error: the checkout {root} moved since this job first started: it started at commit {first} "
+            f"(clean), it is now at {second} (clean);") in run2, run2
+    assert "megareason-ray-node" not in run2 and "requeueing job" not in run2
+    assert not list((root / "outputs" / "slurm").iterdir())  # the job folder went with the job
     slurm_cluster.assert_cleaned_up(slurm)
 
 

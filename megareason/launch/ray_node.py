@@ -164,6 +164,18 @@ def run(cmd: list[str], job_dir: Path, temp_dir: Path, retries: int, retry_delay
         signal.signal(signal.SIGTERM, previous)
 
 
+def settings(ray_args: list[str], env: dict[str, str]) -> str:
+    """What this node's Ray starts with, as the job log shows it: the CPUs Ray schedules on, its worker
+    port range, the first port of megareason's services on the node, the idle-worker limit and whether
+    workers are prestarted (each worker holds a port of the range: a node with many CPUs must not start
+    one per CPU)."""
+    flags = dict(a[2:].split("=", 1) for a in ray_args if a.startswith("--") and "=" in a)
+    prestart = "on" if env.get("RAY_enable_worker_prestart", "1") not in ("0", "false") else "off"
+    return (f"ray start: {flags.get('num-cpus', 'all')} CPUs, worker ports {flags.get('min-worker-port', '?')}-"
+            f"{flags.get('max-worker-port', '?')}, services from port {env.get('MEGAREASON_PORT_BASE', '?')}, "
+            f"idle workers <= {env.get('RAY_num_workers_soft_limit', 'one per CPU')}, worker prestart {prestart}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megareason.launch.ray_node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ray_args = args.ray_args[1:] if args.ray_args[:1] == ["--"] else args.ray_args
     if args.retries < 0:
         p.error(f"--retries must be >= 0, got {args.retries}")
+    log(settings(ray_args, os.environ))
     return run(ray_start_command(args.temp_dir, ray_args), args.job_dir, args.temp_dir, args.retries, args.retry_delay)
 
 
