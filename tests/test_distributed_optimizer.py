@@ -150,7 +150,7 @@ def _bytes_written(ckpt: str) -> dict[int, Counter]:
     return written
 
 
-def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
+def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str, moe_dir: str, moe_ckpt: str):
     from megareason.models.build import HFCheckpoint
     from megareason.models.checkpoint import load_checkpoint, read_metadata, save_checkpoint
     from megareason.models.offload import TrainingStateOffload
@@ -198,6 +198,19 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str):
     model, ddp, opt = _trainer(hf, distributed=True, from_hf=False)
     load_checkpoint(ckpt_tp2, model, opt)
     out["reloaded"] = _full_state(model, opt)
+
+    # MoE: at EP=2 megatron-core chains an optimizer for the experts' parameters beside the dense one's
+    moe = HFCheckpoint(moe_dir)
+    init_parallel(1, 1, ep=2)
+    model, ddp, opt = _trainer(moe, distributed=True)
+    save_checkpoint(moe_ckpt, model, moe.arch, moe_dir, optimizer=opt)
+    out["moe_meta"], out["moe_ckpt"] = read_metadata(moe_ckpt), moe_ckpt
+    init_parallel(1, 1, ep=1)
+    model, ddp, opt = _trainer(moe, distributed=True, from_hf=False)
+    try:
+        load_checkpoint(moe_ckpt, model, opt)
+    except ValueError as e:
+        out["moe_at_ep1"] = str(e)
     return out
 
 
@@ -256,9 +269,10 @@ def _dp1_worker(model_dir: str, ckpt: str, unstepped: str, fused: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_qwen2, tmp_path_factory):
+def runs(tiny_qwen2, tiny_qwen3_moe, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed_optimizer")
-    dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"), str(tmp / "ckpt_tp2"))
+    dp2 = run_workers(2, _dp2_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "ckpt_bf16"), str(tmp / "ckpt_tp2"),
+                      str(tiny_qwen3_moe), str(tmp / "moe_ep2"))
     dp1 = run_workers(1, _dp1_worker, str(tiny_qwen2), str(tmp / "ckpt"), str(tmp / "unstepped"), str(tmp / "fused"))
     return ModelArch.from_pretrained(tiny_qwen2), dp2, dp1
 
@@ -311,6 +325,23 @@ def test_every_dp_rank_writes_its_share_and_other_layouts_load_it_exactly(runs):
         assert loaded.keys() == saved.keys(), what
         for key, t in saved.items():
             assert loaded[key].dtype == t.dtype and torch.equal(loaded[key], t), f"{what}: {key}"
+
+
+def test_optimizer_state_saved_at_ep2_is_refused_at_ep1_naming_how_to_go_on(runs):
+    """A MoE checkpoint's optimizer state saved at EP=2 (two chained optimizers) loaded at EP=1 (one): every
+    rank refuses it before any collective, with the layout to resume at, instead of megatron-core's KeyError
+    deep in the load."""
+    _, dp2, _ = runs
+    meta = dp2[0]["moe_meta"]
+    assert (meta["saved_ep"], meta["chained_optimizers"]) == (2, 2)
+    path = dp2[0]["moe_ckpt"]
+    for rank in dp2:
+        assert rank["moe_at_ep1"] == (
+            f"{path}: its optimizer state was saved by 2 optimizer(s) at expert parallelism 2, and this run has 1 at "
+            "expert parallelism 1: megatron-core keeps the experts' optimizer state in an optimizer of its own when "
+            "expert parallelism is > 1, and that state does not reshard between the two splits. Resume with "
+            "parallel.expert_model_parallel_size=2 (tensor, pipeline and data parallelism may change), or start a "
+            f"new run from its weights alone: megareason convert megatron-to-hf {path} OUT, then model.path=OUT")
 
 
 def test_collectives_wait_as_long_as_a_save_may_take(runs):

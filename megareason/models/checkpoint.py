@@ -44,6 +44,7 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
             "special_tokens_map.json", "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt")
 META = "megareason.json"
 SHARDING_KEY = "distrib_optim_sharding_type"  # megatron-core's metadata key, and ours in META
+OPTIMIZERS_KEY = "chained_optimizers"  # in META: how many optimizers megatron-core chained at the save
 # Reshards over TP, PP and DP (gathers over DP on save; see docs/architecture.md for its memory cost).
 DISTRIB_OPTIM_SHARDING = "fully_reshardable"
 # A checkpoint folder: what replaces an earlier one (and nothing else). dist_checkpointing's torch_dist
@@ -87,8 +88,10 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
                 if (Path(hf_dir) / name).is_file():
                     shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
             layout = current_layout()
-            meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp,
+            meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp, "saved_ep": layout.ep,
                     "has_optimizer": optimizer is not None, **(metadata or {}), SHARDING_KEY: sharding}
+            if optimizer is not None:
+                meta[OPTIMIZERS_KEY] = _optimizer_count(optimizer)
             (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
             replace_directory(tmp, path, CHECKPOINT)
     except BaseException:
@@ -168,6 +171,30 @@ def _distributed_optimizers(optimizer) -> list:
         return []
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     return [o for o in chained if isinstance(o, DistributedOptimizer)]
+
+
+def _optimizer_count(optimizer) -> int:
+    """How many optimizers megatron-core chains in ``optimizer``: one, or at expert parallelism > 1 one for
+    the dense parameters and one for the experts' (``get_megatron_optimizer``)."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _check_optimizer_split(path: Path | str, meta: dict, optimizer) -> None:
+    """Refuse, before any collective and alike on every rank, optimizer state saved by another number of
+    chained optimizers than ``optimizer`` has: their state is keyed per optimizer (``chained_0.``,
+    ``chained_1.``) with param groups per optimizer, and megatron-core does not map one split onto the other
+    (it would fail deep in the load with a key missing). The model's weights reshard over EP as over TP/PP."""
+    saved = meta.get(OPTIMIZERS_KEY)
+    if optimizer is None or saved is None or saved == _optimizer_count(optimizer):
+        return
+    now, ep = _optimizer_count(optimizer), current_layout().ep
+    raise ValueError(
+        f"{path}: its optimizer state was saved by {saved} optimizer(s) at expert parallelism "
+        f"{meta.get('saved_ep', '?')}, and this run has {now} at expert parallelism {ep}: megatron-core keeps the "
+        "experts' optimizer state in an optimizer of its own when expert parallelism is > 1, and that state does "
+        f"not reshard between the two splits. Resume with parallel.expert_model_parallel_size="
+        f"{meta.get('saved_ep', '?')} (tensor, pipeline and data parallelism may change), or start a new run from "
+        f"its weights alone: megareason convert megatron-to-hf {path} OUT, then model.path=OUT")
 
 
 def _sharding_kwargs(sharding: str | None) -> dict:
@@ -257,6 +284,7 @@ def load_checkpoint(path: str | Path, model, optimizer=None) -> dict:
         has = "has LoRA adapters" if meta.get("lora") else "has no LoRA adapters"
         raise ValueError(f"{path}: the checkpoint {has} and the model {'does not' if meta.get('lora') else 'does'}; "
                          "build the model with the checkpoint's lora settings (megareason.json: lora)")
+    _check_optimizer_split(path, meta, optimizer)
     distributed = _distributed_optimizers(optimizer)
     sharding = meta.get(SHARDING_KEY)
     if optimizer is not None and bool(distributed) != bool(sharding):
