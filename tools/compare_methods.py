@@ -55,7 +55,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -392,6 +394,8 @@ def table(results: Path, state: dict) -> dict[str, dict]:
 
 
 def _ci(x: float, ci: list[float], signed: bool = False) -> str:
+    if math.isnan(x):
+        return "—"
     f = "{:+.3f}" if signed else "{:.3f}"
     return f"{f.format(x)} ({f.format(ci[0])} to {f.format(ci[1])})"
 
@@ -404,10 +408,11 @@ def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
         f"Held-out: {h['kept']} basic_arithmetic prompts, reasoning-gym seed {h['seed']}: the first {h['kept']} "
         f"distinct questions of its first {h['drawn']} items that are neither among the "
         f"{heldout['training_distinct']} distinct questions of the whole training pool "
-        f"({heldout['training_questions']} items) nor in the tuning split ({h['duplicates']} repeats, "
-        f"{h['excluded'].get('training', 0)} training questions, {h['excluded'].get('tuning', 0)} tuning questions "
-        f"dropped). Tuning split: {t['kept']} prompts, seed {t['seed']} ({t['duplicates']} repeats, "
-        f"{t['excluded'].get('training', 0)} training questions dropped). The tool checks the three disjoint.", "",
+        f"({heldout['training_questions']} items) nor in the tuning split; dropped: {h['duplicates']} repeats, "
+        f"{h['excluded'].get('training', 0)} training questions, {h['excluded'].get('tuning', 0)} tuning questions. "
+        f"Tuning split: {t['kept']} prompts, seed {t['seed']}, the first of its first {t['drawn']} items outside the "
+        f"training pool; dropped: {t['duplicates']} repeats, {t['excluded'].get('training', 0)} training questions. "
+        "The tool checks the three disjoint.", "",
         "| arm | seeds | accuracy (95% CI) | parseable (95% CI) | accuracy among parseable (95% CI) "
         "| accuracy − base (95% CI) | p (Holm) | parseable − base (95% CI) | p (Holm) "
         "| among parseable − base (95% CI) | accuracy by seed | wall time per run |",
@@ -455,8 +460,9 @@ def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
     return {k: dict(sorted(v.items())) for k, v in curves.items()}, prompts
 
 
-def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget: str) -> None:
-    """Rewrite the table, ``compare_methods.json`` and the figures from every finished run in ``state``."""
+def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget: str, show: bool = False) -> None:
+    """Rewrite the table, ``compare_methods.json`` and the figures from every finished run in ``state``
+    (``show``: print the table too)."""
     arms = table(results, state)
     curves, prompts = curves_of(state, arms)
     critic = {}
@@ -472,9 +478,10 @@ def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget:
                       f"{rerank['critic@n']:.3f}, pass@{rerank['n']} {rerank['pass@' + str(rerank['n'])]:.3f}."]
     lines += ["", f"Budget per run: {budget}. Per-prompt rows: `{PROMPTS_DIR}/ARM_seedS.jsonl`.", "",
               "Commands (from the repository root; the held-out file is written by the tool):", ""]
-    lines += [f"    .venv/bin/megareason {' '.join(e['command'])}" for e in state["runs"].values() if e["command"]]
+    lines += [f"    .venv/bin/megareason {shlex.join(e['command'])}" for e in state["runs"].values() if e["command"]]
     _write(results / "compare_methods.md", "\n".join(lines) + "\n")
-    print("\n".join(lines[:len(arms) + 5]), flush=True)
+    if show:
+        print("\n".join(lines[:len(arms) + 5]), flush=True)
     if curves:
         save(heldout_figure(curves, prompts), results / "compare_methods_heldout.png", dpi=120)
     if (fig := critic_figure(critic)) is not None:
@@ -528,7 +535,7 @@ def tune(a, splits: dict) -> None:
         lines.append(f"| {name} | {arm} | `{overrides}` | {base.mean():.3f} | {final.mean():.3f} ({lo:.3f}–{hi:.3f}) "
                      f"| {d['diff']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) | {critic} | {wall / 60:.0f} min |")
     lines += ["", "Commands (from the repository root):", ""]
-    lines += [f"    .venv/bin/megareason {' '.join(c)}".replace(f"{ROOT}/", "") for _, c in variants.values()]
+    lines += [f"    .venv/bin/megareason {shlex.join(c)}".replace(f"{ROOT}/", "") for _, c in variants.values()]
     a.results.mkdir(parents=True, exist_ok=True)
     _write(a.results / "compare_methods_tuning.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -647,7 +654,7 @@ def main() -> None:
     raro = sorted(s for arm, s in runs if arm == "raro")
     rerank = rerank_arm(a.runs, run_folder(a.runs, "raro", raro[0]), a.steps, min(a.rerank_prompts, a.heldout),
                         a.rerank_n, heldout["file"], a.overrides) if raro else None
-    publish(a.results, a.runs, state, rerank, budget)
+    publish(a.results, a.runs, state, rerank, budget, show=True)
 
 
 if __name__ == "__main__":

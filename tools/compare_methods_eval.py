@@ -187,6 +187,10 @@ def _resample(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _interval(values: np.ndarray) -> list[float]:
+    """The 2.5th and 97.5th percentiles of bootstrap replicates (a ratio's replicates without a denominator,
+    nan, left out; all nan: nan)."""
+    if np.isnan(values).all():
+        return [float("nan"), float("nan")]
     return [float(np.nanpercentile(values, 2.5)), float(np.nanpercentile(values, 97.5))]
 
 
@@ -276,6 +280,6 @@ def versus(arm: tuple[np.ndarray, np.ndarray], other: tuple[np.ndarray, np.ndarr
            "parseable": paired(pa.mean(axis=0), pb.mean(axis=0), rng, seeds)}
     idx = _resample(ca.shape[1], rng)
     diffs = _ratio(ca.mean(axis=0), pa.mean(axis=0), idx) - _ratio(cb.mean(axis=0), pb.mean(axis=0), idx)
-    ra, rb = ca.sum() / max(pa.sum(), 1), cb.sum() / max(pb.sum(), 1)
+    ra, rb = (c.sum() / p.sum() if p.sum() else float("nan") for c, p in ((ca, pa), (cb, pb)))
     out["accuracy_parseable"] = {"diff": float(ra - rb), "ci": _interval(diffs)}
     return out
