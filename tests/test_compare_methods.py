@@ -1,5 +1,7 @@
-"""tools/compare_methods.py: its statistics against hand-computed values, and the recipe's first
-steps on the tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
+"""tools/compare_methods.py: its held-out and tuning splits (disjoint from the training pool and each
+other by their text), the per-prompt rows of a validation dump, its statistics against hand-computed values,
+its resumption and the arms it refuses (no model: hand-written dumps), and the recipe's first steps on the
+tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
 the SmolLM2 comparison itself is a long experiment, not a test: docs/results/compare_methods.md)."""
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def test_tuning_runs_score_on_their_own_split_never_the_held_out_one(tmp_path):
     arm, cmd = variants["lr"]
     assert arm == "raro" and cmd[0] == "train" and "algorithm.name=raro" in cmd
     assert cmd[-2:] == ["optim.lr=3e-5", "raro.tau_pol=0.5"]  # the variant's overrides come last: they win
-    assert f"data.val_sources=[{{kind:file,path:'{split}'}}]" in cmd
+    assert f'data.val_sources=[{{kind:file,path:"{split}"}}]' in cmd
     assert [c for c in cmd if c.startswith("trainer.output_dir=")] == [f"trainer.output_dir={tmp_path / 'lr'}"]
     assert [c for c in cmd if c.startswith("trainer.val_before_train=")] == ["trainer.val_before_train=true"]
     assert variants["plain"][0] == "grpo" and variants["plain"][1][-1] == "trainer.val_before_train=true"

@@ -193,11 +193,13 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
     return out
 
 
-def val_override(path: Path) -> str:
-    """The override that makes ``path`` (a split's JSONL) the run's only validation source."""
-    if "'" in str(path):
-        raise SystemExit(f"{path}: a path with a quote cannot be passed to hydra; use another --runs")
-    return f"data.val_sources=[{{kind:file,path:'{path}'}}]"
+def val_override(path: Path, size: int = 0) -> str:
+    """The override that makes ``path`` (a split's JSONL) the run's only validation source (its first
+    ``size`` rows; 0: all)."""
+    if '"' in str(path) or "\\" in str(path):
+        raise SystemExit(f"{path}: a path with a double quote or a backslash cannot be passed to hydra; use "
+                         "another --runs")
+    return f'data.val_sources=[{{kind:file,path:"{path}"{f",size:{size}" if size else ""}}}]'
 
 
 # ---- the runs
@@ -553,8 +555,8 @@ def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val
     if not found:
         hf = hf_export(folder, steps)
         args = ["eval", "--config-name", CONFIG, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
-                f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}", val_override(val_file),
-                "data.sources=${data.val_sources}", f"data.val_sources.0.size={n_prompts}",
+                f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}", val_override(val_file, n_prompts),
+                "data.sources=${data.val_sources}",
                 *[e for e in extra if not e.startswith("model.path=")]]
         print(f"[raro+rerank] megareason {' '.join(args)}", flush=True)
         start = time.monotonic()
