@@ -34,8 +34,15 @@ def _tool():
     return module
 
 
+def _eval_module():
+    _tool()  # puts tools/ on sys.path
+    import compare_methods_eval
+
+    return compare_methods_eval
+
+
 def test_mcnemar_exact_p_by_hand():
-    cm = _tool()
+    cm = _eval_module()
     a = np.array([1] * 8 + [0] * 2 + [1] * 5 + [0] * 5)  # 8 prompts only a solves, 2 only b, 10 concordant
     b = np.array([0] * 8 + [1] * 2 + [1] * 5 + [0] * 5)
     # two-sided binomial(10, 1/2) test of 2 vs 8: 2 * (C(10,0) + C(10,1) + C(10,2)) / 2^10
@@ -45,7 +52,7 @@ def test_mcnemar_exact_p_by_hand():
 
 
 def test_bootstrap_intervals_match_the_normal_approximation():
-    cm = _tool()
+    cm = _eval_module()
     rng = np.random.default_rng(1)
     x = np.array([1.0] * 150 + [0.0] * 350)  # accuracy 0.3 on 500 prompts
     lo, hi = cm.bootstrap_mean(x, rng)
@@ -168,13 +175,6 @@ def test_heldout_and_critic_figures_one_panel_each_with_wilson_intervals():
         assert all(float(t).is_integer() for t in ax.get_xticks())
     assert fig.get_supxlabel().startswith("No interval")
     assert cm.critic_figure({"raro/critic_accuracy": []}) is None
-
-
-def _eval_module():
-    _tool()  # puts tools/ on sys.path
-    import compare_methods_eval
-
-    return compare_methods_eval
 
 
 def _record(question: str, answer: str = "1") -> PromptRecord:

@@ -78,7 +78,6 @@ from compare_methods_eval import (  # noqa: E402
     draw_split,
     fingerprint,
     holm,
-    mcnemar_exact_p,
     outcomes,
     paired,
     prompt_rows,
@@ -101,8 +100,6 @@ from megareason.plotting import (  # noqa: E402
     save,
 )
 
-__all__ = ["bootstrap_mean", "mcnemar_exact_p", "paired"]  # the statistics, re-exported for the tests
-
 CONFIG = "compare_smollm2_cpu"
 # reasoning-gym seeds of the splits: item i of seed s is Random(s + i), and the training pool (seed 1) draws
 # ~4 items per kept one (its '/' items are skipped), so these are millions of items apart; disjointness
@@ -114,7 +111,7 @@ PROMPTS_DIR = "compare_methods_prompts"
 
 @dataclass(frozen=True)
 class Arm:
-    """One arm: the megareason command and the overrides that make it (after every arm's own)."""
+    """One arm: the megareason command and the overrides that make it (placed after the user's, so they win)."""
 
     command: str  # train | sft
     overrides: tuple[str, ...] = ()
