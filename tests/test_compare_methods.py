@@ -1,5 +1,7 @@
-"""tools/compare_methods.py: its statistics against hand-computed values, and the recipe's first
-steps on the tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
+"""tools/compare_methods.py: its held-out and tuning splits (disjoint from the training pool and each
+other by their text), the per-prompt rows of a validation dump, its statistics against hand-computed values,
+its resumption and the arms it refuses (no model: hand-written dumps), and the recipe's first steps on the
+tiny model (the GRPO and RARO arms exactly as the tool runs them, compared to golden curves;
 the SmolLM2 comparison itself is a long experiment, not a test: docs/results/compare_methods.md)."""
 
 from __future__ import annotations
@@ -7,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,18 +20,29 @@ from golden_curves import check_golden
 from test_plots import error_bars, wilson_by_hand
 from test_train_e2e import _env, _metrics
 
+from megareason.data.loaders import load_file
+from megareason.data.records import PromptRecord
+
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "compare_methods.py"
 
 
 def _tool():
     spec = importlib.util.spec_from_file_location("compare_methods", TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations there
     spec.loader.exec_module(module)
     return module
 
 
+def _eval_module():
+    _tool()  # puts tools/ on sys.path
+    import compare_methods_eval
+
+    return compare_methods_eval
+
+
 def test_mcnemar_exact_p_by_hand():
-    cm = _tool()
+    cm = _eval_module()
     a = np.array([1] * 8 + [0] * 2 + [1] * 5 + [0] * 5)  # 8 prompts only a solves, 2 only b, 10 concordant
     b = np.array([0] * 8 + [1] * 2 + [1] * 5 + [0] * 5)
     # two-sided binomial(10, 1/2) test of 2 vs 8: 2 * (C(10,0) + C(10,1) + C(10,2)) / 2^10
@@ -38,7 +52,7 @@ def test_mcnemar_exact_p_by_hand():
 
 
 def test_bootstrap_intervals_match_the_normal_approximation():
-    cm = _tool()
+    cm = _eval_module()
     rng = np.random.default_rng(1)
     x = np.array([1.0] * 150 + [0.0] * 350)  # accuracy 0.3 on 500 prompts
     lo, hi = cm.bootstrap_mean(x, rng)
@@ -52,7 +66,7 @@ def test_bootstrap_intervals_match_the_normal_approximation():
     half = 1.96 * math.sqrt(0.08 * 0.92 / 500)
     assert d["diff"] == pytest.approx(0.08)
     assert d["ci"][0] == pytest.approx(0.08 - half, abs=0.006) and d["ci"][1] == pytest.approx(0.08 + half, abs=0.006)
-    assert d["mcnemar_p"] == pytest.approx(2 / 2**40)
+    assert d["p"] == pytest.approx(2 / 2**40)
 
 
 @pytest.mark.slow
@@ -65,39 +79,44 @@ def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
             "data.max_prompt_length=512", "rollout.stop=[e]",
             "trainer.val_every=1", "trainer.save_every=2", "optim.lr=1e-3"]
     proc = subprocess.run([sys.executable, str(TOOL), "--steps", "2", "--prompts", "4", "--heldout", "6",
-                           "--rerank-prompts", "2", "--arms", "grpo,raro", "--runs", str(runs),
+                           "--seeds", "1", "--rerank-prompts", "2", "--arms", "grpo,raro", "--runs", str(runs),
                            "--results", str(results), *tiny], capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    check_golden("compare_grpo", _metrics(runs / "grpo"))
-    raro = _metrics(runs / "raro")
+    check_golden("compare_grpo", _metrics(runs / "grpo" / "seed0"))
+    raro = _metrics(runs / "raro" / "seed0")
     assert all(raro[s]["raro/critic_fresh"] > 0 and raro[s]["raro/format_error_rate"] == 0 for s in (1, 2))
     check_golden("compare_raro", raro)
 
     table = json.loads((results / "compare_methods.json").read_text())
-    for arm, dump in (("base", runs / "grpo" / "rollouts" / "val_step_00000000.jsonl"),
-                      ("raro", runs / "raro" / "rollouts" / "val_step_00000002.jsonl")):
+    for arm, dump in (("base", runs / "grpo" / "seed0" / "rollouts" / "val_step_00000000.jsonl"),
+                      ("raro", runs / "raro" / "seed0" / "rollouts" / "val_step_00000002.jsonl")):
         rows = [json.loads(line) for line in dump.read_text().splitlines()]
         assert len(rows) == 6 and table["arms"][arm]["accuracy"] == sum(r["correct"] for r in rows) / 6
+        committed = [json.loads(line) for line in (results / "compare_methods_prompts" / f"{arm}_seed0.jsonl")
+                     .read_text().splitlines()]
+        assert [r["response"] for r in committed] == [r["response"] for r in sorted(rows, key=lambda r: r["index"])]
     assert table["rerank"]["prompts"] == 2 and table["rerank"]["n"] == 4
     for name in ("compare_methods.md", "compare_methods_heldout.png", "compare_methods_raro_critic.png"):
         assert (results / name).stat().st_size > 0
-    assert "| raro |" in (results / "compare_methods.md").read_text()
+    assert "| raro | 1 |" in (results / "compare_methods.md").read_text()
 
 
 def test_tuning_runs_score_on_their_own_split_never_the_held_out_one(tmp_path):
     cm = _tool()
-    variants = cm.tune_commands(tmp_path, steps=10, prompts=8, val=100, seed=777,
+    split = tmp_path / "data" / "tuning.jsonl"
+    variants = cm.tune_commands(tmp_path, steps=10, prompts=8, val_file=split,
                                 variants=["lr=raro:optim.lr=3e-5,raro.tau_pol=0.5", "plain=grpo:"],
                                 extra=["model.path=/m"])
     arm, cmd = variants["lr"]
     assert arm == "raro" and cmd[0] == "train" and "algorithm.name=raro" in cmd
     assert cmd[-2:] == ["optim.lr=3e-5", "raro.tau_pol=0.5"]  # the variant's overrides come last: they win
-    assert "data.val_sources.0.seed=777" in cmd and "data.val_sources.0.size=100" in cmd
+    assert f'data.val_sources=[{{kind:file,path:"{split}"}}]' in cmd
     assert [c for c in cmd if c.startswith("trainer.output_dir=")] == [f"trainer.output_dir={tmp_path / 'lr'}"]
-    assert "trainer.val_before_train=true" in cmd  # the base model's score on the split, step 0
+    assert [c for c in cmd if c.startswith("trainer.val_before_train=")] == ["trainer.val_before_train=true"]
     assert variants["plain"][0] == "grpo" and variants["plain"][1][-1] == "trainer.val_before_train=true"
-    with pytest.raises(SystemExit, match="expected NAME=ARM"):
-        cm.tune_commands(tmp_path, 10, 8, 100, 777, ["x=ppo:optim.lr=1"], [])
+    for bad in ("x=ppo:optim.lr=1", "x=raro_oracle:", "x=sft_then_grpo:"):  # unknown, not runnable, not from base
+        with pytest.raises(SystemExit, match="expected NAME=ARM"):
+            cm.tune_commands(tmp_path, 10, 8, split, [bad], [])
 
 
 def test_critic_votes_and_the_policy_reward_gap_by_hand(tmp_path, capsys, monkeypatch):
@@ -156,3 +175,199 @@ def test_heldout_and_critic_figures_one_panel_each_with_wilson_intervals():
         assert all(float(t).is_integer() for t in ax.get_xticks())
     assert fig.get_supxlabel().startswith("No interval")
     assert cm.critic_figure({"raro/critic_accuracy": []}) is None
+
+
+def _record(question: str, answer: str = "1") -> PromptRecord:
+    return PromptRecord(prompt=[{"role": "system", "content": "s"}, {"role": "user", "content": question}],
+                        data_source="basic_arithmetic", ground_truth=answer)
+
+
+def test_splits_drop_repeats_and_excluded_questions_and_the_check_catches_any_overlap():
+    ev = _eval_module()
+    candidates = [_record(q) for q in ("Calculate 1 + 2.", "Calculate 3 + 4.", "Calculate  1 + 2.",  # a repeat
+                                       "Calculate 5 * 6.", "Calculate 7 - 8.", "Calculate 9 + 9.")]
+    exclude = {"training": {"Calculate 3 + 4."}, "tuning": {"Calculate 5 * 6.", "Calculate 3 + 4."}}
+    split = ev.select_split(candidates, 3, exclude)
+    assert [ev.question_of(r) for r in split.records] == ["Calculate 1 + 2.", "Calculate 7 - 8.", "Calculate 9 + 9."]
+    # 6 drawn: one repeat, "3 + 4" dropped for training (the first set naming it), "5 * 6" for tuning
+    assert split.stats() == {"kept": 3, "drawn": 6, "duplicates": 1, "excluded": {"training": 1, "tuning": 1}}
+    assert ev.select_split(candidates, 4, exclude) is None  # only 3 qualify
+
+    ev.check_splits(["Calculate 3 + 4.", "Calculate 3 + 4."], tuning=["Calculate 5 * 6."],  # the pool may repeat
+                    heldout=["Calculate 1 + 2.", "Calculate 7 - 8."])
+    with pytest.raises(ev.SplitError, match="training and heldout share 1 question"):
+        ev.check_splits(["Calculate 3 + 4."], tuning=["Calculate 5 * 6."], heldout=["Calculate 3 +  4.", "A"])
+    with pytest.raises(ev.SplitError, match="tuning and heldout share 1"):
+        ev.check_splits(["B"], tuning=["Calculate 5 * 6."], heldout=["Calculate 5 * 6.", "A"])
+    with pytest.raises(ev.SplitError, match="heldout repeats 1 question"):
+        ev.check_splits(["B"], tuning=["C"], heldout=["A", " A"])
+
+
+def test_a_split_written_as_a_file_source_reads_back_with_the_trainers_loader(tmp_path):
+    ev = _eval_module()
+    rec = _record("Calculate 12 + 30.", "42")
+    rec.extra_info = {"solution": "12 + 30 = 42", "generator": "basic_arithmetic", "generator_index": 7}
+    split = ev.Split([rec, _record("Calculate 2 * 3.", "6")], drawn=2, duplicates=0)
+    path = tmp_path / "heldout.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ev.split_rows(split, seed=99)))
+    read = load_file(path)
+    assert [(r.prompt, r.ground_truth, r.data_source) for r in read] == [
+        ([{"role": "user", "content": "Calculate 12 + 30."}], "42", "basic_arithmetic"),
+        ([{"role": "user", "content": "Calculate 2 * 3."}], "6", "basic_arithmetic")]
+    assert read[0].extra_info == {"index": 0, "seed": 99, "generator": "basic_arithmetic", "generator_index": 7,
+                                  "question": "Calculate 12 + 30.", "solution": "12 + 30 = 42"}
+    assert read[1].extra_info["index"] == 1
+
+
+def _val_row(index: int, question: str, gold: str, response: str, correct: bool, truncated: bool = False) -> dict:
+    return {"prompt": "<chat>", "prompt_token_ids": [1], "index": index, "sample": 0, "data_source": "basic_arithmetic",
+            "question": question, "ground_truth": gold, "response": response, "reward": 1.0 if correct else 0.0,
+            "correct": correct, "response_tokens": 5, "truncated": truncated, "score_error": "", "timed_out": False,
+            "env": {}}
+
+
+def test_per_prompt_rows_from_a_validation_dump():
+    ev = _eval_module()
+    dump = [_val_row(1, "Calculate 2 * 3.", "6", "2 * 3 = 5", False),  # a trailing '= number': parseable, wrong
+            _val_row(0, "Calculate 1 + 2.", "3", "1 + 2 is 3, so \\boxed{3}.", True),
+            _val_row(2, "Calculate 9 - 4.", "5", "The result is 5", False, truncated=True)]  # no final answer
+    rows = ev.prompt_rows(dump, ["Calculate 1 + 2.", "Calculate 2 * 3.", "Calculate 9 - 4."])
+    assert rows == [
+        {"id": 0, "question": "Calculate 1 + 2.", "gold": "3", "response": "1 + 2 is 3, so \\boxed{3}.", "answer": "3",
+         "parseable": True, "correct": True, "truncated": False},
+        {"id": 1, "question": "Calculate 2 * 3.", "gold": "6", "response": "2 * 3 = 5", "answer": "5",
+         "parseable": True, "correct": False, "truncated": False},
+        {"id": 2, "question": "Calculate 9 - 4.", "gold": "5", "response": "The result is 5", "answer": None,
+         "parseable": False, "correct": False, "truncated": True}]
+    with pytest.raises(ev.SplitError, match="not the held-out split"):
+        ev.prompt_rows(dump, ["Calculate 1 + 2.", "Calculate 2 * 3.", "Calculate 9 - 5."])
+    with pytest.raises(ValueError, match="scored correct but has no final answer"):
+        ev.prompt_rows([_val_row(0, "Q", "5", "five", True)], ["Q"])
+
+
+def test_the_three_accuracy_columns_paired_tests_and_holm_by_hand():
+    ev = _eval_module()
+    rng = np.random.default_rng(0)
+    correct = np.array([[1, 0, 1, 0], [1, 1, 0, 0]], dtype=float)  # 2 seeds x 4 prompts
+    parseable = np.array([[1, 1, 1, 0], [1, 1, 0, 1]], dtype=float)
+    s = ev.arm_stats(correct, parseable, rng)
+    assert (s["accuracy"], s["parseable"], s["accuracy_parseable"]) == (4 / 8, 6 / 8, pytest.approx(4 / 6))
+    assert s["accuracy_by_seed"] == [0.5, 0.5] and (s["seeds"], s["prompts"]) == (2, 4)
+    for k in ("accuracy", "parseable", "accuracy_parseable"):
+        assert s[f"{k}_ci"][0] <= s[k] <= s[f"{k}_ci"][1]
+    const = ev.arm_stats(np.ones((1, 5)), np.ones((1, 5)), rng)  # no variation: degenerate intervals
+    assert const["accuracy_ci"] == [1.0, 1.0] and const["accuracy_parseable_ci"] == [1.0, 1.0]
+
+    base = (np.array([[1, 0, 0, 0]], dtype=float), np.array([[1, 0, 0, 0]], dtype=float))
+    v = ev.versus((correct, parseable), base, rng)
+    # accuracy: seed-averaged [1, .5, .5, 0] - [1, 0, 0, 0] = [0, .5, .5, 0]; in halves [0, 1, 1, 0]: of the 4
+    # sign assignments of the two nonzero ones, sums 2, 0, 0, -2; |sum| >= 2 in 2 of them
+    assert v["accuracy"]["diff"] == 0.25 and v["accuracy"]["p"] == 0.5
+    # parseable: [1, 1, .5, .5] - [1, 0, 0, 0] = [0, 1, .5, .5], in halves [0, 2, 1, 1]: of 8 assignments
+    # only +2+1+1 and -2-1-1 reach |sum| >= 4
+    assert v["parseable"]["diff"] == 0.5 and v["parseable"]["p"] == 2 / 8
+    assert v["accuracy_parseable"]["diff"] == pytest.approx(4 / 6 - 1)
+    # one seed: the sign-flip test is McNemar's exact test
+    a, b = np.array([1] * 7 + [0] * 3 + [1] * 4), np.array([0] * 7 + [1] * 3 + [1] * 4)
+    assert ev.paired_exact_p(a - b, 1) == ev.mcnemar_exact_p(a, b) == pytest.approx(2 * (1 + 10 + 45 + 120) / 1024)
+    assert ev.paired_exact_p(np.array([1 / 3, 2 / 3, -1 / 3]), 3) == 6 / 8  # sums of +-1 +-2 +-1 with |.| >= 2
+
+    # Holm: sorted 0.01, 0.03, 0.04, 0.2 times 4, 3, 2, 1 = 0.04, 0.09, 0.08 -> 0.09 (monotone), 0.2
+    assert ev.holm([0.01, 0.04, 0.03, 0.2]) == pytest.approx([0.04, 0.09, 0.09, 0.2])
+    assert ev.holm([0.5, 0.25]) == [0.5, 0.5] and ev.holm([0.6, 0.9]) == [1.0, 1.0]
+
+
+def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypatch, capsys):
+    """main() with the training replaced by hand-written validation dumps: an interruption keeps what
+    finished, a rerun runs only what did not (even with a finished run's folder gone), more seeds add runs."""
+    cm, ev = _tool(), _eval_module()
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    questions, golds = ["Calculate 1 + 2.", "Calculate 2 * 3.", "Calculate 9 - 4."], ["3", "6", "5"]
+    split = {"seed": 7, "kept": 3, "drawn": 4, "duplicates": 1, "excluded": {"training": 0, "tuning": 0}}
+    splits = {"fingerprint": ev.fingerprint(questions), "training_questions": 10, "training_distinct": 9,
+              "heldout": {"file": tmp_path / "heldout.jsonl", "questions": questions, **split},
+              "tuning": {"file": tmp_path / "tuning.jsonl", "questions": ["Q"], **split}}
+    monkeypatch.setattr(cm, "prepare_splits", lambda *args: splits)
+    responses = {"base": ["\\boxed{3}", "no idea", "= 2"], "grpo": ["\\boxed{3}", "\\boxed{6}", "\\boxed{4}"],
+                 "sft": ["\\boxed{3}", "\\boxed{5}", "\\boxed{5}"]}
+    calls, interrupt = [], {"grpo seed 0"}
+
+    def fake_run(name, args, folder, steps):
+        calls.append(name)
+        if name in interrupt:
+            raise SystemExit(f"[{name}] failed")
+        dumps = [(steps, responses[name.split()[0]])]
+        if "trainer.val_before_train=true" in args:
+            dumps.append((0, responses["base"]))
+        (folder / "rollouts").mkdir(parents=True, exist_ok=True)
+        for step, texts in dumps:
+            (folder / "rollouts" / f"val_step_{step:08d}.jsonl").write_text("".join(
+                json.dumps(_val_row(i, q, g, r, ev.final_answer(r) == g)) + "\n"
+                for i, (q, g, r) in enumerate(zip(questions, golds, texts, strict=True))))
+        return 60.0
+
+    monkeypatch.setattr(cm, "run_arm", fake_run)
+
+    def main(*args):
+        monkeypatch.setattr(sys, "argv", ["compare_methods.py", "--steps", "2", "--rerank-prompts", "0", "--runs",
+                                          str(runs), "--results", str(results), "--arms", "grpo,sft", *args])
+        cm.main()
+
+    with pytest.raises(SystemExit, match="grpo seed 0"):
+        main("--seeds", "1")
+    assert calls == ["sft seed 0", "grpo seed 0"]  # the issue's order: SFT first
+    state = json.loads((results / "compare_methods.json").read_text())
+    assert sorted(state["runs"]) == ["sft/seed0"]  # written as SFT finished
+    assert [json.loads(x)["correct"] for x in (results / "compare_methods_prompts" / "sft_seed0.jsonl")
+            .read_text().splitlines()] == [True, False, True]
+
+    interrupt.clear()
+    calls.clear()
+    shutil.rmtree(runs / "sft")  # results kept, run folder gone: still finished
+    main("--seeds", "1")
+    assert calls == ["grpo seed 0"]
+    assert sorted(json.loads((results / "compare_methods.json").read_text())["runs"]) == [
+        "base/seed0", "grpo/seed0", "sft/seed0"]
+    calls.clear()
+    main("--seeds", "1")
+    assert calls == []
+    main("--seeds", "2")
+    assert calls == ["sft seed 1", "grpo seed 1"]
+    table = json.loads((results / "compare_methods.json").read_text())["arms"]
+    assert list(table) == ["base", "sft", "grpo"]
+    assert (table["base"]["accuracy"], table["base"]["parseable"]) == (1 / 3, 2 / 3)
+    assert (table["grpo"]["seeds"], table["grpo"]["accuracy"], table["grpo"]["parseable"]) == (2, 2 / 3, 1.0)
+    assert table["sft"]["vs_base"]["accuracy"]["diff"] == pytest.approx(1 / 3)
+    assert "| grpo | 2 |" in (results / "compare_methods.md").read_text()
+
+    # another held-out set: the results are refused, not mixed
+    splits["fingerprint"] = "other"
+    with pytest.raises(SystemExit, match="another held-out set"):
+        main("--seeds", "1")
+
+
+def test_arms_the_trainer_cannot_run_yet_are_refused_and_dependencies_come_first(tmp_path):
+    cm = _tool()
+    state = {"runs": {}}
+    with pytest.raises(SystemExit, match="raro_oracle: needs raro.critic=answer_equality"):
+        cm.check_arms(["grpo", "raro_oracle"], {}, state)
+    with pytest.raises(SystemExit, match="include sft"):
+        cm.check_arms(["grpo", "sft_then_grpo"], {}, state)
+    with pytest.raises(SystemExit, match="must include grpo"):
+        cm.check_arms(["sft"], {}, state)
+    cm.check_arms(["sft"], {}, {"runs": {"base/seed0": {"arm": "base"}}})  # base already in the results
+    assert cm.plan(["sft_then_grpo", "raro", "grpo", "sft"], 2, {"raro": 1}) == [
+        ("sft", 0), ("grpo", 0), ("sft_then_grpo", 0), ("raro", 0), ("sft", 1), ("grpo", 1), ("sft_then_grpo", 1)]
+    cmd = cm.arm_command("sft_then_grpo", 1, tmp_path, 20, 8, tmp_path / "h.jsonl", ["model.path=/m"])
+    assert cmd[0] == "train" and "trainer.seed=1" in cmd and "trainer.val_before_train=false" in cmd
+    assert cmd[-2:] == [cm.CORRECT_ONLY, f"model.path={tmp_path / 'sft' / 'seed1' / 'hf'}"]  # after the user's
+
+
+def test_run_arm_skips_a_run_whose_final_validation_exists(tmp_path, monkeypatch):
+    cm = _tool()
+    folder = tmp_path / "grpo" / "seed0"
+    (folder / "rollouts").mkdir(parents=True)
+    (folder / "rollouts" / "val_step_00000020.jsonl").write_text("{}\n")
+    (folder / "wall_seconds.json").write_text('{"seconds": 90.0}\n')
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was started again"))
+    assert cm.run_arm("grpo seed 0", ["train"], folder, 20) == 90.0

@@ -1,29 +1,54 @@
-"""Base vs SFT vs GRPO (rule verifier) vs RARO (no verifier) vs RARO + critic reranking, on one model, one
-task, one set of training prompts with expert demonstrations and one held-out set (the comparison of the RARO
-paper, "Escaping the Verifier", at small scale). Every arm is ``configs/compare_smollm2_cpu.yaml`` plus the
-overrides below; each trains ``--steps`` steps of ``--prompts`` prompts (GRPO and RARO sample ``rollout.n``
-responses per prompt, SFT imitates one demonstration per prompt) and is evaluated greedily on the held-out
-prompts every ``trainer.val_every`` steps by the trainer itself (``rollouts/val_step_N.jsonl``).
+"""Base vs SFT vs GRPO (rule verifier) vs RARO (no verifier), and their variants, on one model, one task,
+one set of training prompts with expert demonstrations and one held-out set (the comparison of the RARO
+paper, "Escaping the Verifier", at small scale). Every arm is ``configs/compare_smollm2_cpu.yaml`` plus its
+overrides in ``ARMS``; each trains ``--steps`` steps of ``--prompts`` prompts (GRPO and RARO sample
+``rollout.n`` responses per prompt, SFT imitates one demonstration per prompt), once per seed
+(``trainer.seed``), and is evaluated greedily on the held-out prompts every ``trainer.val_every`` steps by
+the trainer itself (``rollouts/val_step_N.jsonl``).
 
-    .venv/bin/python tools/compare_methods.py                    # SmolLM2-135M, ~1.5 h on 2 cores
-    .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --runs /tmp/cmp --results /tmp/cmp
+The arms: ``base`` (the untouched model: the step-0 validation of GRPO's first seed), ``sft``, ``grpo`` (the
+arithmetic reward's combined score, 0.3 x a final answer + 0.7 x correct), ``grpo_correct`` (rewarded for
+correctness alone), ``sft_then_grpo`` (``grpo_correct`` starting from the same seed's SFT model, its final
+checkpoint exported to HF), ``raro`` (the recipe), ``raro_fair`` and ``raro_oracle``. The last two need
+trainer options megareason does not have (``Arm.missing`` names them) and are refused until it does.
+
+    .venv/bin/python tools/compare_methods.py                    # SmolLM2-135M, 3 seeds per arm
+    .venv/bin/python tools/compare_methods.py --arms grpo,raro --arm-seeds raro=1
+    .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --seeds 1 --runs /tmp/cmp --results /tmp/cmp
       --rerank-prompts 8 model.path=/path/to/tiny                # (one line) a smoke run
 
-Tuning never looks at the held-out prompts: ``--tune NAME=ARM:key=value,...`` (repeatable) trains each
-variant on the same training prompts and scores it on a separate validation split (``--tune-seed``,
-``--tune-prompts`` prompts of the same task), beside the base model's score on that split; the runs are
-listed in ``compare_methods_tuning.md``. Choose settings there, then run the comparison with them.
+**Held-out and tuning splits** (``tools/compare_methods_eval.py``). reasoning-gym builds item i of seed s
+from ``Random(s + i)`` and two-term arithmetic repeats questions even between far seeds, so the splits are
+made disjoint by their text: the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct
+questions outside the whole training pool (``data.sources``), the held-out set (``--heldout-seed``) the
+first ``--heldout`` distinct ones outside the training pool and the tuning split. Both are written under
+``--runs``/data as ``kind: file`` sources (the trainer reads them through ``data.val_sources``), read back
+with the trainer's loader and checked disjoint and duplicate-free; the tool stops on any overlap. The
+table states how many candidates each split dropped and why.
+
+**Tuning** never looks at the held-out prompts: ``--tune NAME=ARM:key=value,...`` (repeatable) trains each
+variant on the same training prompts and scores it on the tuning split, beside the base model's score on
+that split; the runs are listed in ``compare_methods_tuning.md``. Choose settings there, then run the
+comparison with them.
 
     .venv/bin/python tools/compare_methods.py --steps 10 --tune raro_lr3e-5=raro:optim.lr=3e-5 \\
       --tune raro_tau=raro:raro.tau_pol=0.5
 
-Interrupted, it picks up where it stopped: a finished arm is not rerun, an unfinished one resumes from its
-last checkpoint (the trainer's own resume). Writes, under ``--results``: ``compare_methods.md`` (the table:
-accuracy with its 95% bootstrap interval, the paired difference vs base with its interval and McNemar's
-exact p, wall time, the command of each arm), ``compare_methods.json``, ``compare_methods_heldout.png``
-(held-out accuracy vs step, a panel per arm, with its 95% Wilson score interval over the held-out prompts)
-and ``compare_methods_raro_critic.png`` (the critic's accuracy, tie rate and format-error rate per step, a
-panel each; when RARO ran).
+**Resumable.** Runs go arm by arm within a seed, seed after seed (an arm's dependency first: SFT before
+SFT-then-GRPO). A run (arm and seed) that finished is never rerun: as it finishes, its per-prompt rows are
+written to ``compare_methods_prompts/ARM_seedS.jsonl`` and its entry to ``compare_methods.json`` under
+``--results``, and the table is rewritten; one interrupted resumes from its last checkpoint (the trainer's
+own resume). Results computed on another held-out set are refused.
+
+Writes, under ``--results``: ``compare_methods.md`` (the table: for each arm accuracy, parseable-answer rate
+and accuracy among parseable answers, each with its 95% bootstrap interval over prompts; the paired
+difference of each against base with its interval, and for accuracy and parseable rate an exact paired p,
+McNemar's for one seed, Holm-Bonferroni-adjusted over the table's tests; the per-seed accuracies, wall time
+and the command of each arm), ``compare_methods.json``, the per-prompt rows (id, question, gold answer,
+response, the final answer the arithmetic reward parses or null, parseable, correct, truncated),
+``compare_methods_heldout.png`` (held-out accuracy vs step, mean over seeds, a panel per arm, with its 95%
+Wilson score interval over the held-out prompts) and ``compare_methods_raro_critic.png`` (the critic's
+accuracy, tie rate and format-error rate per step of RARO's first seed; when RARO ran).
 """
 
 from __future__ import annotations
@@ -32,16 +57,40 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from compare_methods_eval import (  # noqa: E402
+    SplitError,
+    arm_stats,
+    bootstrap_mean,
+    check_splits,
+    draw_split,
+    fingerprint,
+    holm,
+    outcomes,
+    paired,
+    prompt_rows,
+    question_key,
+    question_of,
+    read_jsonl,
+    split_rows,
+    versus,
+)
+
+from megareason.config.load import load_config  # noqa: E402
+from megareason.config.schema import DataConfig, DataSourceConfig  # noqa: E402
+from megareason.data.loaders import load_records  # noqa: E402
 from megareason.plotting import (  # noqa: E402
     accuracy_with_interval,
     caption,
@@ -52,74 +101,123 @@ from megareason.plotting import (  # noqa: E402
 )
 
 CONFIG = "compare_smollm2_cpu"
-BOOTSTRAP = 10_000
+# reasoning-gym seeds of the splits: item i of seed s is Random(s + i), and the training pool (seed 1) draws
+# ~4 items per kept one (its '/' items are skipped), so these are millions of items apart; disjointness
+# itself is checked on the questions.
+HELDOUT_SEED = 20261123
+TUNE_SEED = 10_000_000
+PROMPTS_DIR = "compare_methods_prompts"
 
 
-def arm_commands(runs: Path, steps: int, prompts: int, heldout: int, extra: list[str]) -> dict[str, list[str]]:
-    """The megareason command of each training arm (base is GRPO's step-0 validation: the same greedy
-    pass over the same prompts with the untouched model)."""
-    common = ["--config-name", CONFIG, f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}",
-              f"data.val_sources.0.size={heldout}", *extra]
-    return {
-        "grpo": ["train", *common, f"trainer.output_dir={runs / 'grpo'}"],
-        "sft": ["sft", *common, f"trainer.output_dir={runs / 'sft'}", "trainer.val_before_train=false"],
-        "raro": ["train", *common, f"trainer.output_dir={runs / 'raro'}", "trainer.val_before_train=false",
-                 "algorithm.name=raro", "algorithm.kl_coef=0.001"],
-    }
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the megareason command and the overrides that make it (placed after the user's, so they win)."""
+
+    command: str  # train | sft
+    overrides: tuple[str, ...] = ()
+    # Another arm whose same-seed run's final checkpoint, exported to HF, is this arm's starting model.
+    start_from: str = ""
+    # What the arm needs that the trainer lacks (empty: runnable); a requested arm with a need is refused.
+    missing: str = ""
 
 
-TUNE_SEED = 777  # the tuning split's reasoning-gym seed (the held-out set's is 20261123, training's 1)
-
-
-def tune_commands(runs: Path, steps: int, prompts: int, val: int, seed: int, variants: list[str],
-                  extra: list[str]) -> dict[str, tuple[str, list[str]]]:
-    """{variant: (arm, command)}: ``arm_commands`` with the validation split in place of the held-out set
-    (``data.val_sources.0.seed``) and each variant's overrides; ``variants`` are ``NAME=ARM:k=v,k=v``."""
-    base = arm_commands(runs, steps, prompts, val, [f"data.val_sources.0.seed={seed}", *extra])
-    out = {}
-    for spec in variants:
-        name, _, rest = spec.partition("=")
-        arm, _, overrides = rest.partition(":")
-        if not name or arm not in base:
-            raise SystemExit(f"--tune {spec!r}: expected NAME=ARM:key=value,... with ARM one of {sorted(base)}")
-        cmd = [c for c in base[arm] if not c.startswith("trainer.output_dir=")]
-        out[name] = (arm, [*cmd, f"trainer.output_dir={runs / name}", "trainer.val_before_train=true",
-                           *[o for o in overrides.split(",") if o]])
-    return out
-
-
-def tune(a) -> None:
-    """Run the ``--tune`` variants and list them (module docstring)."""
-    runs = a.runs / "tuning"
-    variants = tune_commands(runs, a.steps, a.prompts, a.tune_prompts, a.tune_seed, a.tune, a.overrides)
-    rng = np.random.default_rng(0)
-    lines = [f"Tuning split: {a.tune_prompts} basic_arithmetic prompts, reasoning-gym seed {a.tune_seed} (never the "
-             f"held-out set); {a.steps} steps x {a.prompts} training prompts per run; greedy.", "",
-             "| run | arm | overrides | base on the split | final accuracy (95% CI) | paired diff vs base (95% CI) "
-             "| critic accuracy, first / last 5 steps | wall time |", "|---|---|---|---|---|---|---|---|"]
-    for name, (arm, cmd) in variants.items():
-        wall = run_arm(name, cmd, runs / name, a.steps)
-        curve = held_out(runs / name)
-        base, final = curve[0], curve[a.steps]
-        lo, hi = bootstrap_mean(final, rng)
-        d = paired(final, base, rng)
-        critic = "—"
-        if arm == "raro":
-            acc = [v for _, v in critic_curves(runs / name)["raro/critic_accuracy"]]
-            critic = f"{np.mean(acc[:5]):.2f} / {np.mean(acc[-5:]):.2f}"
-        overrides = " ".join(cmd[cmd.index("trainer.val_before_train=true") + 1:]) or "(the recipe's)"
-        lines.append(f"| {name} | {arm} | `{overrides}` | {base.mean():.3f} | {final.mean():.3f} ({lo:.3f}–{hi:.3f}) "
-                     f"| {d['diff']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) | {critic} | {wall / 60:.0f} min |")
-    lines += ["", "Commands (from the repository root):", ""]
-    lines += [f"    .venv/bin/megareason {' '.join(c)}".replace(f"{ROOT}/", "") for _, c in variants.values()]
-    a.results.mkdir(parents=True, exist_ok=True)
-    _write(a.results / "compare_methods_tuning.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+# The arithmetic reward's reward_type for the training source (its data.sources[0]): correctness alone.
+CORRECT_ONLY = "++data.sources.0.extra_info.reward_type=correct"
+RARO = ("algorithm.name=raro", "algorithm.kl_coef=0.001")
+ARMS = {
+    "sft": Arm("sft"),
+    "grpo": Arm("train"),
+    "grpo_correct": Arm("train", (CORRECT_ONLY,)),
+    "sft_then_grpo": Arm("train", (CORRECT_ONLY,), start_from="sft"),
+    "raro": Arm("train", RARO),
+    # RARO made fair to its critic: 4 judgements per triplet (RARO's default; the recipe's 2 saves time) and a
+    # tie worth less than a coin flip's expected 0.5 to the critic (0.55, RARO's, makes a tie the better bet
+    # for a critic at chance); and, missing, a critic warm-up and truncated answers judged, not dropped.
+    "raro_fair": Arm("train", (*RARO, "raro.critic_n=4", "raro.tau_crit=0.4"), missing=(
+        "raro.critic_warmup_steps (the first N steps train the critic alone: policy rows masked in "
+        "megareason/raro/critic.py critic_round) and raro.truncated=judge (answers cut at rollout.max_tokens "
+        "shown to the critic instead of dropped: critic_round's step 1)")),
+    # RARO's policy side with a perfect critic: a tie when the policy's final answer equals the expert's, the
+    # expert named otherwise; no critic rows.
+    "raro_oracle": Arm("train", RARO, missing=(
+        "raro.critic=answer_equality (critic_round in megareason/raro/critic.py judges each triplet by the "
+        "data source's reward instead of sampling the critic, and adds no critic rows)")),
+}
+ORDER = ("base", *ARMS)
 
 
 def megareason() -> list[str]:
     exe = Path(sys.executable).parent / "megareason"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "megareason.cli"]
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ---- the splits
+
+
+def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: int, tune_seed: int,
+                   overrides: list[str]) -> dict:
+    """Draw the tuning and held-out splits (module docstring), write them to ``folder`` as JSONL (an existing
+    file must hold the same split), read them back with the trainer's loader and check them against the
+    training pool. Returns the files, the questions, each split's counts and the held-out fingerprint."""
+    cfg = load_config(CONFIG, overrides)
+    training = [question_of(r) for r in load_records(replace(cfg.data, val_sources=[]))]
+    exclude = {"training": {question_key(q) for q in training}}
+    source = cfg.data.val_sources[0]
+    tuning = draw_split(replace(source, seed=tune_seed), tune_prompts, exclude)
+    held = draw_split(replace(source, seed=heldout_seed), heldout,
+                      {**exclude, "tuning": {question_key(question_of(r)) for r in tuning.records}})
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {"training_questions": len(training), "training_distinct": len(exclude["training"])}
+    for name, split, seed in (("tuning", tuning, tune_seed), ("heldout", held, heldout_seed)):
+        path = folder / f"{name}.jsonl"
+        text = "".join(json.dumps(r) + "\n" for r in split_rows(split, seed))
+        if path.exists() and path.read_text() != text:
+            raise SystemExit(f"{path} holds another {name} split than --heldout/--tune-prompts/--heldout-seed/"
+                             f"--tune-seed and the training data make now; runs under {folder.parent} were "
+                             "evaluated on it: use another --runs, or delete that folder")
+        if not path.exists():
+            _write(path, text)
+        read = load_records(DataConfig(sources=[DataSourceConfig(kind="file", path=str(path))], system_prompt=""))
+        out[name] = {"file": path, "seed": seed, "questions": [question_of(r) for r in read], **split.stats()}
+    check_splits(training, tuning=out["tuning"]["questions"], heldout=out["heldout"]["questions"])
+    out["fingerprint"] = fingerprint(out["heldout"]["questions"])
+    return out
+
+
+def val_override(path: Path, size: int = 0) -> str:
+    """The override that makes ``path`` (a split's JSONL) the run's only validation source (its first
+    ``size`` rows; 0: all)."""
+    if '"' in str(path) or "\\" in str(path):
+        raise SystemExit(f"{path}: a path with a double quote or a backslash cannot be passed to hydra; use "
+                         "another --runs")
+    return f'data.val_sources=[{{kind:file,path:"{path}"{f",size:{size}" if size else ""}}}]'
+
+
+# ---- the runs
+
+
+def run_folder(runs: Path, arm: str, seed: int) -> Path:
+    return runs / arm / f"seed{seed}"
+
+
+def arm_command(name: str, seed: int, runs: Path, steps: int, prompts: int, val_file: Path, extra: list[str],
+                validate_base: bool = False) -> list[str]:
+    """The megareason command of one arm and seed; ``validate_base``: validate before training too (the
+    base model's score)."""
+    arm = ARMS[name]
+    cmd = [arm.command, "--config-name", CONFIG, f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}",
+           val_override(val_file), f"trainer.seed={seed}", *extra,
+           f"trainer.output_dir={run_folder(runs, name, seed)}",
+           f"trainer.val_before_train={'true' if validate_base else 'false'}", *arm.overrides]
+    if arm.start_from:
+        cmd.append(f"model.path={run_folder(runs, arm.start_from, seed) / 'hf'}")
+    return cmd
 
 
 def run_arm(name: str, args: list[str], folder: Path, steps: int) -> float:
@@ -141,68 +239,68 @@ def run_arm(name: str, args: list[str], folder: Path, steps: int) -> float:
     return spent
 
 
+def hf_export(folder: Path, steps: int) -> Path:
+    """The run's final checkpoint as an HF folder (``folder/hf``), exported once."""
+    hf = folder / "hf"
+    if not (hf / "config.json").exists():
+        ckpt = folder / "checkpoints" / f"step_{steps:08d}" / "actor"
+        if not ckpt.is_dir():
+            raise SystemExit(f"{ckpt}: no final checkpoint to start from (run that arm first)")
+        subprocess.run([*megareason(), "convert", "megatron-to-hf", str(ckpt), str(hf)], cwd=ROOT, check=True)
+    return hf
+
+
 def held_out(folder: Path) -> dict[int, np.ndarray]:
     """{step: per-prompt greedy correctness (0/1), in held-out order} from the trainer's validation dumps."""
     out = {}
     for path in sorted((folder / "rollouts").glob("val_step_*.jsonl")):
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        rows.sort(key=lambda r: r["index"])
+        rows = sorted(read_jsonl(path), key=lambda r: r["index"])
         out[int(path.stem.rsplit("_", 1)[1])] = np.array([float(r["correct"]) for r in rows])
     return out
 
 
-# The bootstrap and the exact McNemar test in numpy: scipy.stats has both (bootstrap, binomtest) but is not a
-# dependency of megareason, for two few-line statistics.
-def bootstrap_mean(x: np.ndarray, rng: np.random.Generator) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of ``x`` (resampling prompts)."""
-    idx = rng.integers(0, len(x), size=(BOOTSTRAP, len(x)))
-    means = x[idx].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+def load_state(results: Path, splits: dict) -> dict:
+    """``compare_methods.json``'s finished runs, refused when they were computed on another held-out set."""
+    path = results / "compare_methods.json"
+    state = json.loads(path.read_text()) if path.exists() else {}
+    found = state.get("heldout", {}).get("fingerprint")
+    if state.get("runs") and found != splits["fingerprint"]:
+        raise SystemExit(f"{path} holds runs evaluated on another held-out set (fingerprint {found}, now "
+                         f"{splits['fingerprint']}): use another --results, or move it away")
+    return {"heldout": heldout_info(splits), "runs": state.get("runs", {})}
 
 
-def mcnemar_exact_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided exact McNemar test on paired 0/1 outcomes: a binomial(n_discordant, 1/2) test."""
-    only_a, only_b = int(((a == 1) & (b == 0)).sum()), int(((a == 0) & (b == 1)).sum())
-    n, k = only_a + only_b, min(only_a, only_b)
-    if n == 0:
-        return 1.0
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
+def heldout_info(splits: dict) -> dict:
+    """What the results record of the splits: seeds, sizes, what each dropped, the held-out fingerprint."""
+    return {"fingerprint": splits["fingerprint"], "training_questions": splits["training_questions"],
+            "training_distinct": splits["training_distinct"],
+            **{name: {k: v for k, v in splits[name].items() if k not in ("file", "questions")}
+               for name in ("tuning", "heldout")}}
 
 
-def paired(a: np.ndarray, b: np.ndarray, rng: np.random.Generator) -> dict:
-    """a - b on the same prompts: the difference of accuracies, its 95% bootstrap interval (prompts
-    resampled jointly), and McNemar's exact p."""
-    lo, hi = bootstrap_mean(a - b, rng)
-    return {"diff": float((a - b).mean()), "ci": [lo, hi], "mcnemar_p": mcnemar_exact_p(a, b)}
+def record_run(results: Path, state: dict, name: str, seed: int, folder: Path, steps: int, wall: float,
+               command: list[str], questions: list[str]) -> None:
+    """A finished run's per-prompt rows (its final validation; also base's, from the step-0 validation of the
+    run that made it) and its entry in the state, written at once."""
+    (results / PROMPTS_DIR).mkdir(parents=True, exist_ok=True)
+    entries = [(name, steps, wall, command)]
+    if "trainer.val_before_train=true" in command:
+        entries.insert(0, ("base", 0, None, None))
+    curve = {s: float(x.mean()) for s, x in held_out(folder).items()}
+    for arm, step, seconds, cmd in entries:
+        rows = prompt_rows(read_jsonl(folder / "rollouts" / f"val_step_{step:08d}.jsonl"), questions)
+        file = f"{PROMPTS_DIR}/{arm}_seed{seed}.jsonl"
+        _write(results / file, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+        state["runs"][f"{arm}/seed{seed}"] = {
+            "arm": arm, "seed": seed, "file": file, "wall_seconds": seconds,
+            "command": [str(c).replace(f"{ROOT}/", "") for c in cmd] if cmd else None,
+            "curve": {str(s): v for s, v in curve.items()} if arm != "base" else {"0": curve[0]}}
+    _write(results / "compare_methods.json", json.dumps(state, indent=2) + "\n")
 
 
-def rerank_arm(runs: Path, steps: int, n_prompts: int, n: int, extra: list[str]) -> dict | None:
-    """RARO's final policy, ``n`` samples per prompt on the first ``n_prompts`` held-out prompts, the model
-    as its own critic picking one (``eval.rerank=critic``): critic@n vs pass@1 of the same samples."""
-    if n_prompts <= 0:
-        return None
-    out = runs / "raro_rerank"
-    found = sorted(out.glob("*/summary.json"))
-    if not found:
-        hf = runs / "raro" / "hf"
-        if not (hf / "config.json").exists():
-            ckpt = runs / "raro" / "checkpoints" / f"step_{steps:08d}" / "actor"
-            subprocess.run([*megareason(), "convert", "megatron-to-hf", str(ckpt), str(hf)], cwd=ROOT, check=True)
-        args = ["eval", "--config-name", CONFIG, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
-                f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}",
-                "data.sources=${data.val_sources}", f"data.val_sources.0.size={n_prompts}",
-                *[e for e in extra if not e.startswith("model.path=")]]
-        print(f"[raro+rerank] megareason {' '.join(args)}", flush=True)
-        start = time.monotonic()
-        subprocess.run([*megareason(), *args], cwd=ROOT, check=True)
-        found = sorted(out.glob("*/summary.json"))
-        summary = json.loads(found[-1].read_text())
-        summary["wall_seconds"] = time.monotonic() - start
-        _write(found[-1], json.dumps(summary, indent=2) + "\n")
-    summary = json.loads(found[-1].read_text())
-    s = summary["summaries"][0]
-    return {"prompts": s["prompts"], "n": n, "pass@1": s["pass_at"]["1"], f"pass@{n}": s["pass_at"][str(n)],
-            "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
+def finished(results: Path, state: dict, name: str, seed: int) -> bool:
+    entry = state["runs"].get(f"{name}/seed{seed}")
+    return entry is not None and (results / entry["file"]).exists()
 
 
 def critic_curves(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -268,43 +366,229 @@ def critic_figure(critic: dict[str, list[tuple[int, float]]]):
     return fig
 
 
-def report(results: Path, table: dict, curves: dict[str, dict[int, float]], prompts: dict[str, dict[int, int]],
-           critic: dict, rerank: dict | None, commands: dict[str, list[str]], budget: str) -> None:
-    results.mkdir(parents=True, exist_ok=True)
-    _write(results / "compare_methods.json", json.dumps({"arms": table, "held_out_curves": curves,
-                                                          "held_out_prompts": prompts, "raro_critic": critic,
-                                                          "rerank": rerank}, indent=2) + "\n")
-    lines = ["| arm | held-out accuracy (95% CI) | paired diff vs base (95% CI) | McNemar p | wall time |",
-             "|---|---|---|---|---|"]
-    for name, row in table.items():
-        lo, hi = row["ci"]
+# ---- the table
+
+
+def table(results: Path, state: dict) -> dict[str, dict]:
+    """Each arm's statistics over its finished seeds (``arm_stats``), its comparison with base (and RARO's
+    with GRPO) on the same prompts (``versus``), the exact p-values Holm-adjusted over all those tests."""
+    rng = np.random.default_rng(0)
+    entries = {arm: sorted((e for e in state["runs"].values() if e["arm"] == arm), key=lambda e: e["seed"])
+               for arm in ORDER}
+    data = {arm: outcomes([read_jsonl(results / e["file"]) for e in es]) for arm, es in entries.items() if es}
+    out = {}
+    for arm, (correct, parseable) in data.items():
+        walls = [e["wall_seconds"] for e in entries[arm] if e["wall_seconds"] is not None]
+        out[arm] = {**arm_stats(correct, parseable, rng), "seed_values": [e["seed"] for e in entries[arm]],
+                    "wall_seconds": sum(walls) / len(walls) if walls else None}
+    pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
+    tests = []
+    for arm, other in pairs:
+        if arm in data and other in data:
+            v = out[arm][f"vs_{other}"] = versus(data[arm], data[other], rng)
+            tests += [v["accuracy"], v["parseable"]]
+    for t, p in zip(tests, holm([t["p"] for t in tests]), strict=True):
+        t["p_holm"] = p
+    return out
+
+
+def _ci(x: float, ci: list[float], signed: bool = False) -> str:
+    if math.isnan(x):
+        return "—"
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(x)} ({f.format(ci[0])} to {f.format(ci[1])})"
+
+
+def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
+    """The table of ``compare_methods.md`` and the text that says what it holds."""
+    h, t = heldout["heldout"], heldout["tuning"]
+    tests = sum(2 for row in arms.values() for k in row if k.startswith("vs_"))
+    lines = [
+        f"Held-out: {h['kept']} basic_arithmetic prompts, reasoning-gym seed {h['seed']}: the first {h['kept']} "
+        f"distinct questions of its first {h['drawn']} items that are neither among the "
+        f"{heldout['training_distinct']} distinct questions of the whole training pool "
+        f"({heldout['training_questions']} items) nor in the tuning split; dropped: {h['duplicates']} repeats, "
+        f"{h['excluded'].get('training', 0)} training questions, {h['excluded'].get('tuning', 0)} tuning questions. "
+        f"Tuning split: {t['kept']} prompts, seed {t['seed']}, the first of its first {t['drawn']} items outside the "
+        f"training pool; dropped: {t['duplicates']} repeats, {t['excluded'].get('training', 0)} training questions. "
+        "The tool checks the three disjoint.", "",
+        "| arm | seeds | accuracy (95% CI) | parseable (95% CI) | accuracy among parseable (95% CI) "
+        "| accuracy − base (95% CI) | p (Holm) | parseable − base (95% CI) | p (Holm) "
+        "| among parseable − base (95% CI) | accuracy by seed | wall time per run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, row in arms.items():
         vs = row.get("vs_base")
-        diff = f"{vs['diff']:+.3f} ({vs['ci'][0]:+.3f} to {vs['ci'][1]:+.3f})" if vs else "—"
-        p = f"{vs['mcnemar_p']:.2g}" if vs else "—"
+        cells = ["—"] * 5
+        if vs:
+            a, p, r = vs["accuracy"], vs["parseable"], vs["accuracy_parseable"]
+            cells = [_ci(a["diff"], a["ci"], True), f"{a['p_holm']:.2g}", _ci(p["diff"], p["ci"], True),
+                     f"{p['p_holm']:.2g}", _ci(r["diff"], r["ci"], True)]
         wall = f"{row['wall_seconds'] / 60:.0f} min" if row.get("wall_seconds") else "—"
-        lines.append(f"| {name} | {row['accuracy']:.3f} ({lo:.3f}–{hi:.3f}) | {diff} | {p} | {wall} |")
-    if "vs_grpo" in table.get("raro", {}):
-        v = table["raro"]["vs_grpo"]
-        lines += ["", f"RARO − GRPO on the same prompts: {v['diff']:+.3f} (95% CI {v['ci'][0]:+.3f} to "
-                      f"{v['ci'][1]:+.3f}), McNemar p {v['mcnemar_p']:.2g}."]
+        by_seed = ", ".join(f"{x:.3f}" for x in row["accuracy_by_seed"])
+        lines.append(f"| {name} | {row['seeds']} | {_ci(row['accuracy'], row['accuracy_ci'])} "
+                     f"| {_ci(row['parseable'], row['parseable_ci'])} "
+                     f"| {_ci(row['accuracy_parseable'], row['accuracy_parseable_ci'])} | {' | '.join(cells)} "
+                     f"| {by_seed} | {wall} |")
+    lines += ["", "Parseable: the response has a final answer the arithmetic reward reads (a last \\boxed{} number, "
+              "'= number <eoe>' or a trailing '= number'); accuracy among parseable: correct answers over parseable "
+              "ones, pooled over seeds. Intervals: 95% percentile bootstrap over the held-out prompts (10,000 "
+              "resamples; a prompt's seeds resampled together), not adjusted for multiplicity. p: exact paired "
+              "test against base of accuracy and of parseable rate, McNemar's for one seed and, for several, the "
+              "exact sign-flip test of the seed-averaged per-prompt differences (McNemar's generalised), "
+              f"Holm-Bonferroni-adjusted over the {tests} tests of this page (RARO − GRPO's included)."]
+    if "vs_grpo" in arms.get("raro", {}):
+        v = arms["raro"]["vs_grpo"]["accuracy"]
+        lines += ["", f"RARO − GRPO accuracy on the same prompts: {_ci(v['diff'], v['ci'], True)}, "
+                      f"p {v['p']:.2g} (Holm {v['p_holm']:.2g})."]
+    return lines
+
+
+def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
+    """Held-out accuracy per step of each trained arm, the mean over its seeds at the steps all of them
+    have, and the held-out prompt count per step (for the figure's intervals)."""
+    curves = {}
+    for arm in arms:
+        if arm == "base":
+            continue
+        per_seed = [e["curve"] for e in state["runs"].values() if e["arm"] == arm]
+        steps = set.intersection(*(set(c) for c in per_seed))
+        curves[arm] = {int(s): float(np.mean([c[s] for c in per_seed])) for s in steps}
+        if "base" in arms and not ARMS[arm].start_from:
+            curves[arm].setdefault(0, arms["base"]["accuracy"])  # every such arm starts from the base model
+    prompts = {arm: {s: next(iter(arms.values()))["prompts"] for s in c} for arm, c in curves.items()}
+    return {k: dict(sorted(v.items())) for k, v in curves.items()}, prompts
+
+
+def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget: str, show: bool = False) -> None:
+    """Rewrite the table, ``compare_methods.json`` and the figures from every finished run in ``state``
+    (``show``: print the table too)."""
+    arms = table(results, state)
+    curves, prompts = curves_of(state, arms)
+    critic = {}
+    raro = sorted(e["seed"] for e in state["runs"].values() if e["arm"] == "raro")
+    if raro and (run_folder(runs, "raro", raro[0]) / "metrics.jsonl").exists():
+        critic = critic_curves(run_folder(runs, "raro", raro[0]))
+    state.update({"arms": arms, "held_out_curves": curves, "raro_critic": critic, "rerank": rerank})
+    _write(results / "compare_methods.json", json.dumps(state, indent=2) + "\n")
+    lines = table_lines(arms, state["heldout"])
     if rerank:
         lines += ["", f"RARO + critic reranking (first {rerank['prompts']} held-out prompts, {rerank['n']} samples "
                       f"each at the training temperature): pass@1 {rerank['pass@1']:.3f}, critic@{rerank['n']} "
                       f"{rerank['critic@n']:.3f}, pass@{rerank['n']} {rerank['pass@' + str(rerank['n'])]:.3f}."]
-    lines += ["", f"Budget per arm: {budget}.", "", "Commands (from the repository root):", ""]
-    lines += [f"    .venv/bin/megareason {' '.join(c)}".replace(f"{ROOT}/", "") for c in commands.values()]
+    lines += ["", f"Budget per run: {budget}. Per-prompt rows: `{PROMPTS_DIR}/ARM_seedS.jsonl`.", "",
+              "Commands (from the repository root; the held-out file is written by the tool):", ""]
+    lines += [f"    .venv/bin/megareason {shlex.join(e['command'])}" for e in state["runs"].values() if e["command"]]
     _write(results / "compare_methods.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-    save(heldout_figure(curves, prompts), results / "compare_methods_heldout.png", dpi=120)
+    if show:
+        print("\n".join(lines[:len(arms) + 5]), flush=True)
+    if curves:
+        save(heldout_figure(curves, prompts), results / "compare_methods_heldout.png", dpi=120)
     if (fig := critic_figure(critic)) is not None:
         save(fig, results / "compare_methods_raro_critic.png", dpi=120)
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+# ---- tuning, reranking, the driver
+
+
+def tune_commands(runs: Path, steps: int, prompts: int, val_file: Path, variants: list[str],
+                  extra: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """{variant: (arm, command)}: the arm's command (first seed) validating on the tuning split
+    (``val_file``) before and after training, then the variant's overrides; ``variants`` are
+    ``NAME=ARM:k=v,k=v`` with ARM a runnable arm that starts from the base model."""
+    allowed = sorted(n for n, arm in ARMS.items() if not arm.missing and not arm.start_from)
+    out = {}
+    for spec in variants:
+        name, _, rest = spec.partition("=")
+        arm, _, overrides = rest.partition(":")
+        if not name or arm not in allowed:
+            raise SystemExit(f"--tune {spec!r}: expected NAME=ARM:key=value,... with ARM one of {allowed}")
+        cmd = [c for c in arm_command(arm, 0, runs, steps, prompts, val_file, extra)
+               if not c.startswith(("trainer.output_dir=", "trainer.val_before_train="))]
+        out[name] = (arm, [*cmd, f"trainer.output_dir={runs / name}", "trainer.val_before_train=true",
+                           *[o for o in overrides.split(",") if o]])
+    return out
+
+
+def tune(a, splits: dict) -> None:
+    """Run the ``--tune`` variants and list them (module docstring)."""
+    runs = a.runs / "tuning"
+    t = splits["tuning"]
+    variants = tune_commands(runs, a.steps, a.prompts, t["file"], a.tune, a.overrides)
+    rng = np.random.default_rng(0)
+    lines = [f"Tuning split: {t['kept']} basic_arithmetic prompts, reasoning-gym seed {t['seed']}, none among the "
+             f"training pool's questions or the held-out set's (checked); {a.steps} steps x {a.prompts} training "
+             "prompts per run; greedy.", "",
+             "| run | arm | overrides | base on the split | final accuracy (95% CI) | paired diff vs base (95% CI) "
+             "| critic accuracy, first / last 5 steps | wall time |", "|---|---|---|---|---|---|---|---|"]
+    for name, (arm, cmd) in variants.items():
+        wall = run_arm(name, cmd, runs / name, a.steps)
+        curve = held_out(runs / name)
+        base, final = curve[0], curve[a.steps]
+        lo, hi = bootstrap_mean(final, rng)
+        d = paired(final, base, rng)
+        critic = "—"
+        if arm.startswith("raro"):
+            acc = [v for _, v in critic_curves(runs / name)["raro/critic_accuracy"]]
+            critic = f"{np.mean(acc[:5]):.2f} / {np.mean(acc[-5:]):.2f}"
+        overrides = " ".join(cmd[cmd.index("trainer.val_before_train=true") + 1:]) or "(the recipe's)"
+        lines.append(f"| {name} | {arm} | `{overrides}` | {base.mean():.3f} | {final.mean():.3f} ({lo:.3f}–{hi:.3f}) "
+                     f"| {d['diff']:+.3f} ({d['ci'][0]:+.3f} to {d['ci'][1]:+.3f}) | {critic} | {wall / 60:.0f} min |")
+    lines += ["", "Commands (from the repository root):", ""]
+    lines += [f"    .venv/bin/megareason {shlex.join(c)}".replace(f"{ROOT}/", "") for _, c in variants.values()]
+    a.results.mkdir(parents=True, exist_ok=True)
+    _write(a.results / "compare_methods_tuning.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val_file: Path,
+               extra: list[str]) -> dict | None:
+    """RARO's final policy (the run in ``folder``), ``n`` samples per prompt on the first ``n_prompts``
+    held-out prompts, the model as its own critic picking one (``eval.rerank=critic``): critic@n vs pass@1
+    of the same samples."""
+    if n_prompts <= 0:
+        return None
+    out = runs / "raro_rerank"
+    found = sorted(out.glob("*/summary.json"))
+    if not found:
+        hf = hf_export(folder, steps)
+        args = ["eval", "--config-name", CONFIG, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
+                f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}", val_override(val_file, n_prompts),
+                "data.sources=${data.val_sources}",
+                *[e for e in extra if not e.startswith("model.path=")]]
+        print(f"[raro+rerank] megareason {' '.join(args)}", flush=True)
+        start = time.monotonic()
+        subprocess.run([*megareason(), *args], cwd=ROOT, check=True)
+        found = sorted(out.glob("*/summary.json"))
+        summary = json.loads(found[-1].read_text())
+        summary["wall_seconds"] = time.monotonic() - start
+        _write(found[-1], json.dumps(summary, indent=2) + "\n")
+    summary = json.loads(found[-1].read_text())
+    s = summary["summaries"][0]
+    return {"prompts": s["prompts"], "n": n, "pass@1": s["pass_at"]["1"], f"pass@{n}": s["pass_at"][str(n)],
+            "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
+
+
+def plan(arms: list[str], seeds: int, arm_seeds: dict[str, int]) -> list[tuple[str, int]]:
+    """The runs in order, (arm, seed): seed after seed, the arms in ``ORDER`` within a seed (base is no run)."""
+    count = {arm: arm_seeds.get(arm, seeds) for arm in arms}
+    return [(arm, seed) for seed in range(max(count.values(), default=0)) for arm in ORDER
+            if arm in count and arm != "base" and seed < count[arm]]
+
+
+def check_arms(wanted: list[str], arm_seeds: dict[str, int], state: dict) -> None:
+    """Refuse unknown arms, arms the trainer cannot run yet, and a table without its base."""
+    if unknown := sorted(set(wanted) - set(ORDER)):
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {list(ORDER)}")
+    if unknown := sorted(set(arm_seeds) - set(wanted)):
+        raise SystemExit(f"--arm-seeds: {unknown} not in --arms")
+    if blocked := [f"{n}: needs {ARMS[n].missing}" for n in wanted if n != "base" and ARMS[n].missing]:
+        raise SystemExit("these arms need trainer options megareason does not have:\n  " + "\n  ".join(blocked))
+    for n in wanted:
+        if n != "base" and ARMS[n].start_from and ARMS[n].start_from not in wanted:
+            dep = ARMS[n].start_from
+            raise SystemExit(f"--arms: {n} starts from {dep}'s final model; include {dep}")
+    if "grpo" not in wanted and not any(e["arm"] == "base" for e in state["runs"].values()):
+        raise SystemExit("--arms must include grpo: the step-0 validation of its first seed is the base model's")
 
 
 def main() -> None:
@@ -312,11 +596,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8, help="training prompts per step (every arm)")
     ap.add_argument("--heldout", type=int, default=500, help="held-out prompts (greedy)")
+    ap.add_argument("--heldout-seed", type=int, default=HELDOUT_SEED, help="the held-out set's reasoning-gym seed")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per arm (trainer.seed 0, 1, ...)")
+    ap.add_argument("--arm-seeds", action="append", default=[], metavar="ARM=N", help="another number of runs "
+                    "for one arm (repeatable), e.g. raro=1")
     ap.add_argument("--rerank-prompts", type=int, default=100, help="held-out prompts for critic reranking (0: none)")
     ap.add_argument("--rerank-n", type=int, default=4)
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "compare_methods")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
-    ap.add_argument("--arms", default="grpo,sft,raro", help="training arms to run, in order (base comes with grpo)")
+    ap.add_argument("--arms", default=",".join(n for n in ORDER if n == "base" or not ARMS[n].missing),
+                    help=f"arms to run, in this order within a seed (base comes with grpo's first seed): {list(ORDER)}")
     ap.add_argument("--tune", action="append", default=[], metavar="NAME=ARM:k=v,...",
                     help="tune instead: train this variant, score it on the tuning split (repeatable)")
     ap.add_argument("--tune-prompts", type=int, default=100, help="prompts of the tuning split")
@@ -325,43 +614,46 @@ def main() -> None:
     a = ap.parse_args()
     if a.heldout < 2:
         ap.error("--heldout must be >= 2")
+    if a.seeds < 1:
+        ap.error("--seeds must be >= 1")
+    arm_seeds = {}
+    for spec in a.arm_seeds:
+        arm, _, n = spec.partition("=")
+        if not n.isdigit() or int(n) < 1:
+            ap.error(f"--arm-seeds {spec!r}: expected ARM=N with N >= 1")
+        arm_seeds[arm] = int(n)
+    try:
+        splits = prepare_splits(a.runs / "data", a.heldout, a.tune_prompts, a.heldout_seed, a.tune_seed, a.overrides)
+    except SplitError as e:
+        sys.exit(f"error: {e}")
     if a.tune:
-        if a.tune_seed == 20261123:
-            ap.error("--tune-seed must differ from the held-out set's seed (20261123)")
-        return tune(a)
-    commands = arm_commands(a.runs, a.steps, a.prompts, a.heldout, a.overrides)
+        return tune(a, splits)
+    a.results.mkdir(parents=True, exist_ok=True)
+    state = load_state(a.results, splits)
     wanted = [x for x in a.arms.split(",") if x]
-    if unknown := set(wanted) - set(commands):
-        ap.error(f"--arms: unknown {sorted(unknown)}; choose from {sorted(commands)}")
-    if "grpo" not in wanted:
-        ap.error("--arms must include grpo: its step-0 validation is the base model's")
-    wall = {name: run_arm(name, commands[name], a.runs / name, a.steps) for name in wanted}
-    rerank = rerank_arm(a.runs, a.steps, min(a.rerank_prompts, a.heldout), a.rerank_n, a.overrides) \
-        if "raro" in wanted else None
-
-    rng = np.random.default_rng(0)
-    curves = {name: held_out(a.runs / name) for name in wanted}
-    base = curves["grpo"][0]
-    finals = {"base": base, **{name: curves[name][a.steps] for name in wanted}}
-    table = {}
-    for name, x in finals.items():
-        lo, hi = bootstrap_mean(x, rng)
-        table[name] = {"accuracy": float(x.mean()), "ci": [lo, hi], "prompts": len(x), "wall_seconds": wall.get(name)}
-        if name != "base":
-            table[name]["vs_base"] = paired(x, base, rng)
-    if "raro" in finals:
-        table["raro"]["vs_grpo"] = paired(finals["raro"], finals["grpo"], rng)
-    as_means = {name: {s: float(v.mean()) for s, v in c.items()} for name, c in curves.items()}
-    prompts = {name: {s: len(v) for s, v in c.items()} for name, c in curves.items()}
-    for name in as_means:
-        as_means[name].setdefault(0, float(base.mean()))  # every arm starts from the base model
-        prompts[name].setdefault(0, len(base))
-    critic = critic_curves(a.runs / "raro") if "raro" in wanted else {}
-    n = json.loads((a.runs / "grpo" / "config.json").read_text())["rollout"]["n"]
+    check_arms(wanted, arm_seeds, state)
+    heldout = splits["heldout"]
+    n = load_config(CONFIG, a.overrides).rollout.n
     budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
               f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
-    report(a.results, table, {k: dict(sorted(v.items())) for k, v in as_means.items()}, prompts, critic, rerank,
-           {k: commands[k] for k in wanted}, budget)
+    runs = plan(wanted, a.seeds, arm_seeds)
+    first = min((s for arm, s in runs if arm == "grpo"), default=0)
+    for name, seed in runs:
+        folder = run_folder(a.runs, name, seed)
+        if finished(a.results, state, name, seed):
+            print(f"[{name} seed {seed}] finished earlier: {state['runs'][f'{name}/seed{seed}']['file']}", flush=True)
+            continue
+        if ARMS[name].start_from:
+            hf_export(run_folder(a.runs, ARMS[name].start_from, seed), a.steps)
+        cmd = arm_command(name, seed, a.runs, a.steps, a.prompts, heldout["file"], a.overrides,
+                          validate_base=name == "grpo" and seed == first)
+        wall = run_arm(f"{name} seed {seed}", cmd, folder, a.steps)
+        record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"])
+        publish(a.results, a.runs, state, None, budget)
+    raro = sorted(s for arm, s in runs if arm == "raro")
+    rerank = rerank_arm(a.runs, run_folder(a.runs, "raro", raro[0]), a.steps, min(a.rerank_prompts, a.heldout),
+                        a.rerank_n, heldout["file"], a.overrides) if raro else None
+    publish(a.results, a.runs, state, rerank, budget, show=True)
 
 
 if __name__ == "__main__":
