@@ -152,7 +152,7 @@ def _bytes_written(ckpt: str) -> dict[int, Counter]:
 
 def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str, moe_dir: str, moe_ckpt: str):
     from megareason.models.build import HFCheckpoint
-    from megareason.models.checkpoint import load_checkpoint, read_metadata, save_checkpoint
+    from megareason.models.checkpoint import finish_saves, load_checkpoint, read_metadata, save_checkpoint
     from megareason.models.offload import TrainingStateOffload
     from megareason.models.parallel import init_parallel
 
@@ -164,10 +164,14 @@ def _dp2_worker(model_dir: str, ckpt: str, ckpt_bf16: str, ckpt_tp2: str, moe_di
     model, ddp, opt = _trainer(hf, distributed=True)
     out[(1, 1, "distributed")] = _stepped(hf, ddp, opt)
     out["saved"] = _full_state(model, opt)
-    save_checkpoint(ckpt, model, hf.arch, model_dir, optimizer=opt, metadata={"step": 1})
+    # Asynchronous: the next step changes the parameters and the optimizer state in place while the forked
+    # writer writes; the checkpoint holds the state at the save, and appears only once committed.
+    save_checkpoint(ckpt, model, hf.arch, model_dir, optimizer=opt, metadata={"step": 1}, asynchronous=True)
+    out[(1, 1, "continued")] = _stepped(hf, ddp, opt)  # the uninterrupted run's second step
+    out["before_commit"] = sorted(p.name for p in Path(ckpt).parent.iterdir() if p.name.startswith("ckpt"))
+    assert finish_saves(blocking=True)
     out["sharding"] = read_metadata(ckpt)["distrib_optim_sharding_type"]
     out["written"] = _bytes_written(ckpt)
-    out[(1, 1, "continued")] = _stepped(hf, ddp, opt)  # the uninterrupted run's second step
 
     # bf16 params: megatron-core's mixed-precision distributed optimizer (fp32 main weights).
     model, ddp, opt = _trainer(hf, distributed=True, precision="bf16")
@@ -310,6 +314,8 @@ def test_every_dp_rank_writes_its_share_and_other_layouts_load_it_exactly(runs):
     exactly what DP=2 saved; so does it after a load at TP=2, a save there and a (fully parallel) load at
     DP=2 again."""
     _, dp2, (dp1,) = runs
+    # written asynchronously: before the commit only the temporary folder existed
+    assert [name.startswith("ckpt.tmp-") for name in dp2[0]["before_commit"]] == [True], dp2[0]["before_commit"]
     # Without the wrapper megatron-core's writer puts all 6.4 MB (1.6 MB model, 4.8 MB optimizer) on rank 0.
     written = dp2[0]["written"]
     assert sorted(written) == [0, 1], written

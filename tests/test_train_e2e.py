@@ -224,10 +224,17 @@ def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:
 def test_raro_with_lora_trains_logs_its_metrics_and_resumes_with_its_replay_buffer(tiny_qwen2, tmp_path):
     """RARO on LoRA adapters: two generate passes a step (policy, then critic), both from the merged weights
     synced after each update; its metrics, its critic's judgements, and a resume that restores the replay
-    buffer and the adapters (with their optimizer state) exactly. (Full-parameter training: every other run.)"""
+    buffer and the adapters (with their optimizer state) exactly. (Full-parameter training: every other run.)
+    The step-2 checkpoint it resumes from was written in the background (trainer.async_save) while step 3
+    ran; the last step's, at once."""
     straight = tmp_path / "straight"
-    lora = ("--use-lora", "lora.rank=4", "optim.lr=3e-2", "trainer.steps=3", "trainer.save_every=2")
-    _run(_raro_args(tiny_qwen2, tmp_path, straight, *lora))
+    lora = ("--use-lora", "lora.rank=4", "optim.lr=3e-2", "trainer.steps=3", "trainer.save_every=2",
+            "trainer.async_save=true")
+    first = _run(_raro_args(tiny_qwen2, tmp_path, straight, *lora))
+    assert re.search(r"checkpoint of step 2: copied to host memory in [\d.]+ s, written in the background",
+                     first.stderr), first.stderr[-3000:]
+    assert re.search(r"checkpoint of step 2 saved in the background in [\d.]+ s", first.stderr)
+    assert re.search(r"checkpoint of step 3 saved in [\d.]+ s", first.stderr)
     reference = _metrics(straight)
     check_golden("raro", reference)
     assert sorted(reference) == [1, 2, 3]

@@ -279,6 +279,81 @@ def test_a_full_disk_while_a_checkpoint_is_written_keeps_the_last_complete_one(t
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
+class _BackgroundRole(_DiskRole):
+    """A role whose asynchronous save writes its files only when ``finish_saves`` finds the write done
+    (``ready``; ``blocking`` waits for it); ``fails``: the background write fails."""
+
+    ready, fails, pending = False, False, None
+
+    def save(self, path: str, meta: dict, asynchronous: bool = False) -> None:
+        if asynchronous:
+            self.pending = (path, meta)
+        else:
+            super().save(path, meta)
+
+    def finish_saves(self, blocking: bool) -> bool:
+        if self.pending is None:
+            return True
+        if not (blocking or self.ready):
+            return False
+        if self.fails:
+            self.pending = None
+            raise OSError(5, "Input/output error", "the writer's file")
+        path, meta = self.pending
+        self.pending = None
+        super().save(path, meta)
+        return True
+
+
+def test_a_checkpoint_written_in_the_background_counts_once_written_and_a_failed_one_never(tmp_path):
+    """trainer.async_save: the step-2 checkpoint becomes step_2 only once its roles report the write done
+    (checked after each step, without waiting), holding the state after step 2; the next save waits for it;
+    the last step's is written at once; keep_last prunes as usual. A background write that fails raises at
+    the check, naming the last complete checkpoint, and leaves no step folder."""
+    from megareason.config import load_config
+    from megareason.trainer.driver import Driver
+    from megareason.trainer.run_dir import CheckpointError
+
+    def config(out):
+        return load_config("grpo_smollm2_cpu", [f"trainer.output_dir={out}", "trainer.save_every=2", "trainer.steps=5",
+                                               "trainer.val_before_train=false", "trainer.async_save=true",
+                                               "trainer.keep_last=2"])
+
+    run, role = RunDir(tmp_path / "a"), _BackgroundRole()
+    driver = Driver(config(run.root), run, [role], 16, "training", None)
+    driver.start()
+    seen = {}
+    for step, _ in driver.steps():
+        role.ready = step >= 4  # step 2's write is still going on after step 3
+        driver.end_step(step, {"loss": float(step)})
+        seen[step] = run.steps()
+    driver.close()
+    assert seen == {1: [], 2: [], 3: [], 4: [2], 5: [4, 5]}
+    assert (run.checkpoint(4) / "actor" / "model.pt").read_text() == "weights of step 4"
+    # the same trainer state as a run that saves at once writes for step 4
+    sync = RunDir(tmp_path / "sync")
+    at_once = Driver(load_config("grpo_smollm2_cpu", [f"trainer.output_dir={sync.root}", "trainer.save_every=2",
+                                                      "trainer.steps=5", "trainer.val_before_train=false"]),
+                     sync, [_DiskRole()], 16, "training", None)
+    at_once.start()
+    for step, _ in at_once.steps():
+        at_once.end_step(step, {"loss": float(step)})
+    at_once.close()
+    assert run.read_state(run.checkpoint(4)) == sync.read_state(sync.checkpoint(4))
+    assert run.read_state(run.checkpoint(4)).step == 4
+
+    run, role = RunDir(tmp_path / "b"), _BackgroundRole()
+    role.fails = True
+    driver = Driver(config(run.root), run, [role], 16, "training", None)
+    driver.start()
+    with pytest.raises(CheckpointError, match=r"step 2 could not be written .*Input/output error.*the last complete "
+                                              r"one is none"):
+        for step, _ in driver.steps():
+            role.ready = step >= 3
+            driver.end_step(step, {"loss": float(step)})
+    assert run.steps() == [] and not run.checkpoint(2).exists()
+
+
 def test_sigterm_during_validation_finishes_it_saves_and_exits_75(tmp_path):
     """The SIGTERM arrives while step 2's validation runs (a real signal to this process): a validation that
     generates nothing completes, its metrics are logged, the step is checkpointed and the run exits with

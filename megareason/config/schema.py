@@ -444,6 +444,12 @@ class TrainerConfig:
     must_save_by_minutes: float = 0.0
     stop_margin_s: float = 300.0
     keep_last: int = 2
+    # Write the scheduled checkpoints in the background (megatron-core's asynchronous save): the step waits
+    # only for the state's copy to host memory, a process per rank writes it while the next steps run, and
+    # the checkpoint counts (step_N appears, older ones beyond keep_last go) once every rank's write has
+    # finished, checked after each step. The last step's checkpoint and a stop's are written at once. Host
+    # memory: a copy of each rank's share of the checkpoint while it is written.
+    async_save: bool = False
     # Greedy validation on data.val_sources every val_every steps (0: only before and after training).
     val_every: int = 10
     val_before_train: bool = True

@@ -7,7 +7,10 @@ Layout of a checkpoint directory::
     <dir>/megareason.json   what wrote it: the architecture, the TP/PP it was saved from, user metadata
 
 Every rank writes into ``<dir>.tmp-<id>`` and rank 0 renames it to ``<dir>`` once all ranks are done,
-so a crash mid-save leaves the previous checkpoint (if any) intact and never a half-written one.
+so a crash mid-save leaves the previous checkpoint (if any) intact and never a half-written one. An
+asynchronous save (``save_checkpoint(..., asynchronous=True)``, megatron-core's) stages the state in host
+memory and returns; a forked process per rank writes it, and ``finish_saves`` renames it once every rank's
+write has finished.
 
 Saves and loads are spread over the data-parallel replicas (megatron-core's fully parallel strategies):
 the DP ranks that hold the same TP x PP shard split its tensors between them, so each writes about
@@ -26,6 +29,7 @@ mishandles; ``load_checkpoint`` works around that (``_distributed_optimizer_load
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import uuid
@@ -60,8 +64,13 @@ def _broadcast(obj):
 
 
 def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path, optimizer=None,
-                    metadata: dict | None = None) -> Path:
-    """Save ``model`` (and ``optimizer``) to ``path`` from every rank; returns the final path."""
+                    metadata: dict | None = None, asynchronous: bool = False) -> Path:
+    """Save ``model`` (and ``optimizer``) to ``path`` from every rank; returns the final path.
+
+    ``asynchronous``: megatron-core's asynchronous save. The state is staged in host memory before this
+    returns (``_stage_on_host``), a process forked per rank writes it while training goes on, and
+    ``finish_saves`` (called on every rank alike) commits it: ``path`` appears only once every rank's
+    write has finished. Until then the previous checkpoint at ``path``, if any, is untouched."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -76,32 +85,103 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
     if dist.get_rank() == 0:
         tmp.mkdir(parents=True)
     dist.barrier()
+    layout = current_layout()
+    meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp, "saved_ep": layout.ep,
+            "has_optimizer": optimizer is not None, **(metadata or {}), SHARDING_KEY: sharding}
+    if optimizer is not None:
+        meta[OPTIMIZERS_KEY] = _optimizer_count(optimizer)
+    commit = functools.partial(_commit, tmp, path, Path(hf_dir), meta)
     try:
         state = {"model": model.sharded_state_dict()}
         if optimizer is not None:
             state["optimizer"] = optimizer.sharded_state_dict(state["model"], **_sharding_kwargs(sharding))
+        if asynchronous:
+            request = dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy(),
+                                              async_sharded_save=True)
+            del state  # the device tensors go once staged (the buckets hold the host copies)
+            request = _stage_on_host(request)
+            request.add_finalize_fn(commit)
+            _async_saves().schedule_async_request(request)
+            _PENDING.append(tmp)
+            return path
         dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy())
-        dist.barrier()
-        if dist.get_rank() == 0:
-            (tmp / "hf").mkdir()
-            for name in HF_FILES:
-                if (Path(hf_dir) / name).is_file():
-                    shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
-            layout = current_layout()
-            meta = {"arch": asdict(arch), "saved_tp": layout.tp, "saved_pp": layout.pp, "saved_ep": layout.ep,
-                    "has_optimizer": optimizer is not None, **(metadata or {}), SHARDING_KEY: sharding}
-            if optimizer is not None:
-                meta[OPTIMIZERS_KEY] = _optimizer_count(optimizer)
-            (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
-            replace_directory(tmp, path, CHECKPOINT)
+        commit()
     except BaseException:
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        _stop_writer_manager()
-    dist.barrier()
+        if not asynchronous:
+            _stop_writer_manager()
     return path
+
+
+def _commit(tmp: Path, path: Path, hf_dir: Path, meta: dict) -> None:
+    """Once every rank has written its files into ``tmp``: rank 0 adds the HF config and tokenizer files and
+    ``megareason.json``, then renames ``tmp`` to ``path`` (replacing an earlier checkpoint there)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "hf").mkdir()
+        for name in HF_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copy2(hf_dir / name, tmp / "hf" / name)
+        (tmp / META).write_text(json.dumps(meta, indent=2) + "\n")
+        replace_directory(tmp, path, CHECKPOINT)
+    dist.barrier()
+
+
+# This process's asynchronous saves (megatron-core's queue: a forked writer per save) and their folders.
+_QUEUE = None
+_PENDING: list[Path] = []
+
+
+def _async_saves():
+    global _QUEUE
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if _QUEUE is None:
+        _QUEUE = AsyncCallsQueue(persistent=False)
+    return _QUEUE
+
+
+def _stage_on_host(request):
+    """Stage the tensors the request will write in host memory now, in place in its write buckets.
+
+    megatron-core stages them when the request is scheduled (``FileSystemWriterAsync.preload_tensors``: a
+    device-to-host copy) into a list of its own, while the request and the writer keep the device tensors
+    referenced until the save is finalized: for the distributed optimizer's ``fully_reshardable`` state,
+    buffers gathered for the save (12 bytes a parameter) would stay on the GPU beside the next generation's
+    KV cache. The same copy made into the buckets the writer shares frees them when the save returns. A CPU
+    tensor stages as itself: the writer, forked at the schedule, sees it as it was then (copy-on-write)."""
+    if request.async_fn is None:  # nothing for this rank to write
+        return request
+    buckets = request.async_fn_args[1]
+    buckets[:] = [(file, key, (data, [(item, t.detach().to("cpu")) for item, t in tensors]))
+                  for file, key, (data, tensors) in buckets]
+    return request._replace(preload_fn=None)
+
+
+def finish_saves(blocking: bool = True) -> bool:
+    """Commit this process's asynchronous saves whose writes have finished on every rank (all of them, waiting,
+    with ``blocking``); True when none is left. A collective while any is pending: call it on every rank of
+    the group alike. A write that failed on any rank raises on every rank, and its folder is removed."""
+    if _QUEUE is None or not _QUEUE.get_num_unfinalized_calls():
+        return True
+    try:
+        done = len(_QUEUE.maybe_finalize_async_calls(blocking=blocking))
+    except BaseException:
+        if dist.get_rank() == 0:
+            for tmp in _PENDING:
+                shutil.rmtree(tmp, ignore_errors=True)
+        _PENDING.clear()
+        _QUEUE.async_calls.clear()
+        _stop_writer_manager()
+        raise
+    del _PENDING[:done]
+    if _QUEUE.get_num_unfinalized_calls():
+        return False
+    _stop_writer_manager()
+    return True
 
 
 def _save_strategy():

@@ -44,7 +44,7 @@ class _Trainable:
         self.training_state.onload()
         return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn, self.router_watch)
 
-    def save(self, path, metadata: dict | None = None):
+    def save(self, path, metadata: dict | None = None, asynchronous: bool = False):
         from dataclasses import asdict
 
         # the base model's path: a PEFT export names it (adapter_config.json: base_model_name_or_path)
@@ -56,7 +56,7 @@ class _Trainable:
         self.training_state.onload(gradients=False)
         self.training_state.offload(optimizer=False)
         return save_checkpoint(path, self.model, self.arch, self.hf_dir, self.optimizer,
-                               {**(metadata or {}), **lora, **precision})
+                               {**(metadata or {}), **lora, **precision}, asynchronous=asynchronous)
 
     def load(self, path) -> dict:
         self.training_state.onload()

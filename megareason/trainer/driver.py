@@ -30,7 +30,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -111,6 +111,18 @@ def checkpoint_due(cfg: Config, step: int, since_save_s: float) -> bool:
             or (t.save_every_minutes > 0 and since_save_s >= 60 * t.save_every_minutes))
 
 
+@dataclass
+class BackgroundSave:
+    """A checkpoint whose roles write it in the background (trainer.async_save): committed as ``step``'s
+    from ``tmp`` with ``state`` once they are done; ``previous``: the latest complete one when it started."""
+
+    step: int
+    tmp: Path
+    state: TrainerState
+    previous: Path | None
+    started: float
+
+
 class Driver:
     """One run's frame (module docstring). ``roles``: the policy handle first (its engines take the
     weights on resume), then any other trained role; each saves to ``<checkpoint>/<role name>/``.
@@ -122,6 +134,7 @@ class Driver:
         self.validate, self.stop = validate, stop
         self.resumed_from: Path | None = None  # the checkpoint ``start`` resumed from
         self.stop_reason = ""  # why a run stops without a signal (a deadline)
+        self.background: BackgroundSave | None = None  # trainer.async_save: the checkpoint being written
 
     def start(self) -> TrainerState:
         """Resume or start; returns the state of the checkpoint resumed from (step 0: a fresh run)."""
@@ -200,6 +213,7 @@ class Driver:
         ``trainer_state.json``: ``extra``; ``save_files(folder)`` writes the files of a state that is not the
         roles' models, into the checkpoint's folder before it is committed), then the exit of a stopped run."""
         t = self.cfg.trainer
+        self._commit_background(blocking=False)
         self.tracker.log(step, metrics)
         self.done_extra = json.loads(json.dumps(algorithm_state or {}))  # as a resume would read it
         now = time.monotonic()
@@ -211,7 +225,8 @@ class Driver:
                                 f"trainer.stop_margin_s ({t.stop_margin_s:g} s)")
         stopping = self._stopping() or near  # read once: save and exit agree
         if checkpoint_due(self.cfg, step, time.monotonic() - self.last_save) or stopping:
-            self._save(step, algorithm_state or {}, save_files=save_files)
+            background = t.async_save and not stopping and step < t.steps  # the last one and a stop's: at once
+            self._save(step, algorithm_state or {}, save_files=save_files, background=background)
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
 
@@ -224,6 +239,7 @@ class Driver:
         self._exit(f" during step {step}'s generation: the step was dropped, the run resumes at step {step}")
 
     def close(self) -> None:
+        self._commit_background(blocking=True)
         self.tracker.close()
 
     def _stop_generation_on_sigterm(self) -> None:
@@ -239,7 +255,12 @@ class Driver:
             stop_file.touch()
 
     def _save(self, step: int, algorithm_state: dict, sampler: SamplerState | None = None,
-              pending_metrics: dict | None = None, save_files: Callable[[Path], None] | None = None) -> None:
+              pending_metrics: dict | None = None, save_files: Callable[[Path], None] | None = None,
+              background: bool = False) -> None:
+        """Every role's checkpoint and the driver's files into a fresh folder, committed as ``step_N`` at once,
+        or with ``background`` (trainer.async_save) once every role's write has finished
+        (``_commit_background``, after each step). A checkpoint still being written is committed first."""
+        self._commit_background(blocking=True)
         saving = time.monotonic()
         sampler = sampler or SamplerState(self.sampler.epoch, self.sampler.position)
         state = TrainerState(step=step, sampler=sampler, extra=algorithm_state, pending_metrics=pending_metrics)
@@ -247,19 +268,53 @@ class Driver:
         try:
             tmp = self.run.begin_checkpoint(step)
             for role in self.roles:
-                role.save(str(tmp / role.name), {"step": step})
+                if background:
+                    role.save(str(tmp / role.name), {"step": step}, asynchronous=True)
+                else:
+                    role.save(str(tmp / role.name), {"step": step})
             if save_files is not None:
                 save_files(tmp)
-            self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
+            if background:
+                self.background = BackgroundSave(step, tmp, state, previous, saving)
+            else:
+                self.run.commit_checkpoint(tmp, state, self.cfg.trainer.keep_last)
         except RunError:
             raise
         except Exception as e:  # e.g. OSError ENOSPC, here or raised by a worker (Ray re-raises its type)
-            last = previous or "none (no earlier checkpoint)"
-            raise CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
-                                  f"{first_line(e)}; the last complete one is {last}") from e
-        self.save_s, self.saved_step = time.monotonic() - saving, step
-        log.info("checkpoint of step %d saved in %.1f s", step, self.save_s)
+            raise self._save_error(step, previous, e) from e
+        if background:
+            log.info("checkpoint of step %d: copied to host memory in %.1f s, written in the background", step,
+                     time.monotonic() - saving)
+        else:
+            self.save_s = time.monotonic() - saving
+            log.info("checkpoint of step %d saved in %.1f s", step, self.save_s)
+        self.saved_step = step
         self.last_save = time.monotonic()
+
+    def _commit_background(self, blocking: bool) -> None:
+        """The checkpoint written in the background becomes ``step_N`` once every role's write has finished
+        on every rank (``blocking``: waits for that)."""
+        b = self.background
+        if b is None:
+            return
+        try:
+            done = [role.finish_saves(blocking) for role in self.roles]  # every role, each its own collective
+            if not all(done):
+                return
+            self.run.commit_checkpoint(b.tmp, b.state, self.cfg.trainer.keep_last)
+        except RunError:
+            raise
+        except Exception as e:
+            self.background = None
+            raise self._save_error(b.step, b.previous, e) from e
+        self.background = None
+        self.save_s = time.monotonic() - b.started
+        log.info("checkpoint of step %d saved in the background in %.1f s", b.step, self.save_s)
+
+    def _save_error(self, step: int, previous: Path | None, e: Exception) -> CheckpointError:
+        last = previous or "none (no earlier checkpoint)"
+        return CheckpointError(f"the checkpoint of step {step} could not be written in {self.run.checkpoints}: "
+                               f"{first_line(e)}; the last complete one is {last}")
 
     def _deadline(self) -> float | None:
         """The deadline on the ``time.monotonic`` clock: ``trainer.must_save_by_minutes`` from now, or the
@@ -281,6 +336,7 @@ class Driver:
         return self.stop is not None and self.stop.signal is not None
 
     def _exit(self, what: str) -> None:
+        self._commit_background(blocking=True)
         why = signal.Signals(self.stop.signal).name if self._stopping() else self.stop_reason
         log.warning("%s%s; run again to resume (exit code %d)", why, what, EXIT_STOPPED)
         self.tracker.close()

@@ -39,9 +39,15 @@ class RoleHandle:
         """Each replica's share of per-row outputs, in replica (= row) order."""
         return self.group.replicas(self._call(method, exp))
 
-    def save(self, path: str, metadata: dict) -> None:
-        """Every rank writes its shard of the role's checkpoint into ``path`` (megatron dist_checkpointing)."""
-        self._call(PolicyWorker.save, path, metadata)
+    def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
+        """Every rank writes its shard of the role's checkpoint into ``path`` (megatron dist_checkpointing);
+        ``asynchronous``: in the background, committed by ``finish_saves``."""
+        self._call(PolicyWorker.save, path, metadata, asynchronous)
+
+    def finish_saves(self, blocking: bool) -> bool:
+        """Commit the role's asynchronous saves every rank has written (``blocking``: wait for them); True
+        when none is left."""
+        return all(self._call(PolicyWorker.finish_saves, blocking))
 
     def load(self, path: str) -> None:
         """Every rank loads the role's checkpoint at ``path`` (any saved TP/PP layout)."""

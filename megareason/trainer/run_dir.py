@@ -210,7 +210,8 @@ class RunDir:
 # other field is the experiment: the run folder's config.json must agree on it.
 RESUMABLE_CHANGES = (
     "trainer.steps", "trainer.output_dir", "trainer.resume_mode", "trainer.save_every", "trainer.save_every_minutes",
-    "trainer.must_save_by_minutes", "trainer.stop_margin_s", "trainer.keep_last", "trainer.loggers", "trainer.wandb",
+    "trainer.must_save_by_minutes", "trainer.stop_margin_s", "trainer.keep_last", "trainer.async_save",
+    "trainer.loggers", "trainer.wandb",
     "trainer.val_every", "trainer.val_before_train",
     "trainer.dump_rollouts_every", "trainer.ray_address", "trainer.weight_sync_bucket_mb",
     "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.recompute", "trainer.recompute_num_layers",

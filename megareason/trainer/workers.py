@@ -173,11 +173,18 @@ class _Worker:
         result = role.train_step(micro, loss_fn)
         return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
-    def save(self, path: str, metadata: dict) -> None:
-        self._write_checkpoint(path, metadata)
+    def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
+        self._write_checkpoint(path, metadata, asynchronous)
 
-    def _write_checkpoint(self, path: str, metadata: dict) -> None:
-        self.role.save(path, metadata)
+    def _write_checkpoint(self, path: str, metadata: dict, asynchronous: bool) -> None:
+        self.role.save(path, metadata, asynchronous)
+
+    def finish_saves(self, blocking: bool) -> bool:
+        """Commit this rank's asynchronous checkpoint writes that every rank has finished (``blocking``: wait
+        for all); True when none is left (``models/checkpoint.finish_saves``)."""
+        from megareason.models.checkpoint import finish_saves
+
+        return finish_saves(blocking)
 
     def load(self, path: str) -> dict:
         return self.role.load(path)
@@ -270,15 +277,17 @@ class PolicyWorker(_Worker):
         out = self.engine.generate(prompts_token_ids[e], samplings[e], use_tqdm=False)
         return out if self.engine_leader else None
 
-    def save(self, path: str, metadata: dict) -> None:
+    def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
         """Write this rank's share of the checkpoint with the colocated engine asleep: megatron-core's
         distributed-optimizer save allocates receive buffers on the device for the parameters and both Adam
         moments (``optimizer/distrib_optimizer.py``, fully_reshardable), which an engine's KV cache would leave
         no room for. Every save takes this path (the schedule's, a signal's, a deadline's). Level 1: the
-        engine's weights, current after the step's sync, wait in host memory; its next generate wakes it."""
+        engine's weights, current after the step's sync, wait in host memory; its next generate wakes it.
+        ``asynchronous``: the save returns once the state is copied to host memory (the device buffers of the
+        save are freed by then), and a background process writes it while the engine generates."""
         if self.engine is not None:
             self.engine.sleep(level=1)
-        self._write_checkpoint(path, metadata)
+        self._write_checkpoint(path, metadata, asynchronous)
 
     def stop_generating_on(self, path: str) -> None:
         """This rank's whole engine gives up a generate (``GenerationStopped``) once the file ``path``
