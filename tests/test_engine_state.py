@@ -135,7 +135,7 @@ class StubPolicy(PolicyWorker):
     def sft_train(self, exp, lr):
         return _stats(SftStats, nll_num=1.0, nll_den=1)
 
-    def _write_checkpoint(self, path, metadata):
+    def _write_checkpoint(self, path, metadata, asynchronous):
         assert not self.vllm.kv and self.vllm.weights != "device", "a checkpoint written beside an awake engine"
         self.vllm.calls.append("save")
 
@@ -157,7 +157,7 @@ class StubCritic(CriticWorker):
     def train(self, exp, lr):
         return _stats(CriticStats, vf_loss_num=0.0, vf_loss_den=1, vf_clipfrac_sum=0.0, vpred_sum=0.0)
 
-    def save(self, path, metadata):
+    def save(self, path, metadata, asynchronous=False):
         pass
 
     def load(self, path):
@@ -572,7 +572,7 @@ class PoolPolicy(StubPolicy):
         self.calls.append("train")
         return super().train(exp, lr, on_policy)
 
-    def _write_checkpoint(self, path, metadata):
+    def _write_checkpoint(self, path, metadata, asynchronous):
         self.calls.append("save")
 
 
