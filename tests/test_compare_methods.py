@@ -114,7 +114,7 @@ def test_tuning_runs_score_on_their_own_split_never_the_held_out_one(tmp_path):
     assert [c for c in cmd if c.startswith("trainer.output_dir=")] == [f"trainer.output_dir={tmp_path / 'lr'}"]
     assert [c for c in cmd if c.startswith("trainer.val_before_train=")] == ["trainer.val_before_train=true"]
     assert variants["plain"][0] == "grpo" and variants["plain"][1][-1] == "trainer.val_before_train=true"
-    for bad in ("x=ppo:optim.lr=1", "x=raro_oracle:", "x=sft_then_grpo:"):  # unknown, not runnable, not from base
+    for bad in ("x=ppo:optim.lr=1", "x=sft_then_grpo:"):  # unknown, not from base
         with pytest.raises(SystemExit, match="expected NAME=ARM"):
             cm.tune_commands(tmp_path, 10, 8, split, [bad], [])
 
@@ -346,11 +346,12 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
         main("--seeds", "1")
 
 
-def test_arms_the_trainer_cannot_run_yet_are_refused_and_dependencies_come_first(tmp_path):
+def test_unknown_arms_are_refused_and_dependencies_come_first(tmp_path):
     cm = _tool()
     state = {"runs": {}}
-    with pytest.raises(SystemExit, match="raro_oracle: needs raro.critic=answer_equality"):
-        cm.check_arms(["grpo", "raro_oracle"], {}, state)
+    with pytest.raises(SystemExit, match="unknown"):
+        cm.check_arms(["grpo", "raro_prophet"], {}, state)
+    cm.check_arms(["grpo", "raro_fair", "raro_oracle"], {}, state)
     with pytest.raises(SystemExit, match="include sft"):
         cm.check_arms(["grpo", "sft_then_grpo"], {}, state)
     with pytest.raises(SystemExit, match="must include grpo"):

@@ -289,6 +289,59 @@ def test_unparseable_judgements_and_long_responses_are_masked_out_of_the_update(
     assert adv.abs().sum() == 0
 
 
+@pytest.mark.parametrize("truncated", ["drop", "judge", "lose"])
+def test_a_cut_response_is_dropped_judged_or_paid_as_a_loss(truncated):
+    """raro.truncated: prompt 1's second answer was cut at max_tokens. drop: never judged, no gradient;
+    judge: judged like the others (the critic is fooled by every answer here: policy reward 1); lose:
+    policy reward 0 (the expert's win) without a judgement, kept in the update."""
+    prompts, groups = _policy_batch(2, 2)
+    groups[1][1] = _completion("<answer>cut off", finish="length")
+    generate, seen = _scripted_critic(lambda rec, j: f"Verdict: {'B' if rec.ground_truth == 'A' else 'A'}")
+    rb = _round(RaroConfig(critic_n=2, replay_buffer_ratio=0.0, truncated=truncated), prompts, groups,
+                ReplayBuffer(10), generate)
+    (critic_prompts, _), = seen
+    judged = ["cut off" in p.record.prompt[-1]["content"] for p in critic_prompts]
+    assert judged.count(True) == (1 if truncated == "judge" else 0) and len(judged) == (4 if truncated == "judge"
+                                                                                        else 3)
+    policy = {"drop": ([1.0, 1.0, 1.0, 0.0], [True, True, True, False]),
+              "judge": ([1.0, 1.0, 1.0, 1.0], [True] * 4),
+              "lose": ([1.0, 1.0, 1.0, 0.0], [True] * 4)}[truncated]
+    assert (rb.reward_B[:4].tolist(), rb.keep_B[:4].tolist()) == policy
+    assert rb.metrics["raro/policy_filtered_rate"] == (0.0 if truncated == "judge" else 0.25)
+
+
+def test_a_critic_warm_up_masks_the_policy_rows_of_its_steps_only():
+    """raro.critic_warmup_steps=2: at steps 1 and 2 the policy rows are judged and paid (their rewards logged)
+    but left out of the update; the critic's rows train; at step 3 both roles train."""
+    cfg = RaroConfig(critic_n=2, replay_buffer_ratio=0.0, critic_warmup_steps=2)
+    generate, _ = _scripted_critic(lambda rec, j: "Verdict: Tie")
+    for step, policy_trains in ((1, False), (2, False), (3, True)):
+        prompts, groups = _policy_batch(2, 2)
+        rb = _round(cfg, prompts, groups, ReplayBuffer(10), generate, step=step)
+        assert rb.keep_B[:4].tolist() == [policy_trains] * 4 and rb.keep_B[4:].all()
+        assert rb.paid_B.all() and rb.reward_B[:4].tolist() == pytest.approx([0.6] * 4)
+        assert rb.metrics["raro/policy_masked_rate"] == 0.0
+
+
+def test_answer_equality_ties_a_correct_answer_and_names_the_expert_otherwise():
+    """raro.critic=answer_equality: no critic sampled; a correct policy answer is a Tie (tau_pol), a wrong one
+    the expert's win (0); no critic rows; a cut answer dropped as usual. Without correctness: an error."""
+    prompts, groups = _policy_batch(2, 2)
+    groups[1][1] = _completion("<answer>cut off", finish="length")
+    generate, seen = _scripted_critic(lambda rec, j: "Verdict: A")
+    cfg = RaroConfig(critic="answer_equality", tau_pol=0.6)
+    rb = critic_round(cfg, 1, 0, prompts, groups, ReplayBuffer(10), _Tokenizer(), generate,
+                      Sampling(n=2, temperature=1.0, max_tokens=8), 10_000, correct=[True, False, True, True])
+    assert seen == [] and not rb.is_critic_B.any() and len(rb.prompts) == 2
+    assert rb.reward_B.tolist() == pytest.approx([0.6, 0.0, 0.6, 0.0])
+    assert rb.keep_B.tolist() == [True, True, True, False]
+    assert rb.metrics["raro/tie_rate"] == pytest.approx(2 / 3)
+    assert rb.metrics["raro/expert_win_rate"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="needs the correctness of each of the 4 policy rows"):
+        critic_round(cfg, 1, 0, prompts, groups, ReplayBuffer(10), _Tokenizer(), generate,
+                     Sampling(n=2, temperature=1.0, max_tokens=8), 10_000)
+
+
 def test_reward_mean_is_over_judged_policy_rows_with_the_masked_rate_beside_it():
     """RaroRound's samples: a filtered (cut) and an unjudged (unparseable replies) policy row have no reward,
     so ``reward/mean`` is the mean over the two judged rows (Tie: 0.6 each), not 0.6 * 2 / 4."""
@@ -374,6 +427,14 @@ def test_raro_config_is_validated():
     cfg.raro.replay_buffer_ratio = 0.5
     cfg.raro.critic_n = 1
     with pytest.raises(ConfigError, match="raro.critic_n"):
+        validate_training(cfg)
+    cfg.raro.critic_n = 2
+    cfg.raro.critic, cfg.raro.critic_warmup_steps = "answer_equality", 3
+    with pytest.raises(ConfigError, match=r"raro.critic_warmup_steps.*must be 0 with raro.critic=answer_equality"):
+        validate_training(cfg)
+    cfg.raro.critic_warmup_steps = -1
+    cfg.raro.critic = "model"
+    with pytest.raises(ConfigError, match=r"raro.critic_warmup_steps.*must be >= 0"):
         validate_training(cfg)
 
 

@@ -9,8 +9,9 @@ the trainer itself (``rollouts/val_step_N.jsonl``).
 The arms: ``base`` (the untouched model: the step-0 validation of GRPO's first seed), ``sft``, ``grpo`` (the
 arithmetic reward's combined score, 0.3 x a final answer + 0.7 x correct), ``grpo_correct`` (rewarded for
 correctness alone), ``sft_then_grpo`` (``grpo_correct`` starting from the same seed's SFT model, its final
-checkpoint exported to HF), ``raro`` (the recipe), ``raro_fair`` and ``raro_oracle``. The last two need
-trainer options megareason does not have (``Arm.missing`` names them) and are refused until it does.
+checkpoint exported to HF), ``raro`` (the recipe), ``raro_fair`` (a critic warm-up, more judgements, a tie
+worth less than chance to the critic, cut answers judged) and ``raro_oracle`` (the critic replaced by answer
+equality: the upper bound of RARO's policy side).
 
     .venv/bin/python tools/compare_methods.py                    # SmolLM2-135M, 3 seeds per arm
     .venv/bin/python tools/compare_methods.py --arms grpo,raro --arm-seeds raro=1
@@ -117,8 +118,6 @@ class Arm:
     overrides: tuple[str, ...] = ()
     # Another arm whose same-seed run's final checkpoint, exported to HF, is this arm's starting model.
     start_from: str = ""
-    # What the arm needs that the trainer lacks (empty: runnable); a requested arm with a need is refused.
-    missing: str = ""
 
 
 # The arithmetic reward's reward_type for the training source (its data.sources[0]): correctness alone.
@@ -130,18 +129,17 @@ ARMS = {
     "grpo_correct": Arm("train", (CORRECT_ONLY,)),
     "sft_then_grpo": Arm("train", (CORRECT_ONLY,), start_from="sft"),
     "raro": Arm("train", RARO),
-    # RARO made fair to its critic: 4 judgements per triplet (RARO's default; the recipe's 2 saves time) and a
-    # tie worth less than a coin flip's expected 0.5 to the critic (0.55, RARO's, makes a tie the better bet
-    # for a critic at chance); and, missing, a critic warm-up and truncated answers judged, not dropped.
-    "raro_fair": Arm("train", (*RARO, "raro.critic_n=4", "raro.tau_crit=0.4"), missing=(
-        "raro.critic_warmup_steps (the first N steps train the critic alone: policy rows masked in "
-        "megareason/raro/critic.py critic_round) and raro.truncated=judge (answers cut at rollout.max_tokens "
-        "shown to the critic instead of dropped: critic_round's step 1)")),
-    # RARO's policy side with a perfect critic: a tie when the policy's final answer equals the expert's, the
-    # expert named otherwise; no critic rows.
-    "raro_oracle": Arm("train", RARO, missing=(
-        "raro.critic=answer_equality (critic_round in megareason/raro/critic.py judges each triplet by the "
-        "data source's reward instead of sampling the critic, and adds no critic rows)")),
+    # RARO made fair to its critic. 4 judgements per triplet (RARO's default; the recipe's 2 saves time). A tie
+    # worth less than a coin flip's expected 0.5 to the critic (0.55, RARO's, makes a tie the better bet for a
+    # critic at chance). The first 4 of the 20 steps train the critic alone (a policy rewarded by a critic at
+    # chance learns noise). Answers cut at rollout.max_tokens judged, not dropped (dropped, nothing pushes the
+    # policy to finish one; judged, the critic sees a cut answer beside the expert's). Values to be chosen on
+    # the tuning split.
+    "raro_fair": Arm("train", (*RARO, "raro.critic_n=4", "raro.tau_crit=0.4", "raro.critic_warmup_steps=4",
+                               "raro.truncated=judge")),
+    # RARO's policy side with a perfect critic: a tie when the policy's final answer is correct (the arithmetic
+    # reward's check), the expert named otherwise; no critic rows.
+    "raro_oracle": Arm("train", (*RARO, "raro.critic=answer_equality")),
 }
 ORDER = ("base", *ARMS)
 
@@ -495,7 +493,7 @@ def tune_commands(runs: Path, steps: int, prompts: int, val_file: Path, variants
     """{variant: (arm, command)}: the arm's command (first seed) validating on the tuning split
     (``val_file``) before and after training, then the variant's overrides; ``variants`` are
     ``NAME=ARM:k=v,k=v`` with ARM a runnable arm that starts from the base model."""
-    allowed = sorted(n for n, arm in ARMS.items() if not arm.missing and not arm.start_from)
+    allowed = sorted(n for n, arm in ARMS.items() if not arm.start_from)
     out = {}
     for spec in variants:
         name, _, rest = spec.partition("=")
@@ -576,13 +574,11 @@ def plan(arms: list[str], seeds: int, arm_seeds: dict[str, int]) -> list[tuple[s
 
 
 def check_arms(wanted: list[str], arm_seeds: dict[str, int], state: dict) -> None:
-    """Refuse unknown arms, arms the trainer cannot run yet, and a table without its base."""
+    """Refuse unknown arms, an arm without the arm it starts from, and a table without its base."""
     if unknown := sorted(set(wanted) - set(ORDER)):
         raise SystemExit(f"--arms: unknown {unknown}; choose from {list(ORDER)}")
     if unknown := sorted(set(arm_seeds) - set(wanted)):
         raise SystemExit(f"--arm-seeds: {unknown} not in --arms")
-    if blocked := [f"{n}: needs {ARMS[n].missing}" for n in wanted if n != "base" and ARMS[n].missing]:
-        raise SystemExit("these arms need trainer options megareason does not have:\n  " + "\n  ".join(blocked))
     for n in wanted:
         if n != "base" and ARMS[n].start_from and ARMS[n].start_from not in wanted:
             dep = ARMS[n].start_from
@@ -604,7 +600,7 @@ def main() -> None:
     ap.add_argument("--rerank-n", type=int, default=4)
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "compare_methods")
     ap.add_argument("--results", type=Path, default=ROOT / "docs" / "results")
-    ap.add_argument("--arms", default=",".join(n for n in ORDER if n == "base" or not ARMS[n].missing),
+    ap.add_argument("--arms", default=",".join(ORDER),
                     help=f"arms to run, in this order within a seed (base comes with grpo's first seed): {list(ORDER)}")
     ap.add_argument("--tune", action="append", default=[], metavar="NAME=ARM:k=v,...",
                     help="tune instead: train this variant, score it on the tuning split (repeatable)")

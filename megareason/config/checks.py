@@ -240,6 +240,9 @@ def _validate_raro(cfg: Config, _check: _Checks) -> None:
                "by a regex are the masked distribution's, not the model's, so the correction would weigh the "
                "critic's verdict tokens by ~0)", getattr(cfg.algorithm, name))
     _check(r.max_response_length >= 0, "raro.max_response_length", "must be >= 0", r.max_response_length)
+    _check(r.critic_warmup_steps >= 0, "raro.critic_warmup_steps", "must be >= 0", r.critic_warmup_steps)
+    _check(r.critic == "model" or r.critic_warmup_steps == 0, "raro.critic_warmup_steps",
+           "must be 0 with raro.critic=answer_equality (no critic model to warm up)", r.critic_warmup_steps)
     _check(0 <= r.replay_buffer_ratio < 1, "raro.replay_buffer_ratio", "must be in [0, 1)", r.replay_buffer_ratio)
     _check(r.replay_buffer_size >= 1, "raro.replay_buffer_size", "must be >= 1", r.replay_buffer_size)
     for name in ("tau_pol", "tau_crit"):

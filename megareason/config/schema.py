@@ -322,6 +322,19 @@ class RaroConfig:
     # Policy responses longer than this many tokens (0: only those cut at rollout.max_tokens) are
     # filtered: not judged, no gradient. The defaults here are RARO's verl implementation's (its raro.yaml).
     max_response_length: int = 4096
+    # What such a cut or over-long response gets. drop (RARO's verl implementation): filtered as above, so
+    # nothing pushes the policy to finish its answer. judge: shown to the critic like any other answer.
+    # lose: kept, with the policy reward of a judgement naming the expert (0), without asking the critic
+    # (what a verifier gives an unfinished answer).
+    truncated: Literal["drop", "judge", "lose"] = "drop"
+    # The first this many steps train the critic alone (the policy rows are judged, their rewards logged,
+    # but masked out of the update): the policy then starts learning from a critic that is past chance.
+    critic_warmup_steps: int = 0
+    # model: the policy model judges (RARO). answer_equality: no critic model; a triplet is a Tie when the
+    # policy's final answer is correct by the data source's registered reward (the judge cannot tell it from
+    # the expert's), else the expert is named. The policy side of RARO with a perfect critic: an upper bound
+    # for what a learned critic can give it. Needs a registered reward for every training data source.
+    critic: Literal["model", "answer_equality"] = "model"
     # Fraction of the critic's batch drawn from the replay buffer (RARO: 50% fresh + 50% historical).
     replay_buffer_ratio: float = 0.5
     replay_buffer_size: int = 10_000

@@ -2,7 +2,9 @@
 
 ``critic_round`` takes the step's policy prompts and completions and
 
-1. drops policy responses over ``raro.max_response_length`` tokens (or cut by ``rollout.max_tokens``);
+1. drops policy responses over ``raro.max_response_length`` tokens (or cut by ``rollout.max_tokens``),
+   or with ``raro.truncated`` judges them like the others (``judge``) or pays them as losses without a
+   judgement (``lose``);
 2. builds a triplet (question, expert answer, policy answer) for every other response, and mixes in
    historical triplets from the replay buffer so that they make ``raro.replay_buffer_ratio`` of the
    critic's batch; with ``raro.replay_order=store_first`` (the order of RARO's verl implementation) the
@@ -14,6 +16,11 @@
    without any parseable judgement, are masked out (``keep_B`` False) and counted;
 5. with ``replay_order=sample_first``, adds the fresh triplets to the buffer only now (historical then
    means earlier steps).
+
+During ``raro.critic_warmup_steps`` the policy rows are masked out of the update (the critic learns alone).
+With ``raro.critic=answer_equality`` no critic is sampled: each fresh triplet's verdict is a Tie when the
+policy row is correct (``correct``, the data source's registered reward) and the expert otherwise, and
+the update has policy rows only.
 
 The result lists prompts and completions in the order of the update's rows: the policy groups first
 (one group per question), then one group of ``critic_n`` judgements per triplet.
@@ -48,6 +55,7 @@ class RaroBatch:
     reward_B: torch.Tensor  # float32 [B]
     group_B: torch.Tensor  # int64 [B]: GRPO groups (a question's rollouts; a triplet's judgements)
     keep_B: torch.Tensor  # bool [B]: False for masked rows (no gradient)
+    paid_B: torch.Tensor  # bool [B]: rows with a reward (keep_B, and the policy rows a critic warm-up masks)
     is_critic_B: torch.Tensor  # bool [B]
     metrics: dict[str, float]
 
@@ -71,21 +79,34 @@ def verdict_regex(reasoning_chars: int) -> str | None:
 
 def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedPrompt],
                  completions: list[list[Completion]], buffer: ReplayBuffer, tokenizer, generate: GenerateFn,
-                 sampling: Sampling, max_prompt_tokens: int) -> RaroBatch:
+                 sampling: Sampling, max_prompt_tokens: int, correct: list[bool] | None = None) -> RaroBatch:
     """See the module docstring. ``sampling`` is the policy's (its seed is offset for the critic);
-    critic prompts longer than ``max_prompt_tokens`` are dropped (their policy rows masked)."""
+    critic prompts longer than ``max_prompt_tokens`` are dropped (their policy rows masked). ``correct``:
+    each policy row's correctness, in (prompt, sample) order (``raro.critic=answer_equality`` only)."""
     rng = random.Random(f"raro:{seed}:{step}")
     # 1-2: fresh triplets (with the policy row each came from), then historical ones.
     rows = [(i, c) for i, group in enumerate(completions) for c in group]
+    cut = [c.truncated or bool(cfg.max_response_length and len(c.token_ids) > cfg.max_response_length)
+           for _, c in rows]
+    policy_reward = [0.0] * len(rows)
+    policy_keep = [False] * len(rows)
+    if cfg.truncated == "lose":  # paid as the expert's win, without a judgement
+        loss = reward_matrix(Verdict.EXPERT, tau_pol=cfg.tau_pol, tau_crit=cfg.tau_crit)[0]
+        for b in range(len(rows)):
+            if cut[b]:
+                policy_reward[b], policy_keep[b] = loss, True
     fresh: list[tuple[int, Triplet]] = []
     for b, (i, c) in enumerate(rows):
-        if c.truncated or (cfg.max_response_length and len(c.token_ids) > cfg.max_response_length):
+        if cut[b] and cfg.truncated != "judge":
             continue
         rec = prompts[i].record
         fresh.append((b, Triplet(question=str(rec.extra_info.get("question", rec.prompt[-1]["content"])),
                                  expert=expert_answer(rec, cfg.expert_template), policy=policy_answer(c.text),
                                  data_source=rec.data_source, index=int(rec.extra_info.get("index", -1)),
                                  step=step)))
+    if cfg.critic == "answer_equality":
+        return _answer_equality(cfg, step, prompts, completions, rows, fresh, policy_reward, policy_keep, correct,
+                                buffer)
     ratio = cfg.replay_buffer_ratio
     want = round(len(fresh) * ratio / (1 - ratio))
     store_first = cfg.replay_order == "store_first"
@@ -114,8 +135,6 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
     judgements = generate(critic_prompts, critic_sampling) if critic_prompts else []
 
     # 4: rewards from the matrix; the policy's averaged over its triplet's parseable judgements.
-    policy_reward = [0.0] * len(rows)
-    policy_keep = [False] * len(rows)
     critic_reward, critic_keep, verdicts = [], [], []
     for k, tp, group in zip(kept, critic_prompts, judgements, strict=True):
         b = judged[k][0]
@@ -135,6 +154,9 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
     if not store_first:
         buffer.add([t for _, t in fresh])
 
+    policy_paid = policy_keep  # the warm-up masks them from the update, not from the step's metrics
+    if step <= cfg.critic_warmup_steps:
+        policy_keep = [False] * len(rows)
     n_policy_groups = len(prompts)
     group_B = [i for i, _ in rows] + [n_policy_groups + g for g, grp in enumerate(judgements) for _ in grp]
     return RaroBatch(
@@ -143,9 +165,33 @@ def critic_round(cfg: RaroConfig, step: int, seed: int, prompts: list[TokenizedP
         reward_B=torch.tensor(policy_reward + critic_reward, dtype=torch.float32),
         group_B=torch.tensor(group_B, dtype=torch.long),
         keep_B=torch.tensor(policy_keep + critic_keep, dtype=torch.bool),
+        paid_B=torch.tensor(policy_paid + critic_keep, dtype=torch.bool),
         is_critic_B=torch.tensor([False] * len(rows) + [True] * len(critic_reward), dtype=torch.bool),
         metrics=_metrics(verdicts, len(rows), len(fresh), len(historical), len(judged) - len(kept),
-                         sum(policy_keep), buffer),
+                         sum(policy_paid), buffer),
+    )
+
+
+def _answer_equality(cfg: RaroConfig, step: int, prompts: list[TokenizedPrompt], completions: list[list[Completion]],
+                     rows: list, fresh: list[tuple[int, Triplet]], policy_reward: list[float], policy_keep: list[bool],
+                     correct: list[bool] | None, buffer: ReplayBuffer) -> RaroBatch:
+    """``raro.critic=answer_equality``: a perfect judge in place of the critic model (module docstring)."""
+    if correct is None or len(correct) != len(rows):
+        raise ValueError(f"raro.critic=answer_equality needs the correctness of each of the {len(rows)} policy rows "
+                         f"(the data source's registered reward), got {None if correct is None else len(correct)}")
+    verdicts = []
+    for b, _ in fresh:
+        v = Verdict.TIE if correct[b] else Verdict.EXPERT
+        policy_reward[b], policy_keep[b] = reward_matrix(v, tau_pol=cfg.tau_pol, tau_crit=cfg.tau_crit)[0], True
+        verdicts.append((v, True))
+    return RaroBatch(
+        prompts=list(prompts), groups=list(completions),
+        reward_B=torch.tensor(policy_reward, dtype=torch.float32),
+        group_B=torch.tensor([i for i, _ in rows], dtype=torch.long),
+        keep_B=torch.tensor(policy_keep, dtype=torch.bool),
+        paid_B=torch.tensor(policy_keep, dtype=torch.bool),
+        is_critic_B=torch.zeros(len(rows), dtype=torch.bool),
+        metrics=_metrics(verdicts, len(rows), len(fresh), 0, 0, sum(policy_keep), buffer),
     )
 
 

@@ -170,11 +170,11 @@ class RaroRound(RolloutVariant):
         with timed(timer, "critic"):
             rb = critic_round(cfg.raro, step, cfg.trainer.seed, batch, completions, self.buffer,
                               self.policy.tokenizer, actors.generate, sampling(cfg, step),
-                              cfg.rollout.max_model_len - cfg.raro.critic_max_tokens)
+                              cfg.rollout.max_model_len - cfg.raro.critic_max_tokens, [s.correct for s in scored])
         # The policy rows come first, in scored's order; masked ones (filtered, never judged) have no reward.
         policy = ~rb.is_critic_B
         scored = [replace(s, reward=float(r) if k else None)
-                  for s, r, k in zip(scored, rb.reward_B[policy], rb.keep_B[policy], strict=True)]
+                  for s, r, k in zip(scored, rb.reward_B[policy], rb.paid_B[policy], strict=True)]
         keep = rb.keep_B.nonzero().flatten().tolist()
         return StepRows(exp=build_experience(rb.prompts, rb.groups).select(keep), reward_B=rb.reward_B[keep],
                         group_B=rb.group_B[keep], is_critic_B=rb.is_critic_B[keep], scored=scored,
