@@ -123,7 +123,7 @@ def launch_venv():
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
-    """One two-node Slurm cluster on loopback for every launch test (tests/slurm_cluster.py), stopped by PID
+    """One three-node Slurm cluster on loopback for every launch test (tests/slurm_cluster.py), stopped by PID
     at the end of the session."""
     import slurm_cluster
 
