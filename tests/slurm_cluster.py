@@ -66,6 +66,9 @@ PartitionName=big Nodes=n1,n3 MaxTime=INFINITE State=UP
 
 
 NODES = ("n1", "n2", "n3")
+# The states a job ends in; any other (PENDING, RUNNING, COMPLETING between a run and its requeue, ...) is live.
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED")
 
 
 @dataclass
@@ -89,10 +92,24 @@ class Cluster:
         deadline = time.time() + timeout
         while True:
             state = self.job_state(job)
-            if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            if state.get("JobState") in TERMINAL:
                 return state
             assert time.time() < deadline, f"job {job} did not finish within {timeout} s: {state}"
             time.sleep(2)
+
+
+    def is_live(self, job: str) -> bool:
+        return self.job_state(job).get("JobState", "COMPLETED") not in TERMINAL
+
+    def cancel(self, job: str, timeout: float = 120) -> None:
+        """Cancel ``job`` if it is still queued or running and wait until it ended: a test that failed half-way
+        must not leave its job holding the nodes (and its Ray running) for the tests after it."""
+        if not self.is_live(job):
+            return
+        self.run("scancel", job)
+        deadline = time.time() + timeout
+        while self.is_live(job) and time.time() < deadline:
+            time.sleep(1)
 
 
 def ensure_slurm() -> None:

@@ -89,7 +89,7 @@ def test_launch_refuses_bad_input_naming_it(launch_venv, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_the_golden_curve(
-        launch_venv, slurm, tiny_qwen2, tmp_path):
+        launch_venv, slurm, tiny_qwen2, tmp_path, request):
     """The tiny 70B RARO recipe (`slurm_cluster.tiny_raro`, 3 steps, one data-parallel rank per node) as
     `megareason launch --executor slurm` submits it (NeMo-Run renders the job around slurm/ray_cluster.sh,
     as `sbatch slurm/raro_70b.sbatch` runs it), interrupted twice, the two ways a job is told to stop:
@@ -119,6 +119,7 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     found = re.search(r"submitted raro_70b: Slurm job (\d+); run folder (\S+); job log (\S+);", proc.stdout)
     assert found and found.group(2) == str(out), proc.stdout[-3000:]
     job, log = found.group(1), Path(found.group(3))
+    request.addfinalizer(lambda: slurm.cancel(job))
     script = next((tmp_path / "jobs" / "experiments").rglob("*_sbatch.sh")).read_text()
     assert "#SBATCH --signal=B:USR1@1800" in script and "#SBATCH --mem=0" in script  # the recipe's
 
@@ -129,7 +130,7 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     seen = hold.with_name(hold.name + ".seen")
     deadline = time.time() + 900
     while not seen.exists():
-        assert time.time() < deadline and slurm.job_state(job).get("JobState") in ("PENDING", "RUNNING"), \
+        assert time.time() < deadline and slurm.is_live(job), \
             slurm_cluster.read_log(log)[-6000:]
         time.sleep(0.2)
     time.sleep(1.0)  # every engine of the step is generating by now

@@ -474,9 +474,10 @@ def test_run_dir_runs_the_train_preflight_and_refuses_a_run_folder_inside_the_ch
 
 
 @pytest.mark.slow
-def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tmp_path):
+def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tmp_path, request):
     job, log, proc = slurm_cluster.sbatch(slurm, "broken", *tiny_raro(tiny_qwen2, tmp_path, tmp_path / "broken"),
                                           "model.path=/nonexistent/model")
+    request.addfinalizer(lambda: slurm.cancel(job))
     assert proc.wait(timeout=300) == 2, read_log(log)[-6000:]
     text = read_log(log)
     assert re.search(r"error: .*/nonexistent/model", text), text[-6000:]
@@ -486,7 +487,7 @@ def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tm
 
 @pytest.mark.slow
 def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_refuses_a_moved_checkout(slurm, tiny_qwen2,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path, request):
     """The job on n1 and n3 (224 logical CPUs, a DGX H100 node with SMT), run from a checkout of its own: its
     first run records the commit; a SIGUSR1 before the driver starts requeues it once Ray is up on both nodes
     (Ray sees 225 CPUs; n3's Ray starts with the job's worker ports, the idle-worker limit and no prestart,
@@ -504,6 +505,7 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_refuses_
                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
     job = proc.stdout.strip()
     assert proc.returncode == 0 and job.isdigit(), proc.stderr
+    request.addfinalizer(lambda: slurm.cancel(job))
     slurm_cluster.wait_for_text(log, f"code: {root} at {first} clean", 300)
     assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
     (root / "code.py").write_text("x = 2\n")
