@@ -284,7 +284,8 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
     runs, results = tmp_path / "runs", tmp_path / "results"
     questions, golds = ["Calculate 1 + 2.", "Calculate 2 * 3.", "Calculate 9 - 4."], ["3", "6", "5"]
     split = {"seed": 7, "kept": 3, "drawn": 4, "duplicates": 1, "excluded": {"training": 0, "tuning": 0}}
-    splits = {"fingerprint": ev.fingerprint(questions), "training_questions": 10, "training_distinct": 9,
+    splits = {"config": "compare_multiply_smollm2_cpu", "fingerprint": ev.fingerprint(questions),
+              "training_questions": 10, "training_distinct": 9,
               "heldout": {"file": tmp_path / "heldout.jsonl", "questions": questions, **split},
               "tuning": {"file": tmp_path / "tuning.jsonl", "questions": ["Q"], **split}}
     monkeypatch.setattr(cm, "prepare_splits", lambda *args: splits)
@@ -294,6 +295,7 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
 
     def fake_run(name, args, folder, steps):
         calls.append(name)
+        assert args[1:3] == ["--config-name", "compare_multiply_smollm2_cpu"]  # --config reaches every arm
         if name in interrupt:
             raise SystemExit(f"[{name}] failed")
         dumps = [(steps, responses[name.split()[0]])]
@@ -310,7 +312,8 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
 
     def main(*args):
         monkeypatch.setattr(sys, "argv", ["compare_methods.py", "--steps", "2", "--rerank-prompts", "0", "--runs",
-                                          str(runs), "--results", str(results), "--arms", "grpo,sft", *args])
+                                          str(runs), "--results", str(results), "--arms", "grpo,sft",
+                                          "--config", "compare_multiply_smollm2_cpu", *args])
         cm.main()
 
     with pytest.raises(SystemExit, match="grpo seed 0"):
@@ -338,7 +341,8 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
     assert (table["base"]["accuracy"], table["base"]["parseable"]) == (1 / 3, 2 / 3)
     assert (table["grpo"]["seeds"], table["grpo"]["accuracy"], table["grpo"]["parseable"]) == (2, 2 / 3, 1.0)
     assert table["sft"]["vs_base"]["accuracy"]["diff"] == pytest.approx(1 / 3)
-    assert "| grpo | 2 |" in (results / "compare_methods.md").read_text()
+    md = (results / "compare_methods.md").read_text()
+    assert "| grpo | 2 |" in md and "Task: `configs/compare_multiply_smollm2_cpu.yaml`" in md
 
     # another held-out set: the results are refused, not mixed
     splits["fingerprint"] = "other"

@@ -101,7 +101,7 @@ from megareason.plotting import (  # noqa: E402
     save,
 )
 
-CONFIG = "compare_smollm2_cpu"
+CONFIG = "compare_smollm2_cpu"  # the task of every arm; --config picks another (a second task)
 # reasoning-gym seeds of the splits: item i of seed s is Random(s + i), and the training pool (seed 1) draws
 # ~4 items per kept one (its '/' items are skipped), so these are millions of items apart; disjointness
 # itself is checked on the questions.
@@ -159,11 +159,11 @@ def _write(path: Path, text: str) -> None:
 
 
 def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: int, tune_seed: int,
-                   overrides: list[str]) -> dict:
+                   overrides: list[str], config: str = CONFIG) -> dict:
     """Draw the tuning and held-out splits (module docstring), write them to ``folder`` as JSONL (an existing
     file must hold the same split), read them back with the trainer's loader and check them against the
     training pool. Returns the files, the questions, each split's counts and the held-out fingerprint."""
-    cfg = load_config(CONFIG, overrides)
+    cfg = load_config(config, overrides)
     training = [question_of(r) for r in load_records(replace(cfg.data, val_sources=[]))]
     exclude = {"training": {question_key(q) for q in training}}
     source = cfg.data.val_sources[0]
@@ -185,6 +185,7 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
         out[name] = {"file": path, "seed": seed, "questions": [question_of(r) for r in read], **split.stats()}
     check_splits(training, tuning=out["tuning"]["questions"], heldout=out["heldout"]["questions"])
     out["fingerprint"] = fingerprint(out["heldout"]["questions"])
+    out["config"] = config
     return out
 
 
@@ -205,11 +206,11 @@ def run_folder(runs: Path, arm: str, seed: int) -> Path:
 
 
 def arm_command(name: str, seed: int, runs: Path, steps: int, prompts: int, val_file: Path, extra: list[str],
-                validate_base: bool = False) -> list[str]:
+                validate_base: bool = False, config: str = CONFIG) -> list[str]:
     """The megareason command of one arm and seed; ``validate_base``: validate before training too (the
     base model's score)."""
     arm = ARMS[name]
-    cmd = [arm.command, "--config-name", CONFIG, f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}",
+    cmd = [arm.command, "--config-name", config, f"trainer.steps={steps}", f"trainer.prompts_per_step={prompts}",
            val_override(val_file), f"trainer.seed={seed}", *extra,
            f"trainer.output_dir={run_folder(runs, name, seed)}",
            f"trainer.val_before_train={'true' if validate_base else 'false'}", *arm.overrides]
@@ -270,7 +271,8 @@ def load_state(results: Path, splits: dict) -> dict:
 
 def heldout_info(splits: dict) -> dict:
     """What the results record of the splits: seeds, sizes, what each dropped, the held-out fingerprint."""
-    return {"fingerprint": splits["fingerprint"], "training_questions": splits["training_questions"],
+    return {"config": splits["config"], "fingerprint": splits["fingerprint"],
+            "training_questions": splits["training_questions"],
             "training_distinct": splits["training_distinct"],
             **{name: {k: v for k, v in splits[name].items() if k not in ("file", "questions")}
                for name in ("tuning", "heldout")}}
@@ -402,6 +404,7 @@ def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
     h, t = heldout["heldout"], heldout["tuning"]
     tests = sum(2 for row in arms.values() for k in row if k.startswith("vs_"))
     lines = [
+        f"Task: `configs/{heldout.get('config', CONFIG)}.yaml` (every arm). "
         f"Held-out: {h['kept']} basic_arithmetic prompts, reasoning-gym seed {h['seed']}: the first {h['kept']} "
         f"distinct questions of its first {h['drawn']} items that are neither among the "
         f"{heldout['training_distinct']} distinct questions of the whole training pool "
@@ -489,7 +492,7 @@ def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget:
 
 
 def tune_commands(runs: Path, steps: int, prompts: int, val_file: Path, variants: list[str],
-                  extra: list[str]) -> dict[str, tuple[str, list[str]]]:
+                  extra: list[str], config: str = CONFIG) -> dict[str, tuple[str, list[str]]]:
     """{variant: (arm, command)}: the arm's command (first seed) validating on the tuning split
     (``val_file``) before and after training, then the variant's overrides; ``variants`` are
     ``NAME=ARM:k=v,k=v`` with ARM a runnable arm that starts from the base model."""
@@ -500,7 +503,7 @@ def tune_commands(runs: Path, steps: int, prompts: int, val_file: Path, variants
         arm, _, overrides = rest.partition(":")
         if not name or arm not in allowed:
             raise SystemExit(f"--tune {spec!r}: expected NAME=ARM:key=value,... with ARM one of {allowed}")
-        cmd = [c for c in arm_command(arm, 0, runs, steps, prompts, val_file, extra)
+        cmd = [c for c in arm_command(arm, 0, runs, steps, prompts, val_file, extra, config=config)
                if not c.startswith(("trainer.output_dir=", "trainer.val_before_train="))]
         out[name] = (arm, [*cmd, f"trainer.output_dir={runs / name}", "trainer.val_before_train=true",
                            *[o for o in overrides.split(",") if o]])
@@ -511,7 +514,7 @@ def tune(a, splits: dict) -> None:
     """Run the ``--tune`` variants and list them (module docstring)."""
     runs = a.runs / "tuning"
     t = splits["tuning"]
-    variants = tune_commands(runs, a.steps, a.prompts, t["file"], a.tune, a.overrides)
+    variants = tune_commands(runs, a.steps, a.prompts, t["file"], a.tune, a.overrides, a.config)
     rng = np.random.default_rng(0)
     lines = [f"Tuning split: {t['kept']} basic_arithmetic prompts, reasoning-gym seed {t['seed']}, none among the "
              f"training pool's questions or the held-out set's (checked); {a.steps} steps x {a.prompts} training "
@@ -539,7 +542,7 @@ def tune(a, splits: dict) -> None:
 
 
 def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val_file: Path,
-               extra: list[str]) -> dict | None:
+               extra: list[str], config: str = CONFIG) -> dict | None:
     """RARO's final policy (the run in ``folder``), ``n`` samples per prompt on the first ``n_prompts``
     held-out prompts, the model as its own critic picking one (``eval.rerank=critic``): critic@n vs pass@1
     of the same samples."""
@@ -549,7 +552,7 @@ def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val
     found = sorted(out.glob("*/summary.json"))
     if not found:
         hf = hf_export(folder, steps)
-        args = ["eval", "--config-name", CONFIG, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
+        args = ["eval", "--config-name", config, f"model.path={hf}", "algorithm.name=raro", "eval.rerank=critic",
                 f"rollout.n={n}", f"eval.pass_k=[1,{n}]", f"eval.output_dir={out}", val_override(val_file, n_prompts),
                 "data.sources=${data.val_sources}",
                 *[e for e in extra if not e.startswith("model.path=")]]
@@ -589,6 +592,8 @@ def check_arms(wanted: list[str], arm_seeds: dict[str, int], state: dict) -> Non
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default=CONFIG, help="the config every arm starts from (configs/NAME.yaml): its "
+                    "data.sources[0] is the training pool, its data.val_sources[0] the generator of the splits")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8, help="training prompts per step (every arm)")
     ap.add_argument("--heldout", type=int, default=500, help="held-out prompts (greedy)")
@@ -619,7 +624,8 @@ def main() -> None:
             ap.error(f"--arm-seeds {spec!r}: expected ARM=N with N >= 1")
         arm_seeds[arm] = int(n)
     try:
-        splits = prepare_splits(a.runs / "data", a.heldout, a.tune_prompts, a.heldout_seed, a.tune_seed, a.overrides)
+        splits = prepare_splits(a.runs / "data", a.heldout, a.tune_prompts, a.heldout_seed, a.tune_seed, a.overrides,
+                                a.config)
     except SplitError as e:
         sys.exit(f"error: {e}")
     if a.tune:
@@ -629,7 +635,7 @@ def main() -> None:
     wanted = [x for x in a.arms.split(",") if x]
     check_arms(wanted, arm_seeds, state)
     heldout = splits["heldout"]
-    n = load_config(CONFIG, a.overrides).rollout.n
+    n = load_config(a.config, a.overrides).rollout.n
     budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
               f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
     runs = plan(wanted, a.seeds, arm_seeds)
@@ -642,13 +648,13 @@ def main() -> None:
         if ARMS[name].start_from:
             hf_export(run_folder(a.runs, ARMS[name].start_from, seed), a.steps)
         cmd = arm_command(name, seed, a.runs, a.steps, a.prompts, heldout["file"], a.overrides,
-                          validate_base=name == "grpo" and seed == first)
+                          validate_base=name == "grpo" and seed == first, config=a.config)
         wall = run_arm(f"{name} seed {seed}", cmd, folder, a.steps)
         record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"])
         publish(a.results, a.runs, state, None, budget)
     raro = sorted(s for arm, s in runs if arm == "raro")
     rerank = rerank_arm(a.runs, run_folder(a.runs, "raro", raro[0]), a.steps, min(a.rerank_prompts, a.heldout),
-                        a.rerank_n, heldout["file"], a.overrides) if raro else None
+                        a.rerank_n, heldout["file"], a.overrides, a.config) if raro else None
     publish(a.results, a.runs, state, rerank, budget, show=True)
 
 
