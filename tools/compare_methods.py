@@ -18,6 +18,11 @@ equality: the upper bound of RARO's policy side).
     .venv/bin/python tools/compare_methods.py --steps 2 --heldout 20 --seeds 1 --runs /tmp/cmp --results /tmp/cmp
       --rerank-prompts 8 model.path=/path/to/tiny                # (one line) a smoke run
 
+**Tasks.** ``--config`` names the config every arm starts from: ``compare_smollm2_cpu`` (two-term sums,
+differences and products of one- and two-digit numbers) or ``compare_multiply_smollm2_cpu`` (two-digit by
+two-digit products, each demonstration the worked place-value split: a critic has steps to compare, not
+only a number). Give each task its own ``--runs`` and ``--results``.
+
 **Held-out and tuning splits** (``tools/compare_methods_eval.py``). reasoning-gym builds item i of seed s
 from ``Random(s + i)`` and two-term arithmetic repeats questions even between far seeds, so the splits are
 made disjoint by their text: the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct
