@@ -376,3 +376,22 @@ def test_run_arm_skips_a_run_whose_final_validation_exists(tmp_path, monkeypatch
     (folder / "wall_seconds.json").write_text('{"seconds": 90.0}\n')
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a finished run was started again"))
     assert cm.run_arm("grpo seed 0", ["train"], folder, 20) == 90.0
+
+
+def test_an_arms_interval_does_not_move_when_another_arm_joins_the_table(tmp_path):
+    """Each arm's bootstrap is seeded by its name: the table with SFT alone and with base and GRPO beside it
+    gives SFT the same intervals (one generator shared in table order would draw other resamples for it)."""
+    cm = _tool()
+    rng = np.random.default_rng(1)
+    state = {"runs": {}}
+    for arm in ("sft", "base", "grpo"):
+        rows = [{"id": i, "correct": bool(c), "parseable": bool(c or p)}
+                for i, (c, p) in enumerate(zip(rng.random(60) < 0.3, rng.random(60) < 0.5, strict=True))]
+        (tmp_path / f"{arm}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        state["runs"][f"{arm}/seed0"] = {"arm": arm, "seed": 0, "file": f"{arm}.jsonl", "wall_seconds": 1.0}
+    alone = cm.table(tmp_path, {"runs": {"sft/seed0": state["runs"]["sft/seed0"]}})["sft"]
+    full = cm.table(tmp_path, state)
+    for key in ("accuracy_ci", "parseable_ci", "accuracy_parseable_ci"):
+        assert full["sft"][key] == alone[key]
+    assert full["sft"]["vs_base"] == cm.table(tmp_path, {"runs": {k: state["runs"][k] for k in
+                                                                   ("base/seed0", "sft/seed0")}})["sft"]["vs_base"]

@@ -67,6 +67,7 @@ import shlex
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -374,23 +375,28 @@ def critic_figure(critic: dict[str, list[tuple[int, float]]]):
 # ---- the table
 
 
+def _rng(*names: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32("/".join(names).encode()))
+
+
 def table(results: Path, state: dict) -> dict[str, dict]:
     """Each arm's statistics over its finished seeds (``arm_stats``), its comparison with base (and RARO's
-    with GRPO) on the same prompts (``versus``), the exact p-values Holm-adjusted over all those tests."""
-    rng = np.random.default_rng(0)
+    with GRPO) on the same prompts (``versus``), the exact p-values Holm-adjusted over all those tests. Each
+    arm's and each pair's bootstrap draws its own resamples, seeded by its names: an interval does not move
+    when another arm joins the table."""
     entries = {arm: sorted((e for e in state["runs"].values() if e["arm"] == arm), key=lambda e: e["seed"])
                for arm in ORDER}
     data = {arm: outcomes([read_jsonl(results / e["file"]) for e in es]) for arm, es in entries.items() if es}
     out = {}
     for arm, (correct, parseable) in data.items():
         walls = [e["wall_seconds"] for e in entries[arm] if e["wall_seconds"] is not None]
-        out[arm] = {**arm_stats(correct, parseable, rng), "seed_values": [e["seed"] for e in entries[arm]],
+        out[arm] = {**arm_stats(correct, parseable, _rng(arm)), "seed_values": [e["seed"] for e in entries[arm]],
                     "wall_seconds": sum(walls) / len(walls) if walls else None}
     pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
     tests = []
     for arm, other in pairs:
         if arm in data and other in data:
-            v = out[arm][f"vs_{other}"] = versus(data[arm], data[other], rng)
+            v = out[arm][f"vs_{other}"] = versus(data[arm], data[other], _rng(arm, other))
             tests += [v["accuracy"], v["parseable"]]
     for t, p in zip(tests, holm([t["p"] for t in tests]), strict=True):
         t["p_holm"] = p
