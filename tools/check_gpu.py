@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.util
 import json
 import math
@@ -33,6 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 RESULTS: dict[str, dict] = {}
+OUT: str | None = None  # --out: rewritten after every check
 
 
 def _optim(lr: float | None = None, **optim):
@@ -64,6 +66,9 @@ def check(name, needs: str = ""):
                   flush=True)
             if not r["ok"]:
                 print(r["trace"], flush=True)
+            if OUT:
+                Path(OUT).write_text(json.dumps(RESULTS, indent=2))
+        run.check_name = name
         return run
     return wrap
 
@@ -550,6 +555,109 @@ def one_b_memory(_model_dir):
     return out
 
 
+def _main_state(optimizer) -> list[torch.Tensor]:
+    """This rank's fp32 main weights and Adam moments (the distributed optimizer's shards), on the host."""
+    out = []
+    for d in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in d.optimizer.param_groups:
+            for p in group["params"]:
+                state = d.optimizer.state[p]
+                out += [t.detach().to("cpu", copy=True) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+    return out
+
+
+@check("llama_1b_async_save")
+def one_b_async_save(_model_dir):
+    """``trainer.async_save`` on the device (megatron-core's asynchronous save, its writer forked from a process
+    that holds a CUDA context): the ~1.2B Llama's checkpoint with its distributed-optimizer state staged on the
+    host before the save returns (the device memory it holds after returning, against the synchronous save's
+    transient), a training step taken while the forked writer writes, then the committed checkpoint loaded
+    into a fresh model and optimizer: every weight, fp32 main weight and Adam moment equal to the state at the
+    save, not the step's after it."""
+    from megatron.core import dist_checkpointing
+
+    from megareason.models import checkpoint as ckpt_module
+    from megareason.models.build import build_gpt
+    from megareason.models.checkpoint import finish_saves, load_checkpoint, save_checkpoint
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.train import train_step, wrap_for_training
+
+    gc.collect()  # an earlier check's model in a reference cycle would be freed during the save, not before
+    torch.cuda.empty_cache()
+    cfg, arch, compute, optim = _one_b_setup()
+    model = build_gpt(arch, compute)
+    ddp, optimizer = wrap_for_training(model, optim)
+    head = logprob_head(arch.vocab_size)
+    train_step(ddp, optimizer, _one_b_batches(arch, 1), head, _sum_nll)  # Adam's moments exist
+    phases: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - start, 2)
+            return result
+        return run
+
+    # Where the time before the save returns goes: the optimizer's state dict (the distributed optimizer
+    # gathers its fully_reshardable state), megatron-core's planning (which includes the state dict of the
+    # model), the copy to the host, the writer's fork.
+    optimizer.sharded_state_dict = timed("optimizer_state_dict", optimizer.sharded_state_dict)
+    patched = [(dist_checkpointing, "save"), (ckpt_module, "_stage_on_host")]
+    originals = [getattr(m, n) for m, n in patched]
+    for (m, n), f in zip(patched, originals, strict=True):
+        setattr(m, n, timed({"save": "plan_and_state_dicts", "_stage_on_host": "copy_to_host"}[n], f))
+    queue = ckpt_module._async_saves()
+    queue.schedule_async_request = timed("fork_writer", queue.schedule_async_request)
+    weights = {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
+    main = _main_state(optimizer)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        save_checkpoint(f"{tmp}/ckpt", model, arch, tmp, optimizer, asynchronous=True)
+        out["return_seconds"] = round(time.perf_counter() - start, 2)
+        out["held_after_return_bytes"] = torch.cuda.memory_allocated() - before
+        out["transient_bytes"] = torch.cuda.max_memory_allocated() - before
+        out["committed_before_finish"] = Path(f"{tmp}/ckpt").exists()
+        for (m, n), f in zip(patched, originals, strict=True):
+            setattr(m, n, f)
+        del queue.schedule_async_request
+        out["return_phases_seconds"] = phases
+        gc.collect()
+        out["held_after_return_gc_bytes"] = torch.cuda.memory_allocated() - before
+        step = train_step(ddp, optimizer, _one_b_batches(arch, 1, seed=1), head, _sum_nll)  # while it writes
+        changed = not torch.equal(_main_state(optimizer)[1], main[1])  # the first Adam moment moved
+        assert finish_saves(blocking=True)
+        out["finish_seconds"] = round(time.perf_counter() - start, 2)
+        del ddp, optimizer, model
+        torch.cuda.empty_cache()
+        fresh = build_gpt(arch, compute)
+        _, fresh_opt = wrap_for_training(fresh, optim)
+        load_checkpoint(f"{tmp}/ckpt", fresh, fresh_opt)
+        weights_equal = all(torch.equal(weights[n], p.detach().cpu()) for n, p in fresh.named_parameters())
+        loaded = _main_state(fresh_opt)
+        main_equal = len(loaded) == len(main) and all(torch.equal(a, b) for a, b in zip(main, loaded, strict=True))
+        del fresh, fresh_opt
+        torch.cuda.empty_cache()
+    out.update(step_loss_while_writing=step.loss, step_moved_adam_state=changed, weights_equal=weights_equal,
+               main_state_tensors=len(main), main_state_equal=main_equal)
+    problems = []
+    if out["committed_before_finish"]:
+        problems.append("the checkpoint appeared before its write was committed")
+    if max(out["held_after_return_bytes"], out["held_after_return_gc_bytes"]) > 64 * 2**20:
+        problems.append("the save still holds device memory after returning")
+    if not (changed and weights_equal and main_equal):
+        problems.append("the loaded state is not the state at the save")
+    assert not problems, f"{problems}: {json.dumps(out, default=str)}"
+    return out
+
+
 @check("llama_1b_training_throughput")
 def one_b_throughput(_model_dir):
     """Training tokens/s of the ~1.2B Llama (bf16, distributed optimizer, local layers, no recomputation) over
@@ -610,7 +718,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--skip-1b", action="store_true", help="leave out the ~1.2B-parameter Llama's checks")
+    ap.add_argument("--only", action="append", default=[], metavar="CHECK",
+                    help="run only this check (repeatable; a tiny model's by its name, e.g. llama_1b_async_save)")
     args = ap.parse_args()
+    global OUT
+    OUT = args.out
     if not torch.cuda.is_available():
         sys.exit("check_gpu.py needs a CUDA device")
     from megareason.models.build import transformer_engine_available
@@ -626,22 +738,26 @@ def main() -> int:
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {dist.get_backend()} "
           f"transformer_engine {transformer_engine_available()}", flush=True)
+    def wanted(*fns):
+        return [fn for fn in fns if not args.only or fn.check_name in args.only]
+
+    per_model = wanted(logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
+                       ipc, checkpoint)
     with tempfile.TemporaryDirectory() as tmp:
         # qwen3_moe: megatron-core's MoE layers (router, all-to-all dispatch, per-expert MLPs) on the GPU
         moe = dict(hidden_size=64, head_dim=32, intermediate_size=128, moe_intermediate_size=64)
         for family, tied, kw in (("qwen2", False, {}), ("llama", True, {}), ("qwen3_moe", False, moe)):
+            if not per_model:
+                break
             model_dir = str(build_tiny_model(Path(tmp) / family, family, tie_word_embeddings=tied, **kw))
-            for fn in (logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
-                       ipc, checkpoint):
+            for fn in per_model:
                 before = set(RESULTS)
                 fn(model_dir)
                 for k in set(RESULTS) - before:
                     RESULTS[f"{family}/{k}"] = RESULTS.pop(k)
-        bandwidth(None)
-        if not args.skip_1b:
-            one_b_memory(None)
-            one_b_throughput(None)
-        device_totals(None)
+        for fn in wanted(bandwidth, *(() if args.skip_1b else (one_b_memory, one_b_async_save, one_b_throughput)),
+                         device_totals):
+            fn(None)
     if args.out:
         Path(args.out).write_text(json.dumps(RESULTS, indent=2))
     failed = [k for k, r in RESULTS.items() if r["ok"] is False]
