@@ -69,8 +69,13 @@ def test_the_preemption_lead_covers_a_step_and_a_checkpoint_and_the_70b_recipe_a
     lead = preemption_lead(1000.0, 8e12, ranks=32, ranks_per_node=8, options=LeadOptions(write_gb_s_per_node=2.0))
     assert (lead.nodes, lead.bytes_per_node, lead.checkpoint_s) == (4, 2e12, 1000.0)
     assert lead.seconds == 60 * -(-(2000 * 1.25 + 120) // 60) == 2640  # whole minutes, rounded up
-    assert lead.line() == ("pre-emption lead: a step 1000 s + a checkpoint of 8000 GB written by 4 nodes, 2000 GB per "
-                           "node at 2 GB/s = 1000 s, x 1.25 + 120 s teardown = #SBATCH --signal=B:USR1@2640")
+    assert lead.line() == ("pre-emption lead: a step 1000 s + a checkpoint of 8000 GB (written by 4 nodes, 2000 GB per "
+                           "node at 2 GB/s = 1000 s), x 1.25 + 120 s teardown = #SBATCH --signal=B:USR1@2640")
+    # the distributed optimizer's gather first: 100 GB a rank at 0.5 GB/s = 200 s more
+    lead = preemption_lead(1000.0, 8e12, ranks=32, ranks_per_node=8, gather_bytes_per_rank=100e9)
+    assert (lead.gather_s, lead.checkpoint_s) == (200.0, 1200.0)
+    assert lead.seconds == 60 * -(-(2200 * 1.25 + 120) // 60) == 2880
+    assert "(its optimizer state gathered, 100 GB per rank at 0.5 GB/s = 200 s, then written by 4 nodes" in lead.line()
     # 12 trainer ranks beside separate engines on 2 nodes of 8: the first node writes 8/12 of it
     assert preemption_lead(0.0, 6e12, ranks=12, ranks_per_node=8).bytes_per_node == 4e12
     assert preemption_lead(0.0, 6e12, ranks=4, ranks_per_node=8).bytes_per_node == 6e12  # all on one node
@@ -81,8 +86,13 @@ def test_the_preemption_lead_covers_a_step_and_a_checkpoint_and_the_70b_recipe_a
     # node, 61.7 s at 2 GB/s
     assert plan.total_params == 70_553_706_496 and need.checkpoint_bytes == 70_553_706_496 * 14
     assert need.nodes == 8 and need.bytes_per_node == pytest.approx(123.47e9, rel=1e-4)
-    assert need.checkpoint_s == pytest.approx(61.73, abs=0.01)
-    assert "written by 8 nodes, 123 GB per node at 2 GB/s = 62 s" in need.line()
+    # the distributed optimizer: each of the TP 8 x PP 4 shards' ranks gathers 12 bytes a parameter of its
+    # shard, 26.46 GB, at 0.5 GB/s (measured on an H200: 0.52) = 52.9 s before the write
+    assert need.gather_bytes_per_rank == pytest.approx(12 * 70_553_706_496 / 32)
+    assert need.checkpoint_s == pytest.approx(52.92 + 61.73, abs=0.01)
+    assert "26 GB per rank at 0.5 GB/s = 53 s, then written by 8 nodes, 123 GB per node at 2 GB/s = 62 s" in need.line()
+    plain = plan_lead(plan, load_config("raro_70b", ["optim.use_distributed_optimizer=false"]))
+    assert plain.gather_s == 0 and plain.checkpoint_s == pytest.approx(61.73, abs=0.01)
     directives = nemo_run.sbatch_directives(REPO / "slurm" / "raro_70b.sbatch")
     granted = int(re.fullmatch(r"B:USR1@(\d+)", directives["signal"]).group(1))
     assert granted >= need.seconds, f"slurm/raro_70b.sbatch's --signal lead {granted} s < {need.line()}"

@@ -7,15 +7,20 @@ the teardown (Ray stopped, ``scontrol requeue``), so::
 
     lead = (step seconds + checkpoint seconds) x SAFETY + TEARDOWN_S, rounded up to whole minutes
 
-with the step's seconds from ``megareason plan`` (``launch/plan.py``) and the checkpoint's seconds those of
-the node that writes the most, at ``--checkpoint-write-gbs`` per node. Every trainer rank writes about an
-equal share of the checkpoint (the data-parallel replicas split the writing of their TP x PP shard:
-``models/checkpoint.py``), so a node writes the checkpoint's bytes x its trainer ranks / all trainer ranks:
-bytes / nodes when the trainer fills the nodes; separate rollout engines write nothing. A checkpoint holds
-every parameter in the training precision plus the Adam state of every trainable one: bf16 weights and fp32
-main weights + two fp32 moments = 14 bytes per parameter (fp32 training: 4 + 8 = 12), the critic's again
-for PPO, and with LoRA the frozen base weights plus the adapters' states. The lead is printed by ``megareason plan``;
-``tests/test_slurm.py`` checks ``slurm/raro_70b.sbatch``'s ``--signal`` against it.
+with the step's seconds from ``megareason plan`` (``launch/plan.py``) and the checkpoint's seconds the
+distributed optimizer's gather plus the write of the node that writes the most, at ``--checkpoint-write-gbs``
+per node. The gather: before a save, megatron-core's ``fully_reshardable`` format collects on every rank its
+replica's whole optimizer state (fp32 main weights and both Adam moments, 12 bytes a trained parameter of the
+rank's TP x PP shard: ``get_parameter_state_dp_zero``) through host memory, a shard at a time; measured on an
+H200 at 0.52 GB/s a rank (14.83 GB in 28.3 s, ``tools/check_gpu.py``, docs/results/gpu_check_h200.md), the ranks
+of a node in parallel. Every trainer rank writes about an equal share of the checkpoint (the data-parallel
+replicas split the writing of their TP x PP shard: ``models/checkpoint.py``), so a node writes the checkpoint's
+bytes x its trainer ranks / all trainer ranks: bytes / nodes when the trainer fills the nodes; separate rollout
+engines write nothing. A checkpoint holds every parameter in the training precision plus the Adam state of every
+trainable one: bf16 weights and fp32 main weights + two fp32 moments = 14 bytes per parameter (fp32 training: 4
++ 8 = 12), the critic's again for PPO, and with LoRA the frozen base weights plus the adapters' states. The lead
+is printed by ``megareason plan``; ``tests/test_slurm.py`` checks ``slurm/raro_70b.sbatch``'s ``--signal``
+against it.
 
 A pre-emption without that signal (SIGTERM to the job's steps, then SIGKILL after the site's GraceTime) gets
 a checkpoint only if a step and a save fit in the grace time; ``trainer.save_every_minutes`` bounds what
@@ -42,6 +47,8 @@ class LeadOptions:
     # Sustained write bandwidth of one node to trainer.output_dir's file system (GB/s). Parallel file
     # systems give roughly 1-5 GB/s per client node; measure yours (the driver logs each save's seconds).
     write_gb_s_per_node: float = 2.0
+    # The distributed optimizer's gather of its state before a save, per rank (GB/s): measured 0.52 on an H200.
+    gather_gb_s_per_rank: float = 0.5
     safety: float = 1.25  # the plan's step time is an estimate
     teardown_s: float = 120.0  # the driver's exit, Ray's teardown (slurm/ray_cluster.sh waits up to 60 s), requeue
 
@@ -52,15 +59,22 @@ class Lead:
     checkpoint_bytes: float
     nodes: int  # the nodes of the trainer's ranks, which write the checkpoint
     bytes_per_node: float  # what the busiest of them writes
-    checkpoint_s: float  # bytes_per_node at the write bandwidth of a node
+    checkpoint_s: float  # gather_s + bytes_per_node at the write bandwidth of a node
     seconds: int  # the --signal lead: whole minutes
     options: LeadOptions
+    gather_bytes_per_rank: float = 0.0  # the distributed optimizer's state each rank gathers before writing
+    gather_s: float = 0.0
 
     def line(self) -> str:
         o, nodes = self.options, f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
+        write_s = self.checkpoint_s - self.gather_s
+        gather = ""
+        if self.gather_bytes_per_rank:
+            gather = (f"its optimizer state gathered, {self.gather_bytes_per_rank / GB:.0f} GB per rank at "
+                      f"{o.gather_gb_s_per_rank:g} GB/s = {self.gather_s:.0f} s, then ")
         return (f"pre-emption lead: a step {self.step_s:.0f} s + a checkpoint of {self.checkpoint_bytes / GB:.0f} GB "
-                f"written by {nodes}, {self.bytes_per_node / GB:.0f} GB per node at "
-                f"{o.write_gb_s_per_node:g} GB/s = {self.checkpoint_s:.0f} s, x {o.safety:g} + "
+                f"({gather}written by {nodes}, {self.bytes_per_node / GB:.0f} GB per node at "
+                f"{o.write_gb_s_per_node:g} GB/s = {write_s:.0f} s), x {o.safety:g} + "
                 f"{o.teardown_s:.0f} s teardown = #SBATCH --signal=B:USR1@{self.seconds}")
 
 
@@ -83,22 +97,39 @@ def trainable_params(cfg: Config, arch) -> int:
 
 
 def preemption_lead(step_s: float, ckpt_bytes: float, ranks: int, ranks_per_node: int,
-                    options: LeadOptions = LeadOptions()) -> Lead:
+                    options: LeadOptions = LeadOptions(), gather_bytes_per_rank: float = 0.0) -> Lead:
     """The lead for a step of ``step_s`` and a checkpoint of ``ckpt_bytes`` written by ``ranks`` trainer ranks,
-    an equal share each, at most ``ranks_per_node`` of them on a node."""
+    an equal share each, at most ``ranks_per_node`` of them on a node, after each rank has gathered
+    ``gather_bytes_per_rank`` of optimizer state (the distributed optimizer's; 0 for the plain one)."""
     if options.write_gb_s_per_node <= 0:
         raise ConfigError(f"--checkpoint-write-gbs must be > 0, got {options.write_gb_s_per_node}")
+    if options.gather_gb_s_per_rank <= 0:
+        raise ConfigError(f"the optimizer-state gather rate must be > 0 GB/s, got {options.gather_gb_s_per_rank}")
     ranks_per_node = min(ranks_per_node, ranks)
     per_node = ckpt_bytes * ranks_per_node / ranks
-    ckpt_s = per_node / (options.write_gb_s_per_node * GB)
+    gather_s = gather_bytes_per_rank / (options.gather_gb_s_per_rank * GB)
+    ckpt_s = gather_s + per_node / (options.write_gb_s_per_node * GB)
     seconds = 60 * math.ceil(((step_s + ckpt_s) * options.safety + options.teardown_s) / 60)
-    return Lead(step_s, ckpt_bytes, math.ceil(ranks / ranks_per_node), per_node, ckpt_s, seconds, options)
+    return Lead(step_s, ckpt_bytes, math.ceil(ranks / ranks_per_node), per_node, ckpt_s, seconds, options,
+                gather_bytes_per_rank, gather_s)
+
+
+def gathered_optimizer_bytes(cfg: Config, trainable: int) -> float:
+    """Optimizer state one rank gathers before a save: with the distributed optimizer, its replica's fp32 main
+    weights and two Adam moments (12 bytes a trained parameter of the rank's TP x PP shard; with PPO the
+    critic's after the actor's: the roles save one after the other), else none."""
+    if not cfg.optim.use_distributed_optimizer:
+        return 0.0
+    shards = cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    return 12 * trainable / shards * (2 if cfg.algorithm.name == "ppo" else 1)
 
 
 def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
     """The lead of a ``megareason plan`` result (``plan.Plan``) for its config."""
-    ckpt = checkpoint_bytes(cfg, plan.total_params, trainable_params(cfg, plan.arch))
-    return preemption_lead(plan.step_seconds, ckpt, plan.trainer_gpus, plan.gpus_per_node, options)
+    trainable = trainable_params(cfg, plan.arch)
+    ckpt = checkpoint_bytes(cfg, plan.total_params, trainable)
+    return preemption_lead(plan.step_seconds, ckpt, plan.trainer_gpus, plan.gpus_per_node, options,
+                           gathered_optimizer_bytes(cfg, trainable))
 
 
 def lead_for(args: argparse.Namespace) -> Lead:
