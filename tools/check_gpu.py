@@ -1,18 +1,19 @@
 """The GPU path of the Megatron side, checked on one CUDA device against transformers on the same GPU.
 
-CI has no GPU, so this is what a lent GPU machine runs (see docs/architecture.md, "GPU path"): NCCL
-process groups, the model on the device, micro-batches moved to it, log-probs (padded and packed) and
-one AdamW step against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's
-offload/onload, the streaming export against the naive gather, a CUDA-IPC bucket read by another
-process (as vLLM's worker does), and a checkpoint round trip through the HF converter; for a dense Qwen2,
-a tied Llama and a Qwen3-MoE (megatron-core's MoE layers on the GPU). Then a ~1.2B Llama (random
-weights): the device memory of each phase (resident states, a training step, the checkpoint save's
-transient, the optimizer offload) against ``megareason plan``'s bytes, training tokens/s and MFU, and the
-device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safetensors (not Ray or vLLM);
-on a bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one
-line per check and exits 1 if any failed:
+CI has no GPU, so this is what a lent GPU machine runs (see docs/architecture.md, "GPU path"): NCCL process
+groups, the model on the device, micro-batches moved to it, log-probs (padded and packed) and one AdamW step
+against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's offload/onload, the
+streaming export against the naive gather, a CUDA-IPC bucket read by another process (as vLLM's worker does),
+and a checkpoint round trip through the HF converter; for a dense Qwen2, a tied Llama and a Qwen3-MoE
+(megatron-core's MoE layers on the GPU). Then a ~1.2B Llama (random weights): the device memory of each phase
+(resident states, a training step, the checkpoint save's transient, the optimizer offload) against
+``megareason plan``'s bytes, its asynchronous checkpoint save (nothing left on the device when it returns, the
+loaded state the save's though a step ran meanwhile, where the time goes), training tokens/s and MFU, and the
+device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safetensors (not Ray or vLLM); on a
+bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one line per
+check and exits 1 if any failed:
 
-    python tools/check_gpu.py [--out results.json] [--skip-1b]
+    python tools/check_gpu.py [--out results.json] [--skip-1b] [--only CHECK ...]
 """
 
 from __future__ import annotations
@@ -620,14 +621,16 @@ def one_b_async_save(_model_dir):
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         start = time.perf_counter()
-        save_checkpoint(f"{tmp}/ckpt", model, arch, tmp, optimizer, asynchronous=True)
+        try:
+            save_checkpoint(f"{tmp}/ckpt", model, arch, tmp, optimizer, asynchronous=True)
+        finally:  # the later checks see megatron-core and the checkpoint module as they were
+            for (m, n), f in zip(patched, originals, strict=True):
+                setattr(m, n, f)
+            del queue.schedule_async_request
         out["return_seconds"] = round(time.perf_counter() - start, 2)
         out["held_after_return_bytes"] = torch.cuda.memory_allocated() - before
         out["transient_bytes"] = torch.cuda.max_memory_allocated() - before
         out["committed_before_finish"] = Path(f"{tmp}/ckpt").exists()
-        for (m, n), f in zip(patched, originals, strict=True):
-            setattr(m, n, f)
-        del queue.schedule_async_request
         out["return_phases_seconds"] = phases
         gc.collect()
         out["held_after_return_gc_bytes"] = torch.cuda.memory_allocated() - before
