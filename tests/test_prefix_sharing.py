@@ -53,6 +53,17 @@ def test_plan_keeps_units_together_and_cuts_those_over_budget():
         plan_shared([20], [[0]], max_tokens=12)
 
 
+def test_a_physical_budget_keeps_a_group_whole_and_its_row_within_budget():
+    lengths, prefix_lens = [5, 5, 5, 5, 3, 3], [3, 3, 3, 3, 1, 1]
+    # Counted physically, unit 1 is 5 + 2 + 2 + 2 = 11 tokens: whole within 12 (unshared: 20, cut in two).
+    assert plan_shared(lengths, [[0, 1, 2, 3], [4, 5]], 12, prefix_lens) == [[[0, 1, 2, 3]], [[4, 5]]]
+    # Within 10 it is cut after 9 tokens ([0, 1, 2]); [3] (5) and unit 2 (3 + 2) share the second micro-batch.
+    plan = plan_shared(lengths, [[0, 1, 2, 3], [4, 5]], 10, prefix_lens)
+    assert plan == [[[0, 1, 2]], [[3], [4, 5]]]
+    seqs = [torch.cat([_t(1, 2, 3), _t(4 + i, 9)]) for i in range(4)] + [_t(7, 8, 9), _t(7, 5, 6)]
+    assert [m.shared.tokens_1P.shape[1] for m in pack_shared(seqs, prefix_lens, plan)] == [10, 10]
+
+
 def _experience(vocab: int) -> Experience:
     """Two prompts (7 and 4 tokens) with three samples each, responses of varying length."""
     g = torch.Generator().manual_seed(3)
@@ -116,6 +127,10 @@ def test_shared_prefix_and_response_only_head_give_the_same_outputs_and_gradient
         for layout in [(1, 1), (2, 2)]:
             plain = results[layout + (False, False)]
             assert results[layout + (True, False)]["tokens"] < plain["tokens"]  # the model ran on fewer positions
+            # Heads at responses only: the budget (24) counts physical tokens, so both groups stay whole
+            # (7 + 5 + 2 + 8 = 22 and 4 + 5 + 2 + 8 = 19: two rows of 22) where the unshared count cuts each
+            # in two (four rows of 15: [12, 9] read as 7 + 5 + 2, [15], [9, 6] as 11, [12]).
+            assert (results[layout + (True, True)]["tokens"], results[layout + (True, False)]["tokens"]) == (44, 60)
             for variant in VARIANTS[1:]:
                 other = results[layout + variant]
                 assert (plain["logp"][m] - other["logp"][m]).abs().max().item() < 1e-5, variant

@@ -124,22 +124,36 @@ def pack(seqs: Sequence[torch.Tensor], plan: list[list[int]], pad_id: int = 0,
     return out
 
 
-def plan_shared(lengths: Sequence[int], units: Sequence[Sequence[int]], max_tokens: int) -> list[list[list[int]]]:
+def plan_shared(lengths: Sequence[int], units: Sequence[Sequence[int]], max_tokens: int,
+                prefix_lens: Sequence[int] | None = None) -> list[list[list[int]]]:
     """Micro-batches of units (lists of sequence indices that share a prefix), at most ``max_tokens``
-    unshared tokens each, so the virtual row is as wide as without sharing. First-fit decreasing over
-    units; a unit too large for one micro-batch is cut, in order, into parts that fit."""
+    tokens each. First-fit decreasing over units; a unit too large for one micro-batch is cut, in order,
+    into parts that fit (each part reads the prefix once).
+
+    The tokens counted: without ``prefix_lens``, unshared ones, so the virtual row is as wide as without
+    sharing (what a head that runs at every position needs). With ``prefix_lens`` (each sequence's
+    shared prefix), the physical row's: a part's prefix once plus its sequences' remainders, what the
+    model's layers run on; for heads that run only at response positions (``keep_W``) that bounds the
+    micro-batch's memory as ``max_tokens`` does without sharing, and keeps a GRPO group or a critic's
+    judgements of one prompt whole where the unshared count would cut them."""
     plan_micro_batches(lengths, max_tokens)  # the same error for a sequence that fits nowhere
+
+    def cost(i: int, first: bool) -> int:
+        return lengths[i] if first or prefix_lens is None else lengths[i] - prefix_lens[i]
+
     parts: list[list[int]] = []
+    sizes: list[int] = []
     for unit in units:
         part, size = [], 0
         for i in unit:
-            if part and size + lengths[i] > max_tokens:
+            if part and size + cost(i, False) > max_tokens:
                 parts.append(part)
+                sizes.append(size)
                 part, size = [], 0
+            size += cost(i, not part)
             part.append(i)
-            size += lengths[i]
         parts.append(part)
-    sizes = [sum(lengths[i] for i in part) for part in parts]
+        sizes.append(size)
     bins: list[list[list[int]]] = []
     room: list[int] = []
     for k in sorted(range(len(parts)), key=lambda k: (-sizes[k], parts[k][0])):

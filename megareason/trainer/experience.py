@@ -102,7 +102,9 @@ def pack_experience(exp: Experience, micro_batch_tokens: int, names: Sequence[st
         units: dict[tuple, list[int]] = {}
         for b, p in enumerate(prompt_lens):
             units.setdefault((p, *seqs[b][:p].tolist()), []).append(b)
-        plan = plan_shared(lengths, list(units.values()), micro_batch_tokens)
+        # Heads at response positions only: the physical row is the micro-batch's cost (plan_shared).
+        plan = plan_shared(lengths, list(units.values()), micro_batch_tokens,
+                           prompt_lens if responses_only else None)
         plan = split_plan(plan, count, lambda unit: sum(lengths[b] for b in unit))
         batches = pack_shared(seqs, prompt_lens, plan, multiple=width_multiple)
     else:
