@@ -136,8 +136,9 @@ def test_critic_votes_and_the_policy_reward_gap_by_hand(tmp_path, capsys, monkey
         json.dumps({"critic_prompt": p, "judgement": j, "expert_shown_as": e, "critic_reward": r}) + "\n"
         for p, j, e, r in critic))
     v = votes.step_votes(dumps / "step_00000001_critic.jsonl", critic_n=2)
+    # The tie's GRPO advantage in p1: (0.5 - 0.75) / (unbiased std of [1, 0.5] = 0.3536) = -0.7071.
     assert v == {"says_A": 0.75, "says_B": 0.0, "says_tie": 0.25, "accuracy": pytest.approx(2 / 3),
-                 "groups_with_signal": 0.5}
+                 "groups_with_signal": 0.5, "tie_advantage": pytest.approx(-(0.5 ** 0.5), rel=1e-5)}
     g = votes.policy_reward_gap(dumps / "step_00000001.jsonl")
     assert g == {"answers": 4, "correct": 2, "reward_gap": 0.75 - 0.25}
     with pytest.raises(SystemExit, match="groups of 3"):
@@ -145,7 +146,8 @@ def test_critic_votes_and_the_policy_reward_gap_by_hand(tmp_path, capsys, monkey
     monkeypatch.setattr(sys, "argv", ["raro_critic_votes.py", str(tmp_path / "run")])
     votes.main()
     out = capsys.readouterr().out
-    assert "     1        4        2      +0.500    0.75    0.00      0.25      0.67" in out
+    assert ("     1        4        2      +0.500    0.75    0.00      0.25      0.67                0.50"
+            "         -0.707") in out
 
 
 def test_heldout_and_critic_figures_one_panel_each_with_wilson_intervals():
