@@ -13,13 +13,14 @@ device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safeten
 bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one line per
 check and exits 1 if any failed:
 
-    python tools/check_gpu.py [--out results.json] [--skip-1b] [--only CHECK ...]
+    python tools/check_gpu.py [--out results.json] [--skip-1b] [--only CHECK ...] [--optim-format FORMAT]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -720,12 +721,34 @@ def device_totals(_model_dir):
             "outside_torch_bytes": total - free - torch.cuda.memory_reserved()}
 
 
+def use_optim_format(name: str) -> None:
+    """Save the distributed optimizer's state in megatron-core's ``name`` format instead of megareason's
+    ``fully_reshardable`` (the loader reads the format back from megareason.json). ``dp_reshardable`` writes
+    each rank's shards as they lie (no gather over DP, no buffers for it) and reshards over DP only. Its
+    loader in megatron-core 0.16.1 copies into the fp32 main parameters outside ``torch.no_grad`` (an error
+    where they are views of the model's leaf parameters, as in fp32 training), so loads run under it here."""
+    from megareason.models import checkpoint as ckpt_module
+
+    ckpt_module.DISTRIB_OPTIM_SHARDING = name
+    load = ckpt_module.load_checkpoint
+
+    @functools.wraps(load)
+    def load_without_grad(*args, **kwargs):
+        with torch.no_grad():
+            return load(*args, **kwargs)
+
+    ckpt_module.load_checkpoint = load_without_grad
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--skip-1b", action="store_true", help="leave out the ~1.2B-parameter Llama's checks")
     ap.add_argument("--only", action="append", default=[], metavar="CHECK",
                     help="run only this check (repeatable; a tiny model's by its name, e.g. llama_1b_async_save)")
+    ap.add_argument("--optim-format", choices=("fully_reshardable", "dp_reshardable"),
+                    help="megatron-core's format for the distributed optimizer's state in the checks' saves "
+                         "(default: megareason's, fully_reshardable); the memory check's save plan assumes it")
     args = ap.parse_args()
     global OUT
     OUT = args.out
@@ -740,6 +763,8 @@ def main() -> int:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0")
     init_parallel(1, 1, store=store)
+    if args.optim_format:
+        use_optim_format(args.optim_format)
     import torch.distributed as dist
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} backend {dist.get_backend()} "
