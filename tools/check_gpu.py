@@ -748,7 +748,8 @@ def main() -> int:
                     help="run only this check (repeatable; a tiny model's by its name, e.g. llama_1b_async_save)")
     ap.add_argument("--optim-format", choices=("fully_reshardable", "dp_reshardable"),
                     help="megatron-core's format for the distributed optimizer's state in the checks' saves "
-                         "(default: megareason's, fully_reshardable); the memory check's save plan assumes it")
+                         "(default: megareason's, fully_reshardable, which the memory check's planned save transient "
+                         "assumes)")
     args = ap.parse_args()
     global OUT
     OUT = args.out
