@@ -73,12 +73,15 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_trains_and_
     assert inflight["step"] == 2 and inflight["version"] == 0 and len(inflight["completions"]) == 4
     assert not (off / "checkpoints" / "step_00000002" / "rollout_inflight.pt").exists()  # the last step: none
 
-    # Lose step 2's checkpoint: the resumed run trains step 2 on the saved batch, as the first run did.
+    # Lose step 2's checkpoint: the resumed run trains step 2 on the saved batch, as the first run did, with
+    # the weights reaching the engine by the collective broadcast (rollout.broadcast) instead of the tmpfs
+    # bucket: the same weights bit for bit, so the same samples and the same sums.
     crashed = tmp_path / "crashed"
     shutil.copytree(off, crashed)
     shutil.rmtree(crashed / "checkpoints" / "step_00000002")
-    proc = _run(_args(tiny_qwen2, tmp_path, crashed, *args))
+    proc = _run(_args(tiny_qwen2, tmp_path, crashed, *args, "rollout.weight_transfer=broadcast"))
     assert "saved in flight" in proc.stderr
+    assert "by BroadcastTrainerWeightTransferEngine" in (crashed / "logs" / "policy_rank0.log").read_text()
     again = _metrics(crashed)
     for key in (*_KEYS, "rollout/staleness", "rollout/token_mult_prob_error", "actor/is_ratio"):
         assert again[2][key] == m[2][key], (key, again[2][key], m[2][key])

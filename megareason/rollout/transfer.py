@@ -18,9 +18,8 @@ megareason plugs into it:
   fills a tmpfs bucket (``rollout.buckets``) and sends its transport and specs as the chunk's update info;
   ``ShmWeightTransferEngine``, registered in vLLM's factory by ``rollout.vllm_worker``, loads it through
   the same checked layerwise reload as the colocated path (``vllm_worker._Reload``).
-* not built: ``nccl`` for engines on other nodes (vLLM's ``NCCLTrainerWeightTransferEngine`` would take
-  the same client and source, with a rendezvous of one sender and engines x TP receivers); nothing here
-  could run it (no GPU, and the lent GPU image has no vLLM), so ``RemoteEngines`` refuses such engines.
+* engines on other nodes: the collective broadcast of ``rollout.broadcast`` (vLLM's NCCL engines on GPU,
+  a gloo group on CPU), with the same client and source.
 """
 
 from __future__ import annotations
@@ -112,8 +111,8 @@ class PoolClient:
     """``VLLMWeightSyncClient`` over ``RolloutWorker`` actors: each call fans out to every engine and waits
     for all; ``seconds`` adds up the time spent waiting on the engines."""
 
-    def __init__(self, workers: list):
-        self.workers, self.seconds = workers, 0.0
+    def __init__(self, workers: list, ranks_per_engine: int = 1):
+        self.workers, self.width, self.seconds = workers, ranks_per_engine, 0.0
 
     def _all(self, method: str, *args) -> list:
         import ray
@@ -125,6 +124,18 @@ class PoolClient:
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self._all("init_weight_transfer_engine", init_info)
+
+    def init_each(self, init_infos: list[dict]) -> None:
+        """One init payload per engine (``rollout.broadcast``: each its rank offset), to every rank of it (the
+        workers are engine-major, ``ranks_per_engine`` each)."""
+        import ray
+
+        if len(init_infos) * self.width != len(self.workers):
+            raise ValueError(f"{len(init_infos)} init payloads for {len(self.workers)} workers of "
+                             f"{self.width} rank(s) per engine")
+        start = time.perf_counter()
+        ray.get([w.init_weight_transfer_engine.remote(init_infos[i // self.width]) for i, w in enumerate(self.workers)])
+        self.seconds += time.perf_counter() - start
 
     def start_weight_update(self) -> None:
         self._all("start_weight_update")

@@ -167,15 +167,19 @@ class WeightUpdateExtension:
         return self._mr.finish()
 
 
-def _register_shm_backend() -> None:
-    """``megareason_shm`` in vLLM's weight-transfer registry (this module is imported in every vLLM
-    worker process, as ``worker_extension_cls``, before the worker builds its transfer engine)."""
+def _register_backends() -> None:
+    """``megareason_shm`` and ``megareason_broadcast`` in vLLM's weight-transfer registry (this module is
+    imported in every vLLM worker process, as ``worker_extension_cls``, before the worker builds its
+    transfer engine)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if SHM_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(SHM_BACKEND, "megareason.rollout.transfer",
-                                                    "ShmWeightTransferEngine")
+    for backend, module, engine in ((SHM_BACKEND, "megareason.rollout.transfer", "ShmWeightTransferEngine"),
+                                    (BROADCAST_BACKEND, "megareason.rollout.broadcast",
+                                     "BroadcastWeightTransferEngine")):
+        if backend not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(backend, module, engine)
 
 
 SHM_BACKEND = "megareason_shm"
-_register_shm_backend()
+BROADCAST_BACKEND = "megareason_broadcast"
+_register_backends()

@@ -7,11 +7,11 @@ executor in this placement group, which refuses bundles of more than one GPU (vl
 The engines never sleep: they generate while the trainer trains (``trainer.max_staleness``), so
 ``generate_async`` returns at once with a ``PendingGeneration``.
 
-Weights reach them from the trainer's first rank (``RemoteEngines``, handed to it once the pool is up):
-the rank fills each bucket once in tmpfs, every engine loads it through an RPC into its actor
-(``rollout.engine.push_weights``; the bucket's bytes never cross Ray). That needs the engines on the
-trainer's node; engines on other nodes need vLLM's NCCL weight transfer (``WeightTransferConfig``), which
-is not built yet: the pool refuses them with that message.
+Weights reach them from the trainer's first rank (``RemoteEngines``, handed to it once the pool is up),
+through vLLM's weight-transfer API, by ``rollout.weight_transfer``: ``shm``, the rank fills each bucket
+once in tmpfs and every engine on the trainer's node loads it (``rollout.transfer``; the bucket's bytes
+never cross Ray; engines on another node are refused); ``broadcast``, the rank broadcasts each bucket to
+every engine on any node at once (``rollout.broadcast``: vLLM's NCCL engines on GPU, gloo on CPU).
 """
 
 from __future__ import annotations
@@ -29,22 +29,68 @@ log = logging.getLogger(__name__)
 
 
 class RolloutWorker:
-    """One engine's process (a Ray actor): a ``VLLMEngine`` and the RPCs the trainer's weight pushes call."""
+    """One vLLM rank's process (a Ray actor) of a separate engine, and the RPCs the trainer's weight pushes
+    call. At ``rollout.tensor_parallel_size`` 1 it holds a whole ``VLLMEngine``; at TP > 1 each of the
+    engine's ranks is one of these, joined by a torch.distributed group of their own, running vLLM's
+    ``external_launcher`` executor (the SPMD engine of ``rollout.colocated``): every rank gets the same calls,
+    the pool keeps the first rank's completions."""
 
-    def __init__(self, cfg: Config, index: int, cores: list[int] | None):
+    def __init__(self, cfg: Config, index: int, cores: list[int] | None, rank: int = 0):
         from megareason.logs import name_worker
 
-        name_worker("rollout", index)  # logs/rollout_rank0.log
+        tp = cfg.rollout.tensor_parallel_size
+        name_worker("rollout", index * tp + rank)  # logs/rollout_rank0.log, rank 1, ... (engine-major)
         if cores:  # CPU: this engine's cores, apart from the trainer's
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
             os.sched_setaffinity(0, cores)
+        self.cfg, self.index, self.rank, self.engine = cfg, index, rank, None
+        if tp == 1:
+            self._start()
+
+    def address(self) -> tuple[str, int]:
+        """The engine's first rank: its group's rendezvous store on this node; where it listens."""
+        import ray
+
+        from megareason.ports import rendezvous_store
+        from megareason.trainer.workers import RENDEZVOUS_TIMEOUT
+
+        host = ray.util.get_node_ip_address()
+        self._store = rendezvous_store(host, self.cfg.rollout.tensor_parallel_size, RENDEZVOUS_TIMEOUT)
+        return host, self._store.port
+
+    def setup(self, master: tuple[str, int]) -> None:
+        """TP > 1: join the engine's group at ``master`` (gloo on CPU, NCCL on GPU), then start this rank."""
+        import torch
+        import torch.distributed as dist
+
+        from megareason.trainer.workers import RENDEZVOUS_TIMEOUT
+
+        tp = self.cfg.rollout.tensor_parallel_size
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(tp), LOCAL_RANK="0")
+        store = getattr(self, "_store", None) or dist.TCPStore(master[0], master[1], tp, is_master=False,
+                                                               timeout=RENDEZVOUS_TIMEOUT)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=self.rank,
+                                world_size=tp, timeout=RENDEZVOUS_TIMEOUT)
+        self._start()
+
+    def _start(self) -> None:
+        from dataclasses import replace as dc_replace
+
         from megareason.rollout import start_engine
-        from megareason.rollout.vllm_worker import SHM_BACKEND
         from megareason.settings import engine_settings
 
-        settings = engine_settings(cfg)  # the weights arrive through vLLM's weight-transfer API
-        settings.extra = {**settings.extra, "weight_transfer_config": {"backend": SHM_BACKEND}}
-        self.index, self.engine = index, start_engine(settings, index)
+        settings = engine_settings(self.cfg)  # the weights arrive through vLLM's weight-transfer API
+        settings.extra = {**settings.extra, "weight_transfer_config": {"backend": worker_backend(self.cfg)}}
+        if self.cfg.rollout.tensor_parallel_size == 1:
+            self.engine = start_engine(settings, self.index)
+            return
+        from megareason.rollout.colocated import ColocatedEngine
+
+        self.engine = ColocatedEngine(settings)
+        # Seeds of unseeded sampling differ between engines (``ColocatedEngine.generate``): this engine's
+        # place among the pool's, not among the one-engine world it sees.
+        self.engine.layout = dc_replace(self.engine.layout, engines=self.cfg.rollout.num_engines, engine=self.index)
 
     def node(self) -> str:
         import ray
@@ -92,7 +138,8 @@ class PendingGeneration:
 
     def result(self) -> tuple[list[list[Completion]], float]:
         """(completions in prompt order, the slowest engine's generation seconds)."""
-        parts = self.pool._get(self.futures, "generate")
+        width = len(self.futures[0])
+        parts = self.pool._get([f for ranks in self.futures for f in ranks], "generate")[::width]  # first ranks
         return [c for out, _ in parts for c in out], max(s for _, s in parts)
 
 
@@ -107,26 +154,38 @@ class RolloutPool:
         from megareason.trainer.group import placement_ready
 
         r = cfg.rollout
-        self.n, self.failed = r.num_engines, False
-        bundle = {"GPU": r.tensor_parallel_size, "CPU": 1} if on_gpu else {"CPU": 1}
-        self.pg = placement_ready(placement_group([bundle] * self.n, strategy="PACK"),
-                                  f"{self.n} rollout engines of {bundle}")
+        self.cfg, self.n, self.tp, self.failed = cfg, r.num_engines, r.tensor_parallel_size, False
+        # One placement group per engine, a one-device bundle per vLLM rank, all on one node (STRICT_PACK):
+        # vLLM's Ray executor refuses bundles of several GPUs (vllm/v1/executor/ray_utils.py), and an engine's
+        # tensor-parallel all-reduce belongs inside a node.
+        bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
+        self.pgs = [placement_ready(placement_group([bundle] * self.tp, strategy="STRICT_PACK"),
+                                    f"rollout engine {e}: {self.tp} bundle(s) of {bundle} on one node")
+                    for e in range(self.n)]
         cores = sorted(os.sched_getaffinity(0))
-        per = max(1, (len(cores) - trainer_cores) // self.n)
-        self.workers = [ray.remote(RolloutWorker).options(
-            num_cpus=0, num_gpus=r.tensor_parallel_size if on_gpu else 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(cfg, i, None if on_gpu else _engine_cores(cores, i, per)) for i in range(self.n)]
+        per = max(1, (len(cores) - trainer_cores) // (self.n * self.tp))
+        self.engines = [[ray.remote(RolloutWorker).options(
+            num_cpus=0, num_gpus=1 if on_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pgs[e], placement_group_bundle_index=k),
+        ).remote(cfg, e, None if on_gpu else _engine_cores(cores, e * self.tp + k, per), k) for k in range(self.tp)]
+            for e in range(self.n)]
+        self.workers = [w for ranks in self.engines for w in ranks]  # engine-major: engine e's ranks together
+        if self.tp > 1:
+            masters = self._get([ranks[0].address.remote() for ranks in self.engines], "start")
+            self._get([w.setup.remote(m) for ranks, m in zip(self.engines, masters, strict=True) for w in ranks],
+                      "start")
         self.dtype = self._get([w.dtype.remote() for w in self.workers], "start")[0]
-        log.info("rollout: %d separate engine(s) of %s", self.n, bundle)
+        log.info("rollout: %d separate engine(s) of %d x %s", self.n, self.tp, bundle)
 
     def generate_async(self, prompts_token_ids: list[list[int]], sampling: Sampling) -> PendingGeneration:
         """Split the prompts over the engines in order (prompt i is sampled with seed + i, whichever engine
         serves it, as the colocated engines do) and start them; returns at once."""
         bounds = [round(i * len(prompts_token_ids) / self.n) for i in range(self.n + 1)]
-        futures = [w.generate.remote(prompts_token_ids[a:b],
-                                     sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a))
-                   for w, a, b in zip(self.workers, bounds[:-1], bounds[1:], strict=True)]
+        # Every rank of an engine gets the same call (SPMD); the first rank's completions are kept.
+        futures = [[w.generate.remote(prompts_token_ids[a:b],
+                                      sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + a))
+                    for w in ranks]
+                   for ranks, a, b in zip(self.engines, bounds[:-1], bounds[1:], strict=True)]
         return PendingGeneration(futures, self)
 
     def generate(self, prompts_token_ids: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
@@ -137,7 +196,7 @@ class RolloutPool:
 
     def remote_engines(self) -> RemoteEngines:
         """What the trainer's first rank pushes weights through."""
-        return RemoteEngines(self.workers, self.dtype)
+        return RemoteEngines(self.workers, self.dtype, self.cfg.rollout)  # engine-major, as the offsets count
 
     def _get(self, futures: list, what: str) -> list:
         import ray
@@ -155,8 +214,11 @@ class RolloutPool:
         except ray.exceptions.RayActorError as e:
             self.failed = True
             i = next((k for k, f in enumerate(futures) if _died(f)), 0)
+            if len(futures) == len(self.workers):  # one call per rank: name the engine and its rank
+                i = next((k for k, w in enumerate(self.workers) if not _alive(w)), i)
+            engine = f"rollout engine {i // self.tp}" + (f" (vLLM rank {i % self.tp})" if self.tp > 1 else "")
             cause = last_worker_error("rollout", i)
-            raise WorkerDied(f"rollout engine {i} died during {what}(): {first_line(e)}"
+            raise WorkerDied(f"{engine} died during {what}(): {first_line(e)}"
                              f"{f'; its last error: {cause}' if cause else ''} (its log: logs/rollout_rank{i}.log "
                              "in the run folder)") from None
 
@@ -169,40 +231,76 @@ class RolloutPool:
             log.warning("rollout: shutdown: %s", e)
         for w in self.workers:
             ray.kill(w)
-        ray.util.remove_placement_group(self.pg)
+        for pg in self.pgs:
+            ray.util.remove_placement_group(pg)
 
 
 class RemoteEngines:
     """The pool's engines as the trainer's first rank sees them (``PolicyWorker.sync_weights``): vLLM's
-    trainer-side weight transfer (``rollout.transfer``), built on the first push."""
+    trainer-side weight transfer, built on the first push: the tmpfs bucket (``rollout.transfer``,
+    ``rollout.weight_transfer: shm``) or the collective broadcast (``rollout.broadcast``, ``broadcast``)."""
 
-    def __init__(self, workers: list, dtype):
-        self.workers, self.dtype, self.sender, self.pushes = workers, dtype, None, 0
+    def __init__(self, workers: list, dtype, rollout):
+        self.workers, self.dtype, self.rollout, self.sender, self.pushes = workers, dtype, rollout, None, 0
 
     def check_node(self) -> None:
-        """Refuse engines on another node: the tmpfs buckets are this node's memory."""
+        """Refuse engines on another node when the weights go through this node's tmpfs."""
         import ray
 
+        if self.rollout.weight_transfer == "broadcast":
+            return
         here = ray.get_runtime_context().get_node_id()
         away = [i for i, node in enumerate(ray.get([w.node.remote() for w in self.workers])) if node != here]
         if away:
             raise ConfigError(f"rollout.placement: separate: engine(s) {away} run on another node than the trainer's "
-                              "first rank; weights reach them through this node's shared memory only (vLLM's NCCL "
-                              "weight transfer across nodes is not built yet): give the job one node, or use "
-                              "rollout.placement: colocated")
+                              "first rank, and rollout.weight_transfer: shm passes the weights through this node's "
+                              "shared memory: set rollout.weight_transfer=broadcast (a collective broadcast to "
+                              "engines on any node)")
 
     def update_weights(self, stream, shapes: dict[str, tuple[int, ...]], bucket_bytes: int) -> WeightUpdate:
         """Push the weights ``stream()`` yields (a fresh pass of the actor's HF tensors) into every engine."""
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        from megareason.rollout.transfer import HFWeightSource, PoolClient, ShmTrainerInitInfo
-
         if self.sender is None:
-            self.sender = WeightTransferTrainerFactory.trainer_init(
-                ShmTrainerInitInfo(rank=0, bucket_bytes=bucket_bytes), client=PoolClient(self.workers),
-                source=HFWeightSource(stream, shapes, self.dtype))
+            self.sender = self._trainer_engine(stream, shapes, bucket_bytes)
+            log.info("rollout: weights into %d separate engine(s) by %s (rollout.weight_transfer)",
+                     len(self.workers), type(self.sender).__name__)
         self.pushes += 1
         return self.sender.send_weights(weight_version=str(self.pushes))
+
+    def _trainer_engine(self, stream, shapes, bucket_bytes: int):
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from megareason.rollout import broadcast
+        from megareason.rollout.transfer import HFWeightSource, PoolClient, ShmTrainerInitInfo
+
+        tp = self.rollout.tensor_parallel_size
+        client, source = PoolClient(self.workers, ranks_per_engine=tp), HFWeightSource(stream, shapes, self.dtype)
+        if self.rollout.weight_transfer == "shm":
+            return WeightTransferTrainerFactory.trainer_init(ShmTrainerInitInfo(rank=0, bucket_bytes=bucket_bytes),
+                                                             client=client, source=source)
+        import ray
+
+        info = broadcast.BroadcastTrainerInitInfo(
+            rank=0, host=ray.util.get_node_ip_address(),
+            engine_sizes=[tp] * (len(self.workers) // tp), bucket_bytes=bucket_bytes,
+            timeout_s=broadcast.TIMEOUT_S)
+        if torch_cuda_available():
+            return broadcast.NcclTrainer.trainer_init(info, client=client, source=source)
+        return broadcast.BroadcastTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def worker_backend(cfg: Config) -> str:
+    """The backend each separate engine's vLLM workers build (``LLM(weight_transfer_config=...)``)."""
+    from megareason.rollout.vllm_worker import BROADCAST_BACKEND, SHM_BACKEND
+
+    if cfg.rollout.weight_transfer == "shm":
+        return SHM_BACKEND
+    return "nccl" if torch_cuda_available() else BROADCAST_BACKEND
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _engine_cores(cores: list[int], i: int, per: int) -> list[int]:
@@ -210,6 +308,16 @@ def _engine_cores(cores: list[int], i: int, per: int) -> list[int]:
     1, ...; the trainer's ranks keep the first ones (wraps around when there are too few)."""
     n = len(cores)
     return [cores[(n - (i + 1) * per + k) % n] for k in range(per)]
+
+
+def _alive(worker) -> bool:
+    import ray
+
+    try:
+        ray.get(worker.node.remote(), timeout=10)
+    except Exception:
+        return False
+    return True
 
 
 def _died(future) -> bool:
@@ -233,7 +341,8 @@ def check_pool(cfg: Config, cpus: int, gpus: int, world: int, on_gpu: bool) -> N
             raise ConfigError(f"rollout.placement: separate: the trainer's {world} GPUs + rollout.num_engines "
                               f"{r.num_engines} x rollout.tensor_parallel_size {r.tensor_parallel_size} = {need} GPUs, "
                               f"but the Ray cluster has {gpus}")
-    elif world + r.num_engines > cpus:
+    elif world + r.num_engines * r.tensor_parallel_size > cpus:
+        need = world + r.num_engines * r.tensor_parallel_size
         raise ConfigError(f"rollout.placement: separate: the trainer's {world} ranks + rollout.num_engines "
-                          f"{r.num_engines} engines need {world + r.num_engines} CPUs (one each), but the Ray "
-                          f"cluster has {cpus}")
+                          f"{r.num_engines} x rollout.tensor_parallel_size {r.tensor_parallel_size} vLLM ranks need "
+                          f"{need} CPUs (one each), but the Ray cluster has {cpus}")

@@ -217,6 +217,7 @@ RESUMABLE_CHANGES = (
     "trainer.micro_batch_tokens", "trainer.share_prompt_prefix", "trainer.recompute", "trainer.recompute_num_layers",
     "trainer.offload_optimizer",
     "parallel", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager",
+    "rollout.weight_transfer",
     "reward.workers", "reward.tinyv.base_url", "reward.tinyv.concurrency", "eval", "benchmark",
 )
 _UNSET = object()
