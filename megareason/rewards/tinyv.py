@@ -34,10 +34,10 @@ code returns 0 when its call fails) or keeps its rule outcome (``"rule"``), and 
 in the stats (``fallbacks``, and ``timeouts`` for those that timed out) and as a ``score_error``
 starting with ``TinyVFallback`` (``TinyVFallback (timeout)`` for a timeout).
 
-The first replies a server gives are read once per process (``check_verifier_kind``): when none of
-them is of the configured kind (a rubric model served under the default ``verifier=tinyv`` writes
-grading prose, not True/False), the run stops with ``reward.tinyv.verifier`` named and the kind the
-replies read as, rather than scoring every sample as a verdict of 0.
+The first replies a server gives are read once per process (``check_verifier_kind``): under
+``verifier=tinyv`` a first batch without a single True/False (a rubric model served under the default
+writes grading prose) stops the run with ``reward.tinyv.verifier`` named, and under ``rrm`` so does a
+first batch of bare True/False replies (a TinyV model), rather than scoring every sample as a verdict of 0.
 
 The client uses only the standard library (urllib in a thread pool) and talks to the server
 directly, ignoring ``http_proxy``: a verifier runs beside the trainer, not behind a proxy. Every
@@ -327,10 +327,14 @@ _KIND_PARSERS = {"tinyv": parse_verdict, "rrm": parse_rrm_score}
 
 
 def check_verifier_kind(replies: Sequence[Reply], cfg: TinyVConfig) -> None:
-    """Read the first replies a server gives (once per ``base_url`` and kind in this process): when
-    none of them is a reply of the configured kind, ``ValueError`` naming ``reward.tinyv.verifier``
-    and the kind the replies are, instead of scoring every sample as no verdict.  A rubric reward model
-    asked TinyV's question replies with grading prose, TinyV asked for a grade replies True/False."""
+    """Read the first replies a server gives (once per ``base_url`` and kind in this process) and refuse,
+    with ``ValueError`` naming ``reward.tinyv.verifier``, a server that is not of the configured kind:
+
+    - ``tinyv``: none of the replies holds a True/False verdict (a rubric reward model writes grading
+      prose; whatever the model, every sample would score as no verdict);
+    - ``rrm``: none holds a grade and every reply is a bare True/False (a TinyV model).  Other
+      ungraded replies keep the fallback (a weak rubric model is the fallback's business).
+    """
     texts = [r.text for r in replies if r.text is not None]
     key = (cfg.base_url, cfg.verifier)
     if key in _KIND_CHECKED or not texts:
@@ -338,16 +342,16 @@ def check_verifier_kind(replies: Sequence[Reply], cfg: TinyVConfig) -> None:
     _KIND_CHECKED.add(key)
     if any(r.value is not None for r in replies):
         return
-    other = "rrm" if cfg.verifier == "tinyv" else "tinyv"
-    if cfg.verifier == "rrm":
-        reads = all(parse_verdict(t) is not None for t in texts)
-    else:
-        reads = any(re.search(r"score|criteri|points?\b|grade", t, re.IGNORECASE) for t in texts)
-    what = (f"they read as the other kind: set reward.tinyv.verifier={other}" if reads
-            else "nor of the other kind; check reward.tinyv.verifier, .model and the served model")
-    raise ValueError(f"reward.tinyv.verifier={cfg.verifier}: none of the first {len(texts)} replies of the verifier at "
-                     f"{cfg.base_url} is a {'True/False verdict' if cfg.verifier == 'tinyv' else 'Total Score grade'} "
-                     f"(first: {texts[0][:80]!r}); {what}")
+    if cfg.verifier == "tinyv":
+        grading = any(re.search(r"score|criteri|points?\b|grade", t, re.IGNORECASE) for t in texts)
+        hint = ("they read as a rubric reward model's grading: set reward.tinyv.verifier=rrm" if grading
+                else "check reward.tinyv.verifier, reward.tinyv.model and the served model")
+        raise ValueError(f"reward.tinyv.verifier=tinyv: none of the first {len(texts)} replies of the verifier at "
+                         f"{cfg.base_url} is a True/False verdict (first: {texts[0][:80]!r}); {hint}")
+    if all(re.fullmatch(r"\W*(?:true|false)\W*", t, re.IGNORECASE) for t in texts):
+        raise ValueError(f"reward.tinyv.verifier=rrm: none of the first {len(texts)} replies of the verifier at "
+                         f"{cfg.base_url} is a Total Score grade, each is a True/False verdict "
+                         f"(first: {texts[0][:80]!r}): a TinyV model; set reward.tinyv.verifier=tinyv")
 
 
 def apply_tinyv(requests: Sequence[ScoreRequest], rule_outcomes: Sequence[ScoreOutcome],
