@@ -234,6 +234,9 @@ def adversarial_report(rows: list[dict], out: Path | None) -> dict:
     ]
     summary["by_kind"] = by_kind
     summary["disagreements"] = disagreements
+    summary["debatable"] = [{**{k: r.get(k, "") for k in ("family", "kind", "gold", "response", "label", "note")},
+                             **{name: grader(r) for name, grader in graders.items()}}
+                            for r in rows if r.get("debatable")]
     for name in graders:
         s = summary[name]
         print(f"  {name:18s} pays {s['paid_right_rate']:6.1%} of right ({s['paid_right']}/{n_right}), refuses "
@@ -278,6 +281,12 @@ def _markdown(summary: dict, names: list[str]) -> str:
     for d in summary["disagreements"]:
         lines.append(f"| {d['family']} | {d['kind']} | {_cell(d['gold'])} | {_cell(d['response'])} | {d['label']} | "
                      + " | ".join("paid" if d[n] else "refused" for n in names) + " |")
+    lines += ["", "## The debatable pairs (left out of the rates), with the label written for them", "",
+              "| family | kind | gold | response | label | note | " + " | ".join(names) + " |",
+              "|---|---|---|---|---|---|" + "---|" * len(names)]
+    for d in summary["debatable"]:
+        lines.append(f"| {d['family']} | {d['kind']} | {_cell(d['gold'])} | {_cell(d['response'])} | {d['label']} | "
+                     f"{d['note']} | " + " | ".join("paid" if d[n] else "refused" for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 

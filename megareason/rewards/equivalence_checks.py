@@ -18,7 +18,7 @@ trades recall for precision it says so.  Pure, never raises.
 - **Digits split by spaces** (``1 2``): no number unless the groups are thousands (SI's ``1\\,000``).
 - **Hedges against one value** (Hendrycks MATH's graders mark them wrong): when the gold is a single
   value, an answer with a relation (``\\ge 3``, ``\\approx``), a joining or qualifying word (``or``,
-  ``to``, ``more``, ``at least``), a trailing ``+`` or a second listed value is refused.
+  ``to``, ``more``, ``at least``), a trailing ``+``, a question mark or a second listed value is refused.
 - **Numbers** (both sides numeric constants): equal when the values are equal exactly (rationals) or
   to a relative 1e-12 (irrationals), or when one is the other rounded to its own precision
   (``equivalence.rounds_to``); never by math-verify's absolute 6-decimal rounding, which pays
@@ -129,9 +129,9 @@ def single_value(gold: str) -> bool:
 
 
 def hedged(pred: str) -> bool:
-    """A relation, a joining or qualifying word, a trailing ``+``, or a second listed value."""
+    """A relation, a joining or qualifying word, a trailing ``+``, a question mark, or a second listed value."""
     c = clean(_THOUSANDS_COMMA.sub("0", pred))
-    return bool(_MULTI.search(c) or _RELATION.search(c) or _HEDGE_WORD.search(c) or re.search(r"\d\s*\+$", c))
+    return bool(_MULTI.search(c) or _RELATION.search(c) or _HEDGE_WORD.search(c) or re.search(r"\d\s*\+$|\?", c))
 
 
 def number(s: str) -> sympy.Expr | None:
