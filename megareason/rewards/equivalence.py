@@ -16,7 +16,10 @@ Refused, as competition graders mark them wrong (each rule is one check in ``con
   compared (``5`` vs ``5 m`` is accepted: answer keys often drop the unit the question names);
 - a percentage read as anything but its value: ``p%`` is the number p/100 on either side (ISO
   80000-1), so ``50%`` equals 0.5 and 1/2, and a percent sign is never dropped (``0.5%`` is not
-  0.5, ``50%`` is not 50, ``50`` is not ``50%``);
+  0.5, ``50`` is not ``50%``); a plain answer to a percentage gold is settled before this layer
+  (``equivalence_checks``: ``50`` for ``50%`` is paid);
+- another label (``y = 5`` for ``x = 5``, ``a = 2b`` for ``b = 2a``) and a matrix of another shape
+  (2x2 vs 1x4 vs a 4-tuple), which math-verify pays;
 - a rounded decimal of fewer than ``MIN_ROUNDED_SIGNIFICANT_DIGITS`` significant digits, or of a
   value with an exact decimal (``3.1`` for pi, ``0.13`` for 1/8).
 
@@ -27,10 +30,12 @@ Accepted, besides what math-verify accepts (each form is one function in ``equiv
 - percentages (27.5% vs 11/40), mixed numbers (3\\frac{1}{8}), ratios (15:4 vs 15/4, 2:3:4 vs 4:6:8);
 - numbers with units, ordinals or currency (42.5 grams, 7th day, \\$1,234.50);
 - intervals vs inequalities vs set-builder notation, unions and "or" (``equivalence_sets``);
-- a renamed variable (g(t)=3t vs g(x)=3x), an equation vs its right-hand side (k_{min}=2n+1);
-- labelled answers vs bare lists in order (p=4, q=9 vs 4,9; labels matched by name when both are
-  labelled), tuples vs column vectors (pmatrix) and \\langle\\rangle, unordered sets and lists,
-  the \\pm shorthand ((\\pm 1, 2) vs {(1,2),(-1,2)});
+- a function's renamed argument (g(t)=3t vs g(x)=3x, or vs 3x), an equation vs its right-hand side
+  (k_{min}=2n+1); no other variable is renamed (2a is not 2b: precision, without the question the
+  roles of the letters are unknown);
+- labelled answers vs bare lists in order (p=4, q=9 vs 4,9; one-letter labels in the letters' order,
+  y=3, x=2 vs (2,3); labels matched by name when both are labelled), tuples vs column vectors
+  (pmatrix) and \\langle\\rangle, unordered sets and lists, the \\pm shorthand ((\\pm 1, 2) vs {(1,2),(-1,2)});
 - degrees vs radians (45° vs \\pi/4), unicode math, \\text{} wrappers, \\left/\\right.
 """
 
@@ -233,7 +238,7 @@ def _match_unordered(xs: list, ys: list) -> bool:
 
 
 def scalars_equal(a: Scalar, b: Scalar) -> bool:
-    """Same value (math-verify on the rewritten forms), a rounded decimal, or a renamed variable;
+    """Same value (math-verify on the rewritten forms) or a rounded decimal;
     never when both carry a unit and the units differ."""
     if a.unit and b.unit and a.unit != b.unit:
         return False
