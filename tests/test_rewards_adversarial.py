@@ -122,3 +122,10 @@ def test_the_adversarial_pairs_meet_the_rates():
     wrong = [v for v, r in zip(verdicts, rows, strict=True) if r["label"] == 0]
     assert sum(right) / len(right) >= 0.97
     assert sum(not v for v in wrong) / len(wrong) >= 0.98
+
+
+def test_an_answer_line_gives_its_value_not_its_sentence():
+    """Prose around the value of an answer line is no second answer (the box and the line agree)."""
+    assert _paid("math", "$\\boxed{5}$\n\nFinal Answer: The number of ways is 5.", "5")
+    assert _paid("math", "$\\boxed{5}$\n\nFinal Answer: The final answer is $5$. I hope it is correct.", "5")
+    assert not _paid("math", "$\\boxed{5}$\n\nFinal Answer: The number of ways is 6.", "5")

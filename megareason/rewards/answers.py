@@ -78,11 +78,19 @@ def boxes(response: str) -> list[Commitment]:
     return sorted(out, key=lambda c: c.pos)
 
 
+_MATH_SEGMENT = re.compile(r"\$([^$]+)\$|\\\((.+?)\\\)")
+_PROSE_IS = re.compile(r"^[A-Za-z][^$]*?\b(?:is|equals|are)\s+(?P<value>[^\s].*)$")
+
+
 def _line_answer(rest: str) -> str:
-    rest = _HOPE.sub("", _MINERVA.sub("", rest.strip()))
-    rest = rest.strip().strip("*_").strip()
-    if len(rest) > 1 and rest.startswith("$") and rest.endswith("$"):
-        rest = rest.strip("$").strip()
+    """The value an answer line gives: its last ``$..$`` (or ``\\(..\\)``) segment when it has one,
+    else what follows its last ``is`` in a sentence (``The number of ways is 5``), else the line."""
+    rest = _HOPE.sub("", _MINERVA.sub("", rest.strip())).strip().strip("*_").strip()
+    segments = _MATH_SEGMENT.findall(rest)
+    if segments:
+        return next(g for g in segments[-1] if g).strip()
+    while (m := _PROSE_IS.match(rest)) is not None:
+        rest = m.group("value")
     return rest.rstrip(".").strip()
 
 
