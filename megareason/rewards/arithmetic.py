@@ -12,7 +12,7 @@ last ``<eoe>`` (end of expression) is immediately preceded by ``=`` and an opera
   stands for ``<eoe>``.
 
 Nothing else is a final answer: ``I guess the result is 7`` is not, nor is the last number anywhere.
-A response that also boxes (or writes on an answer line) a different number is not ``correct``
+A response that also boxes a different number is not ``correct``
 (the answers policy of ``answers.py``, shared by every family).
 
 * ``format_ok``: the response has a final answer;
@@ -36,7 +36,7 @@ import math
 import re
 from fractions import Fraction
 
-from megareason.rewards.answers import commitments, consistent
+from megareason.rewards.answers import boxes, consistent
 from megareason.rewards.math import last_boxed
 from megareason.rewards.registry import RewardFn, RewardOutput, register
 
@@ -108,8 +108,9 @@ def final_answer(response: str) -> str | None:
 
 
 def committed_elsewhere_differently(response: str, answer: str) -> bool:
-    """The answers policy (``answers.py``): a box or answer line giving another number than the final answer."""
-    return not consistent(commitments(response), answer, lambda a, b: parse_number(a) == parse_number(b))
+    """The answers policy (``answers.py``) on this family's markers: a box giving another number than the
+    final answer (answer lines are no marker of this format)."""
+    return not consistent(boxes(response), answer, lambda a, b: parse_number(a) == parse_number(b))
 
 
 def _weight(value: object, name: str) -> float:
