@@ -129,3 +129,19 @@ def test_an_answer_line_gives_its_value_not_its_sentence():
     assert _paid("math", "$\\boxed{5}$\n\nFinal Answer: The number of ways is 5.", "5")
     assert _paid("math", "$\\boxed{5}$\n\nFinal Answer: The final answer is $5$. I hope it is correct.", "5")
     assert not _paid("math", "$\\boxed{5}$\n\nFinal Answer: The number of ways is 6.", "5")
+
+
+def test_the_checks_steps_on_their_own():
+    from megareason.rewards.equivalence_checks import compound, rewrite_notation, split_digits
+    from megareason.rewards.equivalence_forms import normalize_unit
+
+    # 0.1(6) = 1/10 + 6/90 = 1/6; 0.(142857) = 142857/999999 = 1/7; 3.2e-3 as a power of ten
+    assert rewrite_notation(r"0.1\overline{6}") == r"\frac{1}{6}"
+    assert rewrite_notation(r"0.\overline{142857}") == r"\frac{1}{7}"
+    assert rewrite_notation("3.2e-3") == r"3.2\times10^{-3}" and rewrite_notation("2e") == "2e"
+    assert compound(r"3 \text{ hours } 20 \text{ minutes}") == [(3, "hour"), (20, "minute")]
+    assert compound(r"3 \text{ hours}") is None
+    assert split_digits("1 2") and split_digits("10 00") and not split_digits(r"1\,000") and not split_digits("3 1/8")
+    assert {normalize_unit(u) for u in ("mph", "miles per hour", "mi/hr", r"\frac{mi}{hr}")} == {"mile/hour"}
+    assert normalize_unit("square centimeters") == normalize_unit("cm^2") == "centimeter^2"
+    assert normalize_unit("degC") == "celsius" != normalize_unit("degF")
