@@ -139,6 +139,8 @@ def test_the_checks_steps_on_their_own():
     assert rewrite_notation(r"0.1\overline{6}") == r"\frac{1}{6}"
     assert rewrite_notation(r"0.\overline{142857}") == r"\frac{1}{7}"
     assert rewrite_notation("3.2e-3") == r"3.2\times10^{-3}" and rewrite_notation("2e") == "2e"
+    assert rewrite_notation(r"\sin 30^\circ") == r"\sin(\frac{30\pi}{180})"
+    assert math_equal(r"\frac{1}{2}", r"\sin 30^\circ") and not math_equal(r"\frac{1}{2}", r"\sin 30")
     assert compound(r"3 \text{ hours } 20 \text{ minutes}") == [(3, "hour"), (20, "minute")]
     assert compound(r"3 \text{ hours}") is None
     assert split_digits("1 2") and split_digits("10 00") and not split_digits(r"1\,000") and not split_digits("3 1/8")

@@ -40,6 +40,7 @@ from megareason.rewards.equivalence_sets import to_sympy
 # --- notations ----------------------------------------------------------------------------------
 
 _OVERLINE = re.compile(r"(?<![\d.])(-?)(\d*)\.(\d*)\\overline\s*\{(\d+)\}")
+_TRIG_DEGREES = re.compile(r"\\(sin|cos|tan|cot|sec|csc)\s*\(?\s*(\d+(?:\.\d+)?)\s*\^\s*\{?\s*\\circ\s*\}?\s*\)?")
 _E_NOTATION = re.compile(r"(?<![\w.\\])(-?\d+(?:\.\d+)?)[eE]([-+]?\d+)(?![\w.])")
 
 
@@ -52,9 +53,11 @@ def _repeating(m: re.Match) -> str:
 
 
 def rewrite_notation(s: str) -> str:
-    """Repeating decimals (``0.\\overline{3}``) and E-notation (``3.2e-3``, a calculator's and
-    Python's) -> ``\\frac{1}{3}``, ``3.2\\times10^{-3}``."""
+    """Repeating decimals (``0.\\overline{3}``), E-notation (``3.2e-3``, a calculator's and Python's)
+    and a trigonometric function of degrees (``\\sin 30^\\circ``) -> ``\\frac{1}{3}``,
+    ``3.2\\times10^{-3}``, ``\\sin(\\frac{30\\pi}{180})``."""
     s = _OVERLINE.sub(_repeating, s)
+    s = _TRIG_DEGREES.sub(lambda m: rf"\{m.group(1)}(\frac{{{m.group(2)}\pi}}{{180}})", s)
     return _E_NOTATION.sub(lambda m: rf"{m.group(1)}\times10^{{{int(m.group(2))}}}", s)
 
 
