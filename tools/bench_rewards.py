@@ -18,7 +18,9 @@ one JSON object a line, ``family`` (the data_source scored), ``gold``, the full 
 (1 = a careful grader pays it), ``kind``, optionally ``question``, ``debatable`` (left out of the rates)
 and ``note``): paid-right and refused-wrong rates of the project's reward and of plain math-verify
 (``verify(parse(gold), parse(response))``, its own answer extraction), per kind, every pair where either
-disagrees with the label listed, written to ``--out`` as ``bench_rewards_adversarial.{md,json}``.
+disagrees with the label listed, written to ``--out`` as ``bench_rewards_<name>.{md,json}`` for
+``reward_pairs_<name>.jsonl`` (``tools/data/reward_pairs_heldout.jsonl``: pairs written after the rules, to
+measure them out of sample).
 
     .venv/bin/python tools/bench_rewards.py --samples 300
     .venv/bin/python tools/bench_rewards.py                   # 10,000 samples, 5 s timeout
@@ -203,7 +205,7 @@ def project_grader(row: dict) -> bool:
     return compute_score(row["family"], row["response"], row["gold"], extra).correct
 
 
-def adversarial_report(rows: list[dict], out: Path | None) -> dict:
+def adversarial_report(rows: list[dict], out: Path | None, source: Path = ADVERSARIAL) -> dict:
     """Paid-right / refused-wrong rates of the project and plain math-verify; disagreements listed."""
     scored = [r for r in rows if not r.get("debatable")]
     graders = {"project": project_grader, "plain math-verify": plain_math_verify_grader}
@@ -244,8 +246,9 @@ def adversarial_report(rows: list[dict], out: Path | None) -> dict:
               f"{s['ms_per_pair']:.1f} ms/pair")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "bench_rewards_adversarial.json", json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
-        _write_atomic(out / "bench_rewards_adversarial.md", _markdown(summary, list(graders)))
+        stem = "bench_rewards_" + source.stem.removeprefix("reward_pairs_")
+        _write_atomic(out / f"{stem}.json", json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        _write_atomic(out / f"{stem}.md", _markdown(summary, list(graders), source))
     return summary
 
 
@@ -253,14 +256,15 @@ def _cell(text: str) -> str:
     return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
 
 
-def _markdown(summary: dict, names: list[str]) -> str:
+def _markdown(summary: dict, names: list[str], source: Path) -> str:
     lines = [
         "# Rewards on hand-labelled adversarial pairs",
         "",
-        f"`{ADVERSARIAL.relative_to(ADVERSARIAL.parents[2])}`: {summary['pairs']} (gold, response, label) pairs, "
+        f"`tools/data/{source.name}`: {summary['pairs']} (gold, response, label) pairs, "
         f"{summary['debatable_left_out']} marked debatable and left out, {summary['right']} right and "
         f"{summary['wrong']} wrong answers. Made by `.venv/bin/python tools/bench_rewards.py --only adversarial "
-        "--out docs/results`. Plain math-verify is `verify(parse(gold), parse(response))`: its own answer "
+        f"--adversarial tools/data/{source.name} --out docs/results`. Plain math-verify is "
+        "`verify(parse(gold), parse(response))`: its own answer "
         "extraction, for every family.",
         "",
         "| grader | right answers paid | wrong answers refused | ms per pair |",
@@ -306,7 +310,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.only == "adversarial":
         print(f"adversarial pairs ({args.adversarial})")
-        adversarial_report(load_adversarial(args.adversarial), args.out)
+        adversarial_report(load_adversarial(args.adversarial), args.out, args.adversarial)
         return
     workers = os.cpu_count() or 1
     requests = build_samples(args.samples, args.seed)
@@ -330,7 +334,7 @@ def main(argv=None) -> None:
 
     equivalence_report(load_pairs(args.pairs), requests, args.rounds)
     print(f"\nadversarial pairs ({args.adversarial})")
-    adversarial_report(load_adversarial(args.adversarial), args.out)
+    adversarial_report(load_adversarial(args.adversarial), args.out, args.adversarial)
 
 
 if __name__ == "__main__":
