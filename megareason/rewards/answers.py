@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# LaTeX reads an unbraced argument as one token: a command or one character (``\boxed 5``).
-_BOX_TOKEN = re.compile(r"\\(?:boxed|fbox)(?:\s+|(?=\\))(\\[a-zA-Z]+|[^\s{}$\\])")
+# LaTeX reads an unbraced argument as one token (``\boxed 5`` boxes 5; ``\boxed 12`` boxes only the 1).
+_BOX_TOKEN = re.compile(r"\\(?:boxed|fbox)\s+([^\s{}$\\])")
 _ANSWER_LINE = re.compile(
     r"^[ \t>#*_]*(?:the\s+)?(?:final\s+answer|answer)[ \t*_]*(?:is)?[ \t*_]*[:：][ \t*_]*(?P<rest>.*)$",
     re.IGNORECASE | re.MULTILINE,
