@@ -64,7 +64,7 @@ def test_last_boxed_nested_and_last():
         (r"The answer is $\boxed{\frac{1}{2}}$.", "0.5", True),
         (r"so \boxed{0.5}", r"\frac{1}{2}", True),
         (r"\boxed{\dfrac{3}{4}}", "$0.75$", True),
-        (r"first \boxed{2} then \boxed{3}", "3", True),
+        (r"first \boxed{2} then \boxed{3}", "3", False),  # two different committed answers: not paid
         (r"first \boxed{3} then \boxed{2}", "3", False),
         (r"\boxed{\{2, 1\}}", r"\{1,2\}", True),
         (r"\boxed{[1, 2)}", "[1,2)", True),
@@ -96,7 +96,8 @@ def test_math_works_outside_main_thread():
         ("gsm8k", "#### 1,000", "1000", True),
         ("gsm8k", "#### $1,234.", "1,234", True),
         ("gsm8k", "#### 72.0", "72", True),
-        ("gsm8k", "#### 71\nWait, #### 72", "72", True),
+        ("gsm8k", "#### 71\nWait, #### 72", "72", False),  # two different committed answers
+        ("gsm8k", "#### 72\nso again #### 72", "72", True),
         ("gsm8k", "#### 72\nno wait, #### 71", "72", False),
         ("gsm8k", "The answer is 72.", "72", False),  # strict needs ####
         ("gsm8k_flexible", "The answer is 72.", "72", True),
@@ -178,7 +179,7 @@ def test_countdown_invalid_numbers_raises(extra):
         (r"\boxed{\frac{3}{4}}", "3/4", R(1.0, True)),
         (r"\boxed{seven} and 7", "7", R(0.0, False)),  # a box without a number is no final answer
         (r"= 7 <eoe> so \boxed{8}", "7", R(0.3, False)),  # the later marker is the final answer
-        (r"\boxed{8}, no: 3 + 4 = 7 <eoe>", "7", R(1.0, True)),
+        (r"\boxed{8}, no: 3 + 4 = 7 <eoe>", "7", R(0.3, False)),  # a box of another number: format only
         ("2 + 5 = 7", "7", R(1.0, True)),  # no marker: the end of the text stands for <eoe>
         ("2 + 5 = 7.\n", "7", R(1.0, True)),
         ("1 - 4 = -3", "-3.0", R(1.0, True)),

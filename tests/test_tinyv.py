@@ -534,3 +534,36 @@ def test_serve_verifier_refuses_a_busy_port_and_an_unknown_model(tmp_path):
         with serve_verifier(str(tmp_path / "missing")):
             pass
     assert main(["serve-verifier", str(tmp_path / "missing"), "--port", str(unused_server_port())]) == 2
+
+
+def test_a_rubric_model_served_under_the_default_kind_stops_the_run_naming_the_field(fake):
+    """A rubric reward model asked TinyV's question writes grading prose: the first batch stops the run
+    with reward.tinyv.verifier named, instead of scoring every sample 0."""
+    fake.script = {"7": ["The solution meets the first criterion; score"], "8": ["Grading: criterion 1 is"]}
+    requests = [ScoreRequest("math_tinyv", rf"\boxed{{{a}}}", "7", {}, f"s{a}") for a in (7, 8)]
+    with pytest.raises(ValueError, match=r"reward.tinyv.verifier=tinyv: none of the first 2 replies.*"
+                                         r"a rubric reward model's grading: set reward.tinyv.verifier=rrm"):
+        apply_tinyv(requests, [Out(0.0, False)] * 2, _cfg(fake.url))
+
+
+def test_a_tinyv_model_served_as_a_rubric_model_stops_the_run_and_a_good_first_batch_passes(fake):
+    fake.script = {"solution A": ["True"]}
+    request = ScoreRequest("math_tinyv", "solution A", "7", {"criteria": "correct answer"}, "s0")
+    with pytest.raises(ValueError, match=r"reward.tinyv.verifier=rrm: none of the first 1 replies.*"
+                                         r"a TinyV model; set reward.tinyv.verifier=tinyv"):
+        apply_tinyv([request], [Out(0.0, False)], _cfg(fake.url, verifier="rrm"))
+    # the right kind: one parseable reply in the first batch, later unparseable ones fall back as before
+    fake.script, fake.hits = {"solution A": ["Total Score: 8/10", "no grade here"]}, Counter()
+    other = _cfg(fake.url.replace("127.0.0.1", "localhost"), verifier="rrm")
+    out, stats = apply_tinyv([request], [Out(0.0, False)], other)
+    assert out[0].score == pytest.approx(0.8)
+    out, stats = apply_tinyv([request], [Out(0.0, False)], other)
+    assert stats["fallbacks"] == 1 and out[0].score == 0.0
+
+
+def test_a_weak_rubric_model_that_grades_nothing_keeps_the_counted_fallback(fake):
+    """Ungraded prose from a rubric model is the fallback's business (not refused): counted, scored 0."""
+    fake.script = {"solution B": ["I think the steps are fine"]}
+    request = ScoreRequest("math_tinyv", "solution B", "7", {"criteria": "correct answer"}, "s0")
+    out, stats = apply_tinyv([request], [Out(0.0, False)], _cfg(fake.url, verifier="rrm"))
+    assert stats["fallbacks"] == 1 and out[0].score == 0.0 and out[0].error.startswith(FALLBACK_ERROR)

@@ -13,18 +13,31 @@ near-miss wrong ones, by kind), the accepted-equivalent and rejected-wrong rates
 and the scoring time per sample of both, measured in this run on the generated samples and on the
 pairs, printed as a ratio (goal: at most 1.5x).
 
+Then the hand-labelled adversarial pairs of ``--adversarial`` (``tools/data/reward_pairs_adversarial.jsonl``:
+one JSON object a line, ``family`` (the data_source scored), ``gold``, the full ``response``, ``label``
+(1 = a careful grader pays it), ``kind``, optionally ``question``, ``debatable`` (left out of the rates)
+and ``note``): paid-right and refused-wrong rates of the project's reward and of plain math-verify
+(``verify(parse(gold), parse(response))``, its own answer extraction), per kind, every pair where either
+disagrees with the label listed, written to ``--out`` as ``bench_rewards_<name>.{md,json}`` for
+``reward_pairs_<name>.jsonl`` (``tools/data/reward_pairs_heldout.jsonl``: pairs written after the rules, to
+measure them out of sample).
+
     .venv/bin/python tools/bench_rewards.py --samples 300
     .venv/bin/python tools/bench_rewards.py                   # 10,000 samples, 5 s timeout
+    .venv/bin/python tools/bench_rewards.py --only adversarial --out docs/results
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
 from collections import Counter
 from pathlib import Path
+
+from math_verify import parse, verify
 
 from megareason.rewards.equivalence_sets import to_sympy
 from megareason.rewards.math import last_boxed, math_verify_equal, normalize_answer
@@ -32,6 +45,7 @@ from megareason.rewards.pool import ScoreRequest, score_all
 from megareason.rewards.registry import compute_score
 
 PAIRS = Path(__file__).resolve().parent.parent / "tests" / "data" / "equivalence_pairs.tsv"
+ADVERSARIAL = Path(__file__).resolve().parent / "data" / "reward_pairs_adversarial.jsonl"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="sample generator seed (default: %(default)s)")
     p.add_argument("--pairs", type=Path, default=PAIRS, help="equivalence pairs file (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds, best kept (default: %(default)s)")
+    p.add_argument("--adversarial", type=Path, default=ADVERSARIAL, help="adversarial pairs (default: %(default)s)")
+    p.add_argument("--only", choices=["adversarial"], help="run only this section")
+    p.add_argument("--out", type=Path, help="write the adversarial section's results here (.md and .json)")
     return p.parse_args(argv)
 
 
@@ -159,6 +176,130 @@ def equivalence_report(pairs: list[tuple[str, bool, str, str]], samples: list[Sc
               f"math reward {t_new * 1e3:7.2f} ms -> {t_new / t_old:.2f}x")
 
 
+def load_adversarial(path: Path) -> list[dict]:
+    """The adversarial pairs; a malformed line is a ValueError naming the file, the line and the field."""
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        for field, kind in (("family", str), ("gold", str), ("response", str), ("label", int), ("kind", str)):
+            if not isinstance(row.get(field), kind):
+                raise ValueError(f"{path}:{n}: field {field!r} must be a {kind.__name__}, got {row.get(field)!r}")
+        rows.append(row)
+    return rows
+
+
+def plain_math_verify_grader(row: dict) -> bool:
+    """math-verify as a grader: its own extraction of the response's answer, then ``verify``."""
+    try:
+        gold = parse(row["gold"] if "$" in row["gold"] else f"${row['gold']}$")
+        pred = parse(row["response"])
+        return bool(gold and pred and verify(gold, pred))
+    except Exception:
+        return False
+
+
+def project_grader(row: dict) -> bool:
+    extra = {"question": row["question"]} if "question" in row else {}
+    return compute_score(row["family"], row["response"], row["gold"], extra).correct
+
+
+def adversarial_report(rows: list[dict], out: Path | None, source: Path = ADVERSARIAL) -> dict:
+    """Paid-right / refused-wrong rates of the project and plain math-verify; disagreements listed."""
+    scored = [r for r in rows if not r.get("debatable")]
+    graders = {"project": project_grader, "plain math-verify": plain_math_verify_grader}
+    verdicts, seconds = {}, {}
+    for name, grader in graders.items():
+        to_sympy.cache_clear()
+        t0 = time.perf_counter()
+        verdicts[name] = [grader(r) for r in scored]
+        seconds[name] = (time.perf_counter() - t0) / len(scored)
+    n_right = sum(r["label"] == 1 for r in scored)
+    n_wrong = len(scored) - n_right
+    summary = {"pairs": len(rows), "debatable_left_out": len(rows) - len(scored), "right": n_right, "wrong": n_wrong}
+    by_kind: dict[str, dict[str, list[int]]] = {}
+    for name, vs in verdicts.items():
+        paid = sum(v for v, r in zip(vs, scored, strict=True) if r["label"] == 1)
+        refused = sum(not v for v, r in zip(vs, scored, strict=True) if r["label"] == 0)
+        summary[name] = {"paid_right": paid, "paid_right_rate": paid / n_right, "refused_wrong": refused,
+                         "refused_wrong_rate": refused / n_wrong, "ms_per_pair": seconds[name] * 1e3}
+        # seconds: one pass, the parse cache emptied first (a loaded machine inflates both alike)
+        for v, r in zip(vs, scored, strict=True):
+            k = by_kind.setdefault(r["kind"], {}).setdefault(name, [0, 0])
+            k[0] += v == bool(r["label"])
+            k[1] += 1
+    disagreements = [
+        {**{k: r[k] for k in ("family", "kind", "gold", "response", "label")},
+         **{name: verdicts[name][i] for name in graders}}
+        for i, r in enumerate(scored) if any(verdicts[name][i] != bool(r["label"]) for name in graders)
+    ]
+    summary["by_kind"] = by_kind
+    summary["disagreements"] = disagreements
+    summary["debatable"] = [{**{k: r.get(k, "") for k in ("family", "kind", "gold", "response", "label", "note")},
+                             **{name: grader(r) for name, grader in graders.items()}}
+                            for r in rows if r.get("debatable")]
+    for name in graders:
+        s = summary[name]
+        print(f"  {name:18s} pays {s['paid_right_rate']:6.1%} of right ({s['paid_right']}/{n_right}), refuses "
+              f"{s['refused_wrong_rate']:6.1%} of wrong ({s['refused_wrong']}/{n_wrong}), "
+              f"{s['ms_per_pair']:.1f} ms/pair")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        stem = "bench_rewards_" + source.stem.removeprefix("reward_pairs_")
+        _write_atomic(out / f"{stem}.json", json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        _write_atomic(out / f"{stem}.md", _markdown(summary, list(graders), source))
+    return summary
+
+
+def _cell(text: str) -> str:
+    return "`" + text.replace("\n", "⏎").replace("|", "\\|").replace("`", "'") + "`"
+
+
+def _markdown(summary: dict, names: list[str], source: Path) -> str:
+    lines = [
+        "# Rewards on hand-labelled adversarial pairs",
+        "",
+        f"`tools/data/{source.name}`: {summary['pairs']} (gold, response, label) pairs, "
+        f"{summary['debatable_left_out']} marked debatable and left out, {summary['right']} right and "
+        f"{summary['wrong']} wrong answers. Made by `.venv/bin/python tools/bench_rewards.py --only adversarial "
+        f"--adversarial tools/data/{source.name} --out docs/results`. Plain math-verify is "
+        "`verify(parse(gold), parse(response))`: its own answer "
+        "extraction, for every family.",
+        "",
+        "| grader | right answers paid | wrong answers refused | ms per pair |",
+        "|---|---|---|---|",
+    ]
+    for name in names:
+        s = summary[name]
+        lines.append(f"| {name} | {s['paid_right_rate']:.1%} ({s['paid_right']}/{summary['right']}) | "
+                     f"{s['refused_wrong_rate']:.1%} ({s['refused_wrong']}/{summary['wrong']}) | "
+                     f"{s['ms_per_pair']:.1f} |")
+    lines += ["", "## Agreement with the labels by kind", "", "| kind | " + " | ".join(names) + " |",
+              "|---|" + "---|" * len(names)]
+    for kind, per in sorted(summary["by_kind"].items()):
+        lines.append(f"| {kind} | " + " | ".join(f"{per[n][0]}/{per[n][1]}" for n in names) + " |")
+    lines += ["", "## Every pair where a grader disagrees with the label", "",
+              "| family | kind | gold | response | label | " + " | ".join(names) + " |",
+              "|---|---|---|---|---|" + "---|" * len(names)]
+    for d in summary["disagreements"]:
+        lines.append(f"| {d['family']} | {d['kind']} | {_cell(d['gold'])} | {_cell(d['response'])} | {d['label']} | "
+                     + " | ".join("paid" if d[n] else "refused" for n in names) + " |")
+    lines += ["", "## The debatable pairs (left out of the rates), with the label written for them", "",
+              "| family | kind | gold | response | label | note | " + " | ".join(names) + " |",
+              "|---|---|---|---|---|---|" + "---|" * len(names)]
+    for d in summary["debatable"]:
+        lines.append(f"| {d['family']} | {d['kind']} | {_cell(d['gold'])} | {_cell(d['response'])} | {d['label']} | "
+                     f"{d['note']} | " + " | ".join("paid" if d[n] else "refused" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def _timed(requests, **kwargs):
     t0 = time.perf_counter()
     out = score_all(requests, **kwargs)
@@ -167,6 +308,10 @@ def _timed(requests, **kwargs):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.only == "adversarial":
+        print(f"adversarial pairs ({args.adversarial})")
+        adversarial_report(load_adversarial(args.adversarial), args.out, args.adversarial)
+        return
     workers = os.cpu_count() or 1
     requests = build_samples(args.samples, args.seed)
 
@@ -188,6 +333,8 @@ def main(argv=None) -> None:
         print(f"  {r.response[:50]:50s} vs {r.ground_truth[:20]:20s} -> {status}")
 
     equivalence_report(load_pairs(args.pairs), requests, args.rounds)
+    print(f"\nadversarial pairs ({args.adversarial})")
+    adversarial_report(load_adversarial(args.adversarial), args.out, args.adversarial)
 
 
 if __name__ == "__main__":

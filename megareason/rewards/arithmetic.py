@@ -12,6 +12,8 @@ last ``<eoe>`` (end of expression) is immediately preceded by ``=`` and an opera
   stands for ``<eoe>``.
 
 Nothing else is a final answer: ``I guess the result is 7`` is not, nor is the last number anywhere.
+A response that also boxes a different number is not ``correct``
+(the answers policy of ``answers.py``, shared by every family).
 
 * ``format_ok``: the response has a final answer;
 * ``correct``: it has one and it equals the ground truth numerically (exact rationals: ``-3 == -3.0``,
@@ -34,6 +36,7 @@ import math
 import re
 from fractions import Fraction
 
+from megareason.rewards.answers import boxes, consistent
 from megareason.rewards.math import last_boxed
 from megareason.rewards.registry import RewardFn, RewardOutput, register
 
@@ -104,6 +107,12 @@ def final_answer(response: str) -> str | None:
     return answer if answer is not None and parse_number(answer) is not None else None
 
 
+def committed_elsewhere_differently(response: str, answer: str) -> bool:
+    """The answers policy (``answers.py``) on this family's markers: a box giving another number than the
+    final answer (answer lines are no marker of this format)."""
+    return not consistent(boxes(response), answer, lambda a, b: parse_number(a) == parse_number(b))
+
+
 def _weight(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"arithmetic {name} must be a finite non-negative number, got {value!r}")
@@ -127,7 +136,7 @@ def make_arithmetic_reward(reward_type: str = REWARD_TYPE, boxed_weight: float =
         kind = _reward_type(extra_info.get("reward_type", defaults["reward_type"]))
         answer = final_answer(response)
         format_ok = answer is not None
-        correct = format_ok and parse_number(answer) == gold
+        correct = format_ok and parse_number(answer) == gold and not committed_elsewhere_differently(response, answer)
         if kind == "boxed":
             score = float(format_ok)
         elif kind == "correct":

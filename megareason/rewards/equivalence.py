@@ -16,7 +16,10 @@ Refused, as competition graders mark them wrong (each rule is one check in ``con
   compared (``5`` vs ``5 m`` is accepted: answer keys often drop the unit the question names);
 - a percentage read as anything but its value: ``p%`` is the number p/100 on either side (ISO
   80000-1), so ``50%`` equals 0.5 and 1/2, and a percent sign is never dropped (``0.5%`` is not
-  0.5, ``50%`` is not 50, ``50`` is not ``50%``);
+  0.5, ``50`` is not ``50%``); a plain answer to a percentage gold is settled before this layer
+  (``equivalence_checks``: ``50`` for ``50%`` is paid);
+- another label (``y = 5`` for ``x = 5``, ``a = 2b`` for ``b = 2a``) and a matrix of another shape
+  (2x2 vs 1x4 vs a 4-tuple), which math-verify pays;
 - a rounded decimal of fewer than ``MIN_ROUNDED_SIGNIFICANT_DIGITS`` significant digits, or of a
   value with an exact decimal (``3.1`` for pi, ``0.13`` for 1/8).
 
@@ -27,10 +30,12 @@ Accepted, besides what math-verify accepts (each form is one function in ``equiv
 - percentages (27.5% vs 11/40), mixed numbers (3\\frac{1}{8}), ratios (15:4 vs 15/4, 2:3:4 vs 4:6:8);
 - numbers with units, ordinals or currency (42.5 grams, 7th day, \\$1,234.50);
 - intervals vs inequalities vs set-builder notation, unions and "or" (``equivalence_sets``);
-- a renamed variable (g(t)=3t vs g(x)=3x), an equation vs its right-hand side (k_{min}=2n+1);
-- labelled answers vs bare lists in order (p=4, q=9 vs 4,9; labels matched by name when both are
-  labelled), tuples vs column vectors (pmatrix) and \\langle\\rangle, unordered sets and lists,
-  the \\pm shorthand ((\\pm 1, 2) vs {(1,2),(-1,2)});
+- a function's renamed argument (g(t)=3t vs g(x)=3x, or vs 3x), an equation vs its right-hand side
+  (k_{min}=2n+1); no other variable is renamed (2a is not 2b: precision, without the question the
+  roles of the letters are unknown);
+- labelled answers vs bare lists in order (p=4, q=9 vs 4,9; one-letter labels in the letters' order,
+  y=3, x=2 vs (2,3); labels matched by name when both are labelled), tuples vs column vectors
+  (pmatrix) and \\langle\\rangle, unordered sets and lists, the \\pm shorthand ((\\pm 1, 2) vs {(1,2),(-1,2)});
 - degrees vs radians (45° vs \\pi/4), unicode math, \\text{} wrappers, \\left/\\right.
 """
 
@@ -67,9 +72,6 @@ _PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _LETTER = re.compile(r"[a-zA-Z]")
 _PERCENT_SIGN = re.compile(r"%|percent")
 _COMMAND = re.compile(r"\\(?!text|mathrm|mbox)[a-zA-Z]+")
-_GREEK = r"(?:alpha|beta|gamma|delta|theta|lambda|mu|phi|varphi|psi|omega|rho|sigma|tau)(?![a-zA-Z])"
-_VARIABLE = re.compile(r"\\" + _GREEK + r"|(?<!\\)[a-zA-Z]")  # a letter or a Greek letter
-_OTHER_COMMAND = re.compile(r"\\(?!" + _GREEK + r")[a-zA-Z]+")
 
 
 def interpret(s: str) -> list[object]:
@@ -124,6 +126,10 @@ def contradicts(pred: str, gold: str) -> bool:
         p, g = _structure(preds), _structure(golds)
         if p is None or g is None:
             return False
+        if isinstance(p, Labelled) and isinstance(g, Labelled) and len(p.labels) == len(g.labels) == 1:
+            return not values_equal(p, g)  # y = 5 is not x = 5 (math-verify compares the right-hand sides)
+        if any(isinstance(v, Seq) and v.kind == "matrix" for v in (p, g)):
+            return not values_equal(p, g)  # math-verify flattens a matrix's shape away
         if isinstance(p, Scalar) and isinstance(g, Scalar):
             units = [v.unit or written_unit(clean(s), mentions_text(s)) for v, s in ((p, pred), (g, gold))]
             return bool(units[0] and units[1] and units[0] != units[1])
@@ -177,18 +183,31 @@ def _labelled_equal(a: object, b: object) -> bool:
         if len(a.labels) > 1 and sorted(a.labels) == sorted(b.labels):
             by_label = dict(zip(b.labels, b.values, strict=True))
             return all(values_equal(v, by_label[lab]) for lab, v in zip(a.labels, a.values, strict=True))
-        return all(values_equal(x, y) for x, y in zip(a.values, b.values, strict=True))
+        if len(a.labels) > 1:
+            return False  # different labels: x = 2, y = 3 is not a = 2, b = 3
+        match = labels_match(a.labels[0], b.labels[0])
+        if isinstance(match, tuple):
+            return renamed_argument_equal(a.values[0], b.values[0], *match)
+        return bool(match) and values_equal(a.values[0], b.values[0])
     lab, other = (a, b) if isinstance(a, Labelled) else (b, a)
     if len(lab.values) == 1:
-        return values_equal(lab.values[0], other) if lab is a else values_equal(other, lab.values[0])
+        if values_equal(lab.values[0], other) if lab is a else values_equal(other, lab.values[0]):
+            return True
+        return _unlabelled_function(lab, other, lab is a)
     if isinstance(other, Seq) and other.kind in ("tuple", "list") and len(other.items) == len(lab.values):
-        pairs = zip(lab.values, other.items, strict=True)
+        values = lab.values
+        if all(re.fullmatch(r"[a-zA-Z]", x) for x in lab.labels):  # (x, y), (a, b, c): the letters' order
+            values = tuple(v for _, v in sorted(zip(lab.labels, lab.values, strict=True), key=lambda lv: lv[0]))
+        pairs = zip(values, other.items, strict=True)
         return all(values_equal(x, y) if lab is a else values_equal(y, x) for x, y in pairs)
     return False
 
 
 def _seqs_equal(a: Seq, b: Seq) -> bool:
     """Ratios up to a common factor; anything against a tuple in order; sets and lists as multisets."""
+    if "matrix" in (a.kind, b.kind):  # rows of a matrix: the same shape, cell by cell
+        return a.kind == b.kind and len(a.items) == len(b.items) and all(
+            _seqs_equal(x, y) for x, y in zip(a.items, b.items, strict=True))
     if a.kind == "ratio" or b.kind == "ratio":
         if a.kind != b.kind or len(a.items) != len(b.items):
             return False
@@ -219,7 +238,7 @@ def _match_unordered(xs: list, ys: list) -> bool:
 
 
 def scalars_equal(a: Scalar, b: Scalar) -> bool:
-    """Same value (math-verify on the rewritten forms), a rounded decimal, or a renamed variable;
+    """Same value (math-verify on the rewritten forms) or a rounded decimal;
     never when both carry a unit and the units differ."""
     if a.unit and b.unit and a.unit != b.unit:
         return False
@@ -227,8 +246,7 @@ def scalars_equal(a: Scalar, b: Scalar) -> bool:
 
 
 def expressions_equal(pred: str, gold: str) -> bool:
-    """``pred`` equals ``gold`` as sympy expressions (math-verify's ``verify``), or as a rounding of
-    it, or after renaming the one free variable."""
+    """``pred`` equals ``gold`` as sympy expressions (math-verify's ``verify``), or as a rounding of it."""
     if re.sub(r"\s+", "", pred) == re.sub(r"\s+", "", gold):
         return True
     if rounds_to(pred, gold) or rounds_to(gold, pred):
@@ -236,22 +254,15 @@ def expressions_equal(pred: str, gold: str) -> bool:
     p, g = to_sympy(pred), to_sympy(gold)
     if p is None or g is None:
         return False
-    if _verify(g, p):
-        return True
-    return renamed_equal(p, g)
+    return _verify(g, p)
 
 
 def plain_pair_equal(pred: str, gold: str) -> bool:
     """``expressions_equal`` for two answers that no form rewrote, which math-verify has already
-    compared as they stand: only a rounding or a renaming can still relate them, so nothing is
-    parsed unless one is a decimal or the two use different letters (keeps wrong answers cheap)."""
-    if rounds_to(pred, gold) or rounds_to(gold, pred):
-        return True
-    letters = [set(_VARIABLE.findall(_OTHER_COMMAND.sub(" ", s))) for s in (pred, gold)]
-    if not all(letters) or letters[0] == letters[1]:
-        return False
-    p, g = to_sympy(pred), to_sympy(gold)
-    return p is not None and g is not None and renamed_equal(p, g)
+    compared as they stand: only a rounding can still relate them.  Two expressions in different
+    letters are different answers (``2a`` is not ``2b``, ``\\pi h^2`` is not ``\\pi r^2``): a variable
+    is renamed only as a function's argument (``_labelled_equal``)."""
+    return rounds_to(pred, gold) or rounds_to(gold, pred)
 
 
 def _verify(gold: sympy.Basic, pred: sympy.Basic) -> bool:
@@ -294,9 +305,41 @@ def _has_exact_decimal(value: sympy.Expr) -> bool:
     return q == 1
 
 
-def renamed_equal(pred: sympy.Basic, gold: sympy.Basic) -> bool:
-    """Equal after renaming ``pred``'s only free variable to ``gold``'s (``3t`` vs ``3x``)."""
-    fp, fg = pred.free_symbols, gold.free_symbols
-    if len(fp) != 1 or len(fg) != 1 or fp == fg or isinstance(pred, sympy.Symbol) or isinstance(gold, sympy.Symbol):
-        return False  # a bare letter (a choice, a name) is never "the same up to renaming"
-    return _verify(gold, pred.subs(next(iter(fp)), next(iter(fg))))
+_FUNCTION_LABEL = re.compile(r"^(?P<head>.+)\((?P<arg>[a-zA-Z])\)$")
+
+
+def renamed_argument_equal(pred: object, gold: object, arg_pred: str, arg_gold: str) -> bool:
+    """``g(t)=3t`` vs ``g(x)=3x``: the two values equal after renaming the function's argument (a
+    bound variable, so the name is the writer's choice; no other variable is ever renamed)."""
+    if not (isinstance(pred, Scalar) and isinstance(gold, Scalar)):
+        return False
+    p, g = to_sympy(pred.tex), to_sympy(gold.tex)
+    if p is None or g is None:
+        return False
+    return _verify(g, p.subs(sympy.Symbol(arg_pred, real=True), sympy.Symbol(arg_gold, real=True))
+                   .subs(sympy.Symbol(arg_pred), sympy.Symbol(arg_gold)))
+
+
+def _unlabelled_function(lab: Labelled, other: object, lab_is_pred: bool) -> bool:
+    """``g(t) = 3t`` vs ``3x``: a function written without its name, in its own argument's letter."""
+    f = _FUNCTION_LABEL.match(lab.labels[0])
+    if not f or not isinstance(other, Scalar):
+        return False
+    expr = to_sympy(other.tex)
+    symbols = expr.free_symbols if expr is not None else set()
+    if len(symbols) != 1:
+        return False
+    name = str(next(iter(symbols)))
+    if lab_is_pred:
+        return renamed_argument_equal(lab.values[0], other, f.group("arg"), name)
+    return renamed_argument_equal(other, lab.values[0], name, f.group("arg"))
+
+
+def labels_match(a: str, b: str) -> tuple[str, str] | bool:
+    """Same label (True), the same function of a renamed argument (the two argument names), else False."""
+    if a == b:
+        return True
+    fa, fb = _FUNCTION_LABEL.match(a), _FUNCTION_LABEL.match(b)
+    if fa and fb and fa.group("head") == fb.group("head"):
+        return fa.group("arg"), fb.group("arg")
+    return False

@@ -110,6 +110,16 @@ def significant_digits(tex: str) -> int:
     return len(tex.replace("-", "").replace(".", "").lstrip("0"))
 
 
+_TEMPERATURE = re.compile(r"\s*\^\s*\{?\s*\\circ\s*\}?\s*([CF])\b")
+_UNIT_FRACTION = re.compile(r"\\frac\s*\{\s*([a-zA-Z ]+?)\s*\}\s*\{\s*([a-zA-Z ]+?)\s*\}")
+
+
+def unit_words(s: str) -> str:
+    """A unit written as a fraction or with a degree sign -> words: ``5 \\frac{m}{s}`` -> ``5 m/s``,
+    ``25^\\circ C`` -> ``25 degC``."""
+    return _UNIT_FRACTION.sub(r" \1/\2", _TEMPERATURE.sub(r" deg\1", s))
+
+
 def split_quantity(s: str, from_text: bool) -> tuple[str, str] | None:
     """``42.5 grams``, ``7th day``, ``\\$1,234.50``, ``250/3 seconds`` -> (number, unit); None if not one.
 
@@ -118,7 +128,7 @@ def split_quantity(s: str, from_text: bool) -> tuple[str, str] | None:
     ``\\mathrm`` (``2 x`` is a product, ``100\\,\\mathrm{m}`` is 100 metres).  Words that join or
     qualify answers (``5 or 7``, ``3 but not 5``, ``5 or more``) are no unit (``is_unit``).
     """
-    m = _QUANTITY.match(s)
+    m = _QUANTITY.match(unit_words(s))
     if not m:
         return None
     num, unit = m.group("num").replace(" ", ""), (m.group("unit") or "").strip()
@@ -155,19 +165,39 @@ _UNIT_NAMES = {
     "feet": "foot", "yd": "yard", "g": "gram", "kg": "kilogram", "mg": "milligram", "lb": "pound",
     "oz": "ounce", "s": "second", "sec": "second", "ms": "millisecond", "min": "minute", "h": "hour",
     "hr": "hour", "l": "liter", "litre": "liter", "ml": "milliliter", "millilitre": "milliliter",
+    "in": "inch", "inches": "inch", "\\$": "dollar", "$": "dollar", "¢": "cent",
+    "celsius": "celsius", "degc": "celsius", "degreescelsius": "celsius", "degreecelsius": "celsius",
+    "fahrenheit": "fahrenheit", "degf": "fahrenheit", "degreesfahrenheit": "fahrenheit",
+    "degreefahrenheit": "fahrenheit", "mph": "mile/hour", "kph": "kilometer/hour", "kmh": "kilometer/hour",
 }
 _UNIT_NAMED = frozenset(_UNIT_NAMES.values())
 
 
+def _unit_name(word: str) -> str:
+    u = re.sub(r"\s+", "", word)
+    power = re.search(r"\^(\d)$", u)
+    u = u[:power.start()] if power else u
+    if u not in _UNIT_NAMES:
+        u = u[:-1] if u.endswith("s") and len(u) > 2 else u
+    return _UNIT_NAMES.get(u, u) + (f"^{power.group(1)}" if power and power.group(1) != "1" else "")
+
+
 def normalize_unit(unit: str) -> str:
-    """Unit words compared loosely: case, spaces and a plural ``s`` ignored (``Hours`` == ``hour``),
-    and a common symbol or spelling read as its name (``km`` == ``kilometres``, ``s`` == ``seconds``;
-    ``ms`` is milliseconds, not a plural)."""
-    u = re.sub(r"\s+", "", unit.lower())
-    if u in _UNIT_NAMES:
-        return _UNIT_NAMES[u]
-    u = u[:-1] if u.endswith("s") and len(u) > 2 else u
-    return _UNIT_NAMES.get(u, u)
+    """Unit words compared loosely (SI brochure names; NIST SP 811's spellings): case, spaces and a
+    plural ``s`` ignored (``Hours`` == ``hour``), a common symbol or spelling read as its name (``km``
+    == ``kilometres``, ``s`` == ``seconds``; ``ms`` is milliseconds, not a plural), a quotient written
+    with ``/``, ``per`` or ``\\frac`` (``mph`` == ``miles per hour`` == ``mi/hr``), ``square``/``cubic``
+    as powers (``cm^2``), ``^\\circ C`` as Celsius.  No conversion: ``km`` is never ``1000 m``."""
+    u = unit.lower().strip()
+    u = re.sub(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}", r"\1/\2", u)
+    u = re.sub(r"\^\s*\{?\s*\\circ\s*\}?\s*", "deg", u)
+    u = re.sub(r"\s*\^\s*\{?\s*(\d)\s*\}?", r"^\1", u)
+    u = re.sub(r"\b(?:square|sq\.?)\s+([a-z]+)", r"\1^2", u)
+    u = re.sub(r"\b(?:cubic|cu\.?)\s+([a-z]+)", r"\1^3", u)
+    whole = re.sub(r"\s+", "", u)
+    if whole in _UNIT_NAMES:
+        return _UNIT_NAMES[whole]
+    return "/".join(_unit_name(part) for part in re.split(r"\s*/\s*|\s+per\s+", u))
 
 
 def written_unit(s: str, from_text: bool) -> str:
@@ -175,7 +205,7 @@ def written_unit(s: str, from_text: bool) -> str:
     else ``""``.  Letters written straight after the number count only when they name a unit
     (``5km``; ``3t`` is a product).  For refusing two different units only: a lone letter may be a
     variable (``2 x``), so it never makes two answers equal."""
-    m = _QUANTITY.match(s)
+    m = _QUANTITY.match(unit_words(s))
     if not m or not m.group("unit") or m.group("ord") or not is_unit(m.group("unit")):
         return ""
     unit = normalize_unit(m.group("unit"))
@@ -315,7 +345,8 @@ class Scalar:
 @dataclass(frozen=True)
 class Seq:
     """Several values.  ``kind``: ``tuple`` (ordered), ``list`` (bare comma list: unordered, but in
-    order against labels or a tuple), ``set`` (unordered) or ``ratio`` (equal up to a common factor)."""
+    order against labels or a tuple), ``set`` (unordered), ``ratio`` (equal up to a common factor) or
+    ``matrix`` (rows, each a ``tuple``; only a matrix of the same shape equals it)."""
 
     kind: str
     items: tuple
@@ -336,7 +367,8 @@ class RealSet:
     value: object
 
 
-_MATRIX = re.compile(r"^\\begin\{([pbvBV]?matrix)\}(.*)\\end\{\1\}(?:\^\{?T\}?)?$", re.S)
+_MATRIX = re.compile(
+    r"^\(?\s*\\begin\{([pbvBV]?matrix|array)\}(?:\{[lcr| ]*\})?(.*)\\end\{\1\}\s*\)?(?P<t>\^\{?T\}?)?$", re.S)
 _LIST_SEPS = (",", ";", " and ", " or ", "\\text{ and }")
 
 
@@ -370,7 +402,8 @@ def scalar(s: str, from_text: bool) -> Scalar:
     if quantity is not None:
         num, unit = quantity
         inner = scalar(num, from_text)
-        return Scalar(inner.tex, normalize_unit(unit))
+        currency = "dollar" if re.match(r"^\s*\\?\$", s) else ""
+        return Scalar(inner.tex, normalize_unit(unit) if unit else currency)
     return Scalar(s)
 
 
@@ -381,8 +414,11 @@ def structure(s: str, from_text: bool = False, depth: int = 0) -> object | None:
         return None
     m = _MATRIX.match(s)
     if m:
-        cells = [c.strip() for row in m.group(2).split("\\\\") for c in row.split("&") if c.strip()]
-        return Seq("tuple", tuple(structure(c, from_text, depth + 1) for c in cells))
+        rows = [[c.strip() for c in row.split("&")] for row in m.group(2).split("\\\\") if row.strip()]
+        cells = [[structure(c, from_text, depth + 1) for c in row] for row in rows]
+        if len(rows) > 1 and len(rows[0]) > 1 and not m.group("t"):  # a matrix keeps its shape
+            return Seq("matrix", tuple(Seq("tuple", tuple(row)) for row in cells))
+        return Seq("tuple", tuple(c for row in cells for c in row))  # a vector: row or column
     if _is_wrapped(s, "\\langle", "\\rangle"):
         return Seq("tuple", tuple(structure(c, from_text, depth + 1) for c in split_top(s[7:-7], (",",))))
     if _is_wrapped(s, "\\{", "\\}") and "|" not in s and "\\mid" not in s and ":" not in s:

@@ -34,6 +34,11 @@ code returns 0 when its call fails) or keeps its rule outcome (``"rule"``), and 
 in the stats (``fallbacks``, and ``timeouts`` for those that timed out) and as a ``score_error``
 starting with ``TinyVFallback`` (``TinyVFallback (timeout)`` for a timeout).
 
+The first replies a server gives are read once per process (``check_verifier_kind``): under
+``verifier=tinyv`` a first batch without a single True/False (a rubric model served under the default
+writes grading prose) stops the run with ``reward.tinyv.verifier`` named, and under ``rrm`` so does a
+first batch of bare True/False replies (a TinyV model), rather than scoring every sample as a verdict of 0.
+
 The client uses only the standard library (urllib in a thread pool) and talks to the server
 directly, ignoring ``http_proxy``: a verifier runs beside the trainer, not behind a proxy. Every
 request has a timeout and a bounded number of retries, so a hung server costs at most
@@ -131,6 +136,7 @@ class Reply:
     value: bool | float | None
     error: str = ""
     timed_out: bool = False
+    text: str | None = None  # the reply's text; None when no reply came
 
 
 def is_tinyv(data_source: str) -> bool:
@@ -250,7 +256,7 @@ class VerifierClient:
             what = f"timed out after {self.max_retries + 1} tries of {self.timeout_s:g}s" if _is_timeout(e) else ""
             return Reply(None, what or f"{type(e).__name__}: {e}", _is_timeout(e))
         value = parse(text)
-        return Reply(value, "" if value is not None else f"unparseable reply {text[:100]!r}")
+        return Reply(value, "" if value is not None else f"unparseable reply {text[:100]!r}", text=text)
 
     def _request(self, path: str, body: dict | None) -> dict:
         """GET (``body`` None) or POST JSON to ``path``, with the timeout and retries; the decoded reply."""
@@ -316,6 +322,38 @@ def verifier_prompt(request: ScoreRequest, cfg: TinyVConfig) -> str:
         question=question, criteria=rubric_criteria(request.extra_info, where), solution=request.response)
 
 
+_KIND_CHECKED: set[tuple[str, str]] = set()  # (base_url, verifier) whose first replies were read
+_KIND_PARSERS = {"tinyv": parse_verdict, "rrm": parse_rrm_score}
+
+
+def check_verifier_kind(replies: Sequence[Reply], cfg: TinyVConfig) -> None:
+    """Read the first replies a server gives (once per ``base_url`` and kind in this process) and refuse,
+    with ``ValueError`` naming ``reward.tinyv.verifier``, a server that is not of the configured kind:
+
+    - ``tinyv``: none of the replies holds a True/False verdict (a rubric reward model writes grading
+      prose; whatever the model, every sample would score as no verdict);
+    - ``rrm``: none holds a grade and every reply is a bare True/False (a TinyV model).  Other
+      ungraded replies keep the fallback (a weak rubric model is the fallback's business).
+    """
+    texts = [r.text for r in replies if r.text is not None]
+    key = (cfg.base_url, cfg.verifier)
+    if key in _KIND_CHECKED or not texts:
+        return
+    _KIND_CHECKED.add(key)
+    if any(r.value is not None for r in replies):
+        return
+    if cfg.verifier == "tinyv":
+        grading = any(re.search(r"score|criteri|points?\b|grade", t, re.IGNORECASE) for t in texts)
+        hint = ("they read as a rubric reward model's grading: set reward.tinyv.verifier=rrm" if grading
+                else "check reward.tinyv.verifier, reward.tinyv.model and the served model")
+        raise ValueError(f"reward.tinyv.verifier=tinyv: none of the first {len(texts)} replies of the verifier at "
+                         f"{cfg.base_url} is a True/False verdict (first: {texts[0][:80]!r}); {hint}")
+    if all(re.fullmatch(r"\W*(?:true|false)\W*", t, re.IGNORECASE) for t in texts):
+        raise ValueError(f"reward.tinyv.verifier=rrm: none of the first {len(texts)} replies of the verifier at "
+                         f"{cfg.base_url} is a Total Score grade, each is a True/False verdict "
+                         f"(first: {texts[0][:80]!r}): a TinyV model; set reward.tinyv.verifier=tinyv")
+
+
 def apply_tinyv(requests: Sequence[ScoreRequest], rule_outcomes: Sequence[ScoreOutcome],
                 cfg: TinyVConfig) -> tuple[list[ScoreOutcome], dict[str, int]]:
     """Rescore a batch with the verifier: every request is taken as TinyV-routed (the caller picks
@@ -326,8 +364,9 @@ def apply_tinyv(requests: Sequence[ScoreRequest], rule_outcomes: Sequence[ScoreO
     and ``timeouts`` (the fallbacks whose request timed out).
     """
     asked = [i for i, o in enumerate(rule_outcomes) if needs_verdict(o, cfg.mode)]
-    parse = parse_rrm_score if cfg.verifier == "rrm" else parse_verdict
+    parse = _KIND_PARSERS[cfg.verifier]
     replies = VerifierClient.from_config(cfg).ask_batch([verifier_prompt(requests[i], cfg) for i in asked], parse)
+    check_verifier_kind(replies, cfg)
     no_verdict = None if cfg.fallback == "rule" else 0.0  # "zero": as if the verifier said False / graded 0
     verdicts: list[bool | float | None] = [None] * len(requests)
     for i, r in zip(asked, replies, strict=True):
