@@ -79,7 +79,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods_eval import (  # noqa: E402
     SplitError,
-    arm_stats,
     bootstrap_mean,
     check_splits,
     draw_split,
@@ -92,7 +91,23 @@ from compare_methods_eval import (  # noqa: E402
     question_of,
     read_jsonl,
     split_rows,
-    versus,
+)
+from compare_methods_measures import (  # noqa: E402
+    BOOTSTRAP,
+    FORCED_TOKENS,
+    MEASURE_NAMES,
+    MEASURES,
+    arm_measures,
+    contrast,
+    difficulty,
+    fmt_p,
+    forced_rows,
+    measure_rows,
+    mix,
+    pool_fingerprint,
+    pool_keys,
+    question_operation,
+    signed,
 )
 
 from megareason.config.load import load_config  # noqa: E402
@@ -170,12 +185,13 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
     file must hold the same split), read them back with the trainer's loader and check them against the
     training pool. Returns the files, the questions, each split's counts and the held-out fingerprint."""
     cfg = load_config(config, overrides)
-    training = [question_of(r) for r in load_records(replace(cfg.data, val_sources=[]))]
-    exclude = {"training": {question_key(q) for q in training}}
+    training, solutions = training_pool(cfg)
+    pool = pool_keys(training, solutions)
+    exclude = {"training": pool | {split_key(q) for q in training}}
     source = cfg.data.val_sources[0]
-    tuning = draw_split(replace(source, seed=tune_seed), tune_prompts, exclude)
+    tuning = draw_split(replace(source, seed=tune_seed), tune_prompts, exclude, split_key)
     held = draw_split(replace(source, seed=heldout_seed), heldout,
-                      {**exclude, "tuning": {question_key(question_of(r)) for r in tuning.records}})
+                      {**exclude, "tuning": {split_key(question_of(r)) for r in tuning.records}}, split_key)
     folder.mkdir(parents=True, exist_ok=True)
     out = {"training_questions": len(training), "training_distinct": len(exclude["training"])}
     for name, split, seed in (("tuning", tuning, tune_seed), ("heldout", held, heldout_seed)):
@@ -189,10 +205,40 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
             _write(path, text)
         read = load_records(DataConfig(sources=[DataSourceConfig(kind="file", path=str(path))], system_prompt=""))
         out[name] = {"file": path, "seed": seed, "questions": [question_of(r) for r in read], **split.stats()}
-    check_splits(training, tuning=out["tuning"]["questions"], heldout=out["heldout"]["questions"])
+    check_splits(training, split_key, frozenset(pool), tuning=out["tuning"]["questions"],
+                 heldout=out["heldout"]["questions"])
     out["fingerprint"] = fingerprint(out["heldout"]["questions"])
     out["config"] = config
+    out["operands"] = operand_overlap(out["heldout"]["questions"], training, solutions, "by their operands")
     return out
+
+
+def split_key(question: str):
+    """What makes two questions the same for the splits: their operation (commuted forms equal), or their
+    whitespace-normalised text when they hold no single operation."""
+    return question_operation(question) or question_key(question)
+
+
+def training_pool(cfg) -> tuple[list[str], list[str]]:
+    """The training pool's questions and demonstrations (the worked solutions SFT imitates)."""
+    records = load_records(replace(cfg.data, val_sources=[]))
+    return [question_of(r) for r in records], [str(r.extra_info.get("solution", "")) for r in records]
+
+
+def operand_overlap(heldout: list[str], training: list[str], solutions: list[str], drawn_by: str) -> dict:
+    """Which held-out questions the training pool holds by their operands (``compare_methods_measures``):
+    as a question's operation, or else as a demonstration's sub-step; the ids to exclude, the pool's
+    fingerprint and the difficulty mixes."""
+    questions = {split_key(q) for q in training}
+    pool = pool_keys(training, solutions) | questions
+    ops = [split_key(q) for q in heldout]
+    excluded = [i for i, k in enumerate(ops) if k in pool]
+    kept = [q for i, q in enumerate(heldout) if i not in set(excluded)]
+    return {"drawn_by": drawn_by, "training_fingerprint": pool_fingerprint(training, solutions),
+            "question_overlap": sum(k in questions for k in ops),
+            "substep_overlap": sum(k in pool and k not in questions for k in ops), "excluded_ids": excluded,
+            "mix": {"training pool": dict(mix(training)), "held-out": dict(mix(heldout)),
+                    "held-out, operand-disjoint": dict(mix(kept))}}
 
 
 def val_override(path: Path, size: int = 0) -> str:
@@ -272,29 +318,47 @@ def load_state(results: Path, splits: dict) -> dict:
     if state.get("runs") and found != splits["fingerprint"]:
         raise SystemExit(f"{path} holds runs evaluated on another held-out set (fingerprint {found}, now "
                          f"{splits['fingerprint']}): use another --results, or move it away")
+    pool = state.get("heldout", {}).get("operands", {}).get("training_fingerprint")
+    if state.get("runs") and pool and pool != splits["operands"]["training_fingerprint"]:
+        raise SystemExit(f"{path} holds runs trained on another training pool (fingerprint {pool}, now "
+                         f"{splits['operands']['training_fingerprint']}): use another --results, or move it away")
     return {"heldout": heldout_info(splits), "runs": state.get("runs", {})}
 
 
 def heldout_info(splits: dict) -> dict:
     """What the results record of the splits: seeds, sizes, what each dropped, the held-out fingerprint."""
-    return {"config": splits["config"], "fingerprint": splits["fingerprint"],
+    return {"config": splits["config"], "fingerprint": splits["fingerprint"], "operands": splits["operands"],
             "training_questions": splits["training_questions"],
             "training_distinct": splits["training_distinct"],
             **{name: {k: v for k, v in splits[name].items() if k not in ("file", "questions")}
                for name in ("tuning", "heldout")}}
 
 
+def forced_continuations(model: str, dump: Path, max_model_len: int) -> list[str]:
+    """``tools/forced_format.py`` on a validation dump (once: its output is kept beside the dump), the
+    continuations in held-out order."""
+    out = dump.with_name(dump.stem + "_forced.jsonl")
+    if not out.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools" / "forced_format.py"), model, str(dump), str(out),
+                        "--max-model-len", str(max_model_len)], cwd=ROOT, check=True)
+    return [r["continuation"] for r in sorted(read_jsonl(out), key=lambda r: r["index"])]
+
+
 def record_run(results: Path, state: dict, name: str, seed: int, folder: Path, steps: int, wall: float,
-               command: list[str], questions: list[str]) -> None:
+               command: list[str], questions: list[str], forced=None) -> None:
     """A finished run's per-prompt rows (its final validation; also base's, from the step-0 validation of the
-    run that made it) and its entry in the state, written at once."""
+    run that made it) and its entry in the state, written at once. ``forced(arm, dump)``: the forced-format
+    continuations of a dump's prompts by that arm's weights (None: not measured)."""
     (results / PROMPTS_DIR).mkdir(parents=True, exist_ok=True)
     entries = [(name, steps, wall, command)]
     if "trainer.val_before_train=true" in command:
         entries.insert(0, ("base", 0, None, None))
     curve = {s: float(x.mean()) for s, x in held_out(folder).items()}
     for arm, step, seconds, cmd in entries:
-        rows = prompt_rows(read_jsonl(folder / "rollouts" / f"val_step_{step:08d}.jsonl"), questions)
+        dump = folder / "rollouts" / f"val_step_{step:08d}.jsonl"
+        rows = prompt_rows(read_jsonl(dump), questions)
+        if forced is not None:
+            rows = forced_rows(rows, forced(arm, dump))
         file = f"{PROMPTS_DIR}/{arm}_seed{seed}.jsonl"
         _write(results / file, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
         state["runs"][f"{arm}/seed{seed}"] = {
@@ -379,85 +443,142 @@ def _rng(*names: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32("/".join(names).encode()))
 
 
-def table(results: Path, state: dict) -> dict[str, dict]:
-    """Each arm's statistics over its finished seeds (``arm_stats``), its comparison with base (and RARO's
-    with GRPO) on the same prompts (``versus``), the exact p-values Holm-adjusted over all those tests. Each
-    arm's and each pair's bootstrap draws its own resamples, seeded by its names: an interval does not move
-    when another arm joins the table."""
+def table(results: Path, state: dict, paired_seeds: bool = False) -> dict[str, dict]:
+    """Each arm's measures over its finished seeds on the operand-disjoint held-out prompts
+    (``arm_measures``), strict and last-number accuracy over every held-out prompt, last-number accuracy by
+    difficulty class, and its contrasts with base (and RARO's with GRPO) on the same prompts (``contrast``;
+    ``paired_seeds``: the arms' seed i are paired by design), the p-values Holm-adjusted over all of them.
+    Each arm's and each pair's bootstrap draws its own resamples, seeded by its names: an interval does not
+    move when another arm joins the table."""
     entries = {arm: sorted((e for e in state["runs"].values() if e["arm"] == arm), key=lambda e: e["seed"])
-               for arm in ORDER}
-    data = {arm: outcomes([read_jsonl(results / e["file"]) for e in es]) for arm, es in entries.items() if es}
-    out = {}
-    for arm, (correct, parseable) in data.items():
+               for arm in dict.fromkeys([*ORDER, *(e["arm"] for e in state["runs"].values())])}
+    rows = {arm: [read_jsonl(results / e["file"]) for e in es] for arm, es in entries.items() if es}
+    excluded = set(state["heldout"].get("operands", {}).get("excluded_ids", []))
+    out, data = {}, {}
+    for arm, runs in rows.items():
+        outcomes([[{"id": r["id"], "correct": r["correct"], "parseable": r["parseable"]} for r in run]
+                  for run in runs])  # asserts the runs cover the same prompts
+        keep = np.array([r["id"] not in excluded for r in runs[0]])
+        measured = [measure_rows(run) for run in runs]
+        data[arm] = [{m: v[keep] for m, v in x.items()} for x in measured]
+        classes = np.array([difficulty(question_operation(r["question"])) for r in runs[0]])[keep]
+        last = np.mean([x["last_number"] for x in data[arm]], axis=0)
         walls = [e["wall_seconds"] for e in entries[arm] if e["wall_seconds"] is not None]
-        out[arm] = {**arm_stats(correct, parseable, _rng(arm)), "seed_values": [e["seed"] for e in entries[arm]],
+        out[arm] = {"seeds": len(runs), "seed_values": [e["seed"] for e in entries[arm]], "prompts": int(keep.sum()),
+                    "measures": arm_measures(data[arm], _rng(arm)),
+                    "all_prompts": {m: float(np.mean([x[m] for x in measured])) for m in ("strict", "last_number")},
+                    "last_number_by_class": {c: float(last[classes == c].mean()) for c in sorted(set(classes))},
                     "wall_seconds": sum(walls) / len(walls) if walls else None}
     pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
     tests = []
     for arm, other in pairs:
         if arm in data and other in data:
-            v = out[arm][f"vs_{other}"] = versus(data[arm], data[other], _rng(arm, other))
-            tests += [v["accuracy"], v["parseable"]]
+            vs = out[arm][f"vs_{other}"] = {}
+            for m in MEASURES:
+                if all(m in x for x in data[arm] + data[other]):
+                    a, b = (np.stack([x[m] for x in data[k]]) for k in (arm, other))
+                    vs[m] = contrast(a, b, _rng(arm, other, m), paired_seeds and a.shape[0] == b.shape[0])
+                    tests.append(vs[m])
     for t, p in zip(tests, holm([t["p"] for t in tests]), strict=True):
         t["p_holm"] = p
     return out
 
 
-def _ci(x: float, ci: list[float], signed: bool = False) -> str:
-    if math.isnan(x):
-        return "—"
-    f = "{:+.3f}" if signed else "{:.3f}"
-    return f"{f.format(x)} ({f.format(ci[0])} to {f.format(ci[1])})"
+def _ci(x: float, ci: list[float]) -> str:
+    return "—" if math.isnan(x) else f"{x:.3f} ({ci[0]:.3f} to {ci[1]:.3f})"
+
+
+def _mix_lines(mixes: dict[str, dict[str, int]]) -> list[str]:
+    """The difficulty mix of each set (training pool, held-out, ...), as shares."""
+    names = list(mixes)
+    classes = sorted({c for m in mixes.values() for c in m})
+    lines = ["| difficulty class | " + " | ".join(f"{n} ({sum(mixes[n].values())})" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for c in classes:
+        lines.append(f"| {c} | " + " | ".join(f"{mixes[n].get(c, 0) / max(sum(mixes[n].values()), 1):.0%} "
+                                              f"({mixes[n].get(c, 0)})" for n in names) + " |")
+    return lines
+
+
+FORCED_MISSING = "not measured (the run's weights were not kept)"
 
 
 def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
-    """The table of ``compare_methods.md`` and the text that says what it holds."""
+    """The tables of ``compare_methods.md`` and the text that says what they hold."""
     h, t = heldout["heldout"], heldout["tuning"]
-    tests = sum(2 for row in arms.values() for k in row if k.startswith("vs_"))
+    ops = heldout.get("operands", {})
+    n_tests = sum(len(v) for row in arms.values() for k, v in row.items() if k.startswith("vs_"))
+    any_row = next(iter(arms.values()), {"prompts": h["kept"]})
     lines = [
         f"Task: `configs/{heldout.get('config', CONFIG)}.yaml` (every arm). "
         f"Held-out: {h['kept']} basic_arithmetic prompts, reasoning-gym seed {h['seed']}: the first {h['kept']} "
-        f"distinct questions of its first {h['drawn']} items that are neither among the "
-        f"{heldout['training_distinct']} distinct questions of the whole training pool "
-        f"({heldout['training_questions']} items) nor in the tuning split; dropped: {h['duplicates']} repeats, "
-        f"{h['excluded'].get('training', 0)} training questions, {h['excluded'].get('tuning', 0)} tuning questions. "
-        f"Tuning split: {t['kept']} prompts, seed {t['seed']}, the first of its first {t['drawn']} items outside the "
-        f"training pool; dropped: {t['duplicates']} repeats, {t['excluded'].get('training', 0)} training questions. "
-        "The tool checks the three disjoint.", "",
-        "| arm | seeds | accuracy (95% CI) | parseable (95% CI) | accuracy among parseable (95% CI) "
-        "| accuracy − base (95% CI) | p (Holm) | parseable − base (95% CI) | p (Holm) "
-        "| among parseable − base (95% CI) | accuracy by seed | wall time per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        f"distinct questions of its first {h['drawn']} items outside the training pool "
+        f"({heldout['training_questions']} items, {heldout['training_distinct']} distinct questions) and the "
+        f"tuning split; dropped: {h['duplicates']} repeats, {h['excluded'].get('training', 0)} training questions, "
+        f"{h['excluded'].get('tuning', 0)} tuning questions ({ops.get('drawn_by', 'by their text')}). "
+        f"Tuning split: {t['kept']} prompts, seed {t['seed']}.", ""]
+    if ops:
+        lines += [f"Operand-level disjointness: a held-out question is in the training pool when its operation "
+                  "(commuted forms equal: `b * a` is `a * b`) is a training question's or a sub-step of a training "
+                  f"demonstration (`57 * 40` in `57 * 47 = 57 * 40 + 57 * 7 = ...`). {ops['question_overlap']} "
+                  f"held-out questions are training questions by their operands and {ops['substep_overlap']} more "
+                  f"are sub-steps of training demonstrations: excluded. Every measure below is over the other "
+                  f"{any_row['prompts']} (the *operand-disjoint* held-out questions) unless it says all "
+                  f"{h['kept']}. Training pool fingerprint `{ops['training_fingerprint']}`, held-out fingerprint "
+                  f"`{heldout['fingerprint']}`.", "", "Difficulty mix:", "", *_mix_lines(ops["mix"]), ""]
+    lines += ["| arm | seeds | strict accuracy (95% CI) | parseable rate (95% CI) | last-number accuracy (95% CI) "
+              f"| forced-format accuracy (95% CI) | strict, all {h['kept']} | last-number, all {h['kept']} "
+              "| wall time per run |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in arms.items():
-        vs = row.get("vs_base")
-        cells = ["—"] * 5
-        if vs:
-            a, p, r = vs["accuracy"], vs["parseable"], vs["accuracy_parseable"]
-            cells = [_ci(a["diff"], a["ci"], True), f"{a['p_holm']:.2g}", _ci(p["diff"], p["ci"], True),
-                     f"{p['p_holm']:.2g}", _ci(r["diff"], r["ci"], True)]
+        m = row["measures"]
+        cells = [_ci(m[k]["value"], m[k]["ci"]) if k in m else "—" for k in MEASURES]
+        if "forced" not in m:
+            cells[-1] = "not measured"
         wall = f"{row['wall_seconds'] / 60:.0f} min" if row.get("wall_seconds") else "—"
-        by_seed = ", ".join(f"{x:.3f}" for x in row["accuracy_by_seed"])
-        lines.append(f"| {name} | {row['seeds']} | {_ci(row['accuracy'], row['accuracy_ci'])} "
-                     f"| {_ci(row['parseable'], row['parseable_ci'])} "
-                     f"| {_ci(row['accuracy_parseable'], row['accuracy_parseable_ci'])} | {' | '.join(cells)} "
-                     f"| {by_seed} | {wall} |")
-    lines += ["", "Parseable: the response has a final answer the arithmetic reward reads (a last \\boxed{} number, "
-              "'= number <eoe>' or a trailing '= number'); accuracy among parseable: correct answers over parseable "
-              "ones, pooled over seeds. Intervals: 95% percentile bootstrap over the held-out prompts (10,000 "
-              "resamples; a prompt's seeds resampled together), not adjusted for multiplicity. p: exact paired "
-              "test against base of accuracy and of parseable rate, McNemar's for one seed and, for several, the "
-              "exact sign-flip test of the seed-averaged per-prompt differences (McNemar's generalised), "
-              f"Holm-Bonferroni-adjusted over the {tests} tests of this page (RARO − GRPO's included)."]
+        lines.append(f"| {name} | {row['seeds']} | {' | '.join(cells)} | {row['all_prompts']['strict']:.3f} "
+                     f"| {row['all_prompts']['last_number']:.3f} | {wall} |")
+    lines += ["", "Contrasts with base on the same prompts (difference, 95% CI, Holm-adjusted p):", "",
+              "| arm − base | " + " | ".join(MEASURE_NAMES[k] for k in MEASURES) + " |",
+              "|---" * (len(MEASURES) + 1) + "|"]
+    for name, row in arms.items():
+        if "vs_base" in row:
+            v = row["vs_base"]
+            lines.append(f"| {name} | " + " | ".join(
+                f"{signed(v[k]['diff'], v[k]['ci'])}; {'≤ ' if v[k]['p'] <= 1 / BOOTSTRAP else ''}"
+                f"{fmt_p(v[k]['p_holm'])}" if k in v else "—"
+                for k in MEASURES) + " |")
+    lines += ["", "Per seed (strict / last-number accuracy, operand-disjoint prompts): " + "; ".join(
+        f"{name} " + ", ".join(f"{s:.3f}/{x:.3f}" for s, x in zip(row["measures"]["strict"]["by_seed"],
+                                                                 row["measures"]["last_number"]["by_seed"],
+                                                                 strict=True))
+        for name, row in arms.items()) + ".", ""]
+    classes = sorted({c for row in arms.values() for c in row["last_number_by_class"]})
+    lines += ["Last-number accuracy by difficulty class (operand-disjoint prompts, pooled over seeds):", "",
+              "| arm | " + " | ".join(classes) + " |", "|---" * (len(classes) + 1) + "|"]
+    for name, row in arms.items():
+        lines.append(f"| {name} | " + " | ".join(f"{row['last_number_by_class'].get(c, float('nan')):.3f}"
+                                                 for c in classes) + " |")
+    lines += ["", "Strict: the final answer the arithmetic reward reads (a last \\boxed{} number, '= number <eoe>' "
+              "or a trailing '= number') is correct. Parseable: the response has such a final answer. Last-number: "
+              "the last number anywhere in the response is correct (no format needed). Forced-format: the "
+              "model's own response, then 'The final answer is \\boxed{', decoded greedily for at most "
+              f"{FORCED_TOKENS} tokens: the boxed number is correct ({FORCED_MISSING} where it says 'not "
+              "measured'). Intervals: 95% percentile two-level bootstrap (10,000 resamples) that draws the "
+              "training seeds and the held-out prompts, both with replacement (an arm of one seed: prompts "
+              "only); a contrast's two arms share the prompt draw. p: twice the share of bootstrap differences "
+              f"on the far side of 0 (at least 1/10,000, the bootstrap's resolution: '≤' marks a p at it), "
+              f"Holm-Bonferroni-adjusted over the {n_tests} contrasts of this page (RARO − GRPO's included)."]
     if "vs_grpo" in arms.get("raro", {}):
-        v = arms["raro"]["vs_grpo"]["accuracy"]
-        lines += ["", f"RARO − GRPO accuracy on the same prompts: {_ci(v['diff'], v['ci'], True)}, "
-                      f"p {v['p']:.2g} (Holm {v['p_holm']:.2g})."]
+        v = arms["raro"]["vs_grpo"]["last_number"]
+        lines += ["", f"RARO − GRPO last-number accuracy on the same prompts: {signed(v['diff'], v['ci'])}, "
+                      f"Holm p {fmt_p(v['p_holm'])}."]
     return lines
 
 
 def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
-    """Held-out accuracy per step of each trained arm, the mean over its seeds at the steps all of them
-    have, and the held-out prompt count per step (for the figure's intervals)."""
+    """Held-out strict accuracy (every held-out prompt, as the trainer validates) per step of each trained
+    arm, the mean over its seeds at the steps all of them have, and the held-out prompt count per step (for
+    the figure's intervals)."""
     curves = {}
     for arm in arms:
         if arm == "base":
@@ -466,8 +587,9 @@ def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
         steps = set.intersection(*(set(c) for c in per_seed))
         curves[arm] = {int(s): float(np.mean([c[s] for c in per_seed])) for s in steps}
         if "base" in arms and not ARMS[arm].start_from:
-            curves[arm].setdefault(0, arms["base"]["accuracy"])  # every such arm starts from the base model
-    prompts = {arm: {s: next(iter(arms.values()))["prompts"] for s in c} for arm, c in curves.items()}
+            curves[arm].setdefault(0, arms["base"]["all_prompts"]["strict"])  # these arms start from base
+    held = state["heldout"]["heldout"]["kept"]  # the trainer validates on every held-out prompt
+    prompts = {arm: {s: held for s in c} for arm, c in curves.items()}
     return {k: dict(sorted(v.items())) for k, v in curves.items()}, prompts
 
 
@@ -476,7 +598,8 @@ def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget:
     (``show``: print the table too)."""
     arms = table(results, state)
     curves, prompts = curves_of(state, arms)
-    critic = {}
+    critic = state.get("raro_critic") or {}  # kept when the run folders are gone (a recomputation)
+    rerank = rerank or state.get("rerank")
     raro = sorted(e["seed"] for e in state["runs"].values() if e["arm"] == "raro")
     if raro and (run_folder(runs, "raro", raro[0]) / "metrics.jsonl").exists():
         critic = critic_curves(run_folder(runs, "raro", raro[0]))
@@ -580,6 +703,37 @@ def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val
             "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
 
 
+def forced_by(config: str, overrides: list[str], steps: int):
+    """``record_run``'s ``forced``: base's dump decoded by the configured model, a run's by its final weights."""
+    cfg = load_config(config, overrides)
+
+    def forced(arm: str, dump: Path) -> list[str]:
+        model = cfg.model.path if arm == "base" else str(hf_export(dump.parent.parent, steps))
+        return forced_continuations(model, dump, cfg.rollout.max_model_len)
+
+    return forced
+
+
+def recompute(results: Path, runs: Path, config: str, overrides: list[str], budget: str) -> None:
+    """Rewrite ``results``' tables from its committed per-prompt files alone: the held-out questions are
+    theirs (checked against the recorded fingerprint), the training pool is ``config``'s (checked against a
+    recorded pool fingerprint, when there is one), and operand-level disjointness is computed anew."""
+    path = results / "compare_methods.json"
+    state = json.loads(path.read_text())
+    questions = [r["question"] for r in read_jsonl(results / next(iter(state["runs"].values()))["file"])]
+    if fingerprint(questions) != state["heldout"]["fingerprint"]:
+        raise SystemExit(f"{results}: the per-prompt files' questions are not the recorded held-out set")
+    if state["heldout"].get("config", config) != config:
+        raise SystemExit(f"{path} was run with --config {state['heldout']['config']}, not {config}")
+    training, solutions = training_pool(load_config(config, overrides))
+    old = state["heldout"].get("operands", {})
+    ops = operand_overlap(questions, training, solutions, old.get("drawn_by", "by their text"))
+    if old.get("training_fingerprint") not in (None, ops["training_fingerprint"]):
+        raise SystemExit(f"{path} was trained on another training pool than {config}'s")
+    state["heldout"]["operands"] = ops
+    publish(results, runs, state, None, budget, show=True)
+
+
 def plan(arms: list[str], seeds: int, arm_seeds: dict[str, int]) -> list[tuple[str, int]]:
     """The runs in order, (arm, seed): seed after seed, the arms in ``ORDER`` within a seed (base is no run)."""
     count = {arm: arm_seeds.get(arm, seeds) for arm in arms}
@@ -622,6 +776,10 @@ def main() -> None:
                     help="tune instead: train this variant, score it on the tuning split (repeatable)")
     ap.add_argument("--tune-prompts", type=int, default=100, help="prompts of the tuning split")
     ap.add_argument("--tune-seed", type=int, default=TUNE_SEED, help="the tuning split's reasoning-gym seed")
+    ap.add_argument("--no-forced-format", action="store_true", help="skip forced-format decoding of each "
+                    "finished run (tools/forced_format.py: a vLLM engine on its final weights)")
+    ap.add_argument("--recompute", action="store_true", help="rewrite the tables under --results from their "
+                    "committed per-prompt files and the training pool of --config; no run")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every arm (e.g. model.path=...)")
     a = ap.parse_args()
     if a.heldout < 2:
@@ -634,6 +792,11 @@ def main() -> None:
         if not n.isdigit() or int(n) < 1:
             ap.error(f"--arm-seeds {spec!r}: expected ARM=N with N >= 1")
         arm_seeds[arm] = int(n)
+    n = load_config(a.config, a.overrides).rollout.n
+    budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
+              f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
+    if a.recompute:
+        return recompute(a.results, a.runs, a.config, a.overrides, budget)
     try:
         splits = prepare_splits(a.runs / "data", a.heldout, a.tune_prompts, a.heldout_seed, a.tune_seed, a.overrides,
                                 a.config)
@@ -646,9 +809,7 @@ def main() -> None:
     wanted = [x for x in a.arms.split(",") if x]
     check_arms(wanted, arm_seeds, state)
     heldout = splits["heldout"]
-    n = load_config(a.config, a.overrides).rollout.n
-    budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
-              f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
+    forced = None if a.no_forced_format else forced_by(a.config, a.overrides, a.steps)
     runs = plan(wanted, a.seeds, arm_seeds)
     first = min((s for arm, s in runs if arm == "grpo"), default=0)
     for name, seed in runs:
@@ -661,7 +822,7 @@ def main() -> None:
         cmd = arm_command(name, seed, a.runs, a.steps, a.prompts, heldout["file"], a.overrides,
                           validate_base=name == "grpo" and seed == first, config=a.config)
         wall = run_arm(f"{name} seed {seed}", cmd, folder, a.steps)
-        record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"])
+        record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"], forced)
         publish(a.results, a.runs, state, None, budget)
     raro = sorted(s for arm, s in runs if arm == "raro")
     rerank = rerank_arm(a.runs, run_folder(a.runs, "raro", raro[0]), a.steps, min(a.rerank_prompts, a.heldout),
