@@ -133,9 +133,19 @@ def operand_keys(text: str) -> set[Key]:
 
 
 def question_operation(question: str) -> Key | None:
-    """The one operation a two-term question asks (``Calculate 57 * 47.``), or None."""
-    keys = operand_keys(question)
-    return next(iter(keys)) if len(keys) == 1 else None
+    """The one operation a two-term question asks (``Calculate 57 * 47.``), or None (no expression, or one
+    of more than two terms)."""
+    chains = _CHAIN.findall(question)
+    if len(chains) != 1:
+        return None
+    try:
+        body = ast.parse(chains[0].strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(body, ast.BinOp) and type(body.op) in _OPS):
+        return None
+    a, b = _number(body.left), _number(body.right)
+    return None if a is None or b is None else operand_key(a, _OPS[type(body.op)], b)
 
 
 def pool_keys(questions: Iterable[str], solutions: Iterable[str]) -> set[Key]:
