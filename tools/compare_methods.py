@@ -443,15 +443,17 @@ def _rng(*names: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32("/".join(names).encode()))
 
 
-def table(results: Path, state: dict, paired_seeds: bool = False) -> dict[str, dict]:
+def table(results: Path, state: dict, paired_seeds: bool = False,
+          pairs: list[tuple[str, str]] | None = None, order: tuple[str, ...] = ORDER) -> dict[str, dict]:
     """Each arm's measures over its finished seeds on the operand-disjoint held-out prompts
     (``arm_measures``), strict and last-number accuracy over every held-out prompt, last-number accuracy by
-    difficulty class, and its contrasts with base (and RARO's with GRPO) on the same prompts (``contrast``;
-    ``paired_seeds``: the arms' seed i are paired by design), the p-values Holm-adjusted over all of them.
+    difficulty class, and its contrasts on the same prompts (``contrast``) with base, RARO's with GRPO, or
+    ``pairs`` (arm, other); ``paired_seeds``: two arms' seed i are paired by design (the same start and seed),
+    the p-values Holm-adjusted over all of them.
     Each arm's and each pair's bootstrap draws its own resamples, seeded by its names: an interval does not
     move when another arm joins the table."""
     entries = {arm: sorted((e for e in state["runs"].values() if e["arm"] == arm), key=lambda e: e["seed"])
-               for arm in dict.fromkeys([*ORDER, *(e["arm"] for e in state["runs"].values())])}
+               for arm in dict.fromkeys([*order, *(e["arm"] for e in state["runs"].values())])}
     rows = {arm: [read_jsonl(results / e["file"]) for e in es] for arm, es in entries.items() if es}
     excluded = set(state["heldout"].get("operands", {}).get("excluded_ids", []))
     out, data = {}, {}
@@ -469,7 +471,8 @@ def table(results: Path, state: dict, paired_seeds: bool = False) -> dict[str, d
                     "all_prompts": {m: float(np.mean([x[m] for x in measured])) for m in ("strict", "last_number")},
                     "last_number_by_class": {c: float(last[classes == c].mean()) for c in sorted(set(classes))},
                     "wall_seconds": sum(walls) / len(walls) if walls else None}
-    pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
+    if pairs is None:
+        pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
     tests = []
     for arm, other in pairs:
         if arm in data and other in data:
@@ -537,16 +540,17 @@ def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
         wall = f"{row['wall_seconds'] / 60:.0f} min" if row.get("wall_seconds") else "—"
         lines.append(f"| {name} | {row['seeds']} | {' | '.join(cells)} | {row['all_prompts']['strict']:.3f} "
                      f"| {row['all_prompts']['last_number']:.3f} | {wall} |")
-    lines += ["", "Contrasts with base on the same prompts (difference, 95% CI, Holm-adjusted p):", "",
-              "| arm − base | " + " | ".join(MEASURE_NAMES[k] for k in MEASURES) + " |",
-              "|---" * (len(MEASURES) + 1) + "|"]
-    for name, row in arms.items():
-        if "vs_base" in row:
-            v = row["vs_base"]
-            lines.append(f"| {name} | " + " | ".join(
-                f"{signed(v[k]['diff'], v[k]['ci'])}; {'≤ ' if v[k]['p'] <= 1 / BOOTSTRAP else ''}"
-                f"{fmt_p(v[k]['p_holm'])}" if k in v else "—"
-                for k in MEASURES) + " |")
+    others = list(dict.fromkeys(k[3:] for row in arms.values() for k in row if k.startswith("vs_")))
+    for other in others:
+        lines += ["", f"Contrasts with {other} on the same prompts (difference, 95% CI, Holm-adjusted p):", "",
+                  f"| arm − {other} | " + " | ".join(MEASURE_NAMES[k] for k in MEASURES) + " |",
+                  "|---" * (len(MEASURES) + 1) + "|"]
+        for name, row in arms.items():
+            if f"vs_{other}" in row:
+                v = row[f"vs_{other}"]
+                lines.append(f"| {name} | " + " | ".join(
+                    f"{signed(v[k]['diff'], v[k]['ci'])}; {'≤ ' if v[k]['p'] <= 1 / BOOTSTRAP else ''}"
+                    f"{fmt_p(v[k]['p_holm'])}" if k in v else "—" for k in MEASURES) + " |")
     lines += ["", "Per seed (strict / last-number accuracy, operand-disjoint prompts): " + "; ".join(
         f"{name} " + ", ".join(f"{s:.3f}/{x:.3f}" for s, x in zip(row["measures"]["strict"]["by_seed"],
                                                                  row["measures"]["last_number"]["by_seed"],
@@ -567,11 +571,7 @@ def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
               "training seeds and the held-out prompts, both with replacement (an arm of one seed: prompts "
               "only); a contrast's two arms share the prompt draw. p: twice the share of bootstrap differences "
               f"on the far side of 0 (at least 1/10,000, the bootstrap's resolution: '≤' marks a p at it), "
-              f"Holm-Bonferroni-adjusted over the {n_tests} contrasts of this page (RARO − GRPO's included)."]
-    if "vs_grpo" in arms.get("raro", {}):
-        v = arms["raro"]["vs_grpo"]["last_number"]
-        lines += ["", f"RARO − GRPO last-number accuracy on the same prompts: {signed(v['diff'], v['ci'])}, "
-                      f"Holm p {fmt_p(v['p_holm'])}."]
+              f"Holm-Bonferroni-adjusted over the {n_tests} contrasts of this page."]
     return lines
 
 
@@ -586,7 +586,7 @@ def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
         per_seed = [e["curve"] for e in state["runs"].values() if e["arm"] == arm]
         steps = set.intersection(*(set(c) for c in per_seed))
         curves[arm] = {int(s): float(np.mean([c[s] for c in per_seed])) for s in steps}
-        if "base" in arms and not ARMS[arm].start_from:
+        if "base" in arms and arm in ARMS and not ARMS[arm].start_from:
             curves[arm].setdefault(0, arms["base"]["all_prompts"]["strict"])  # these arms start from base
     held = state["heldout"]["heldout"]["kept"]  # the trainer validates on every held-out prompt
     prompts = {arm: {s: held for s in c} for arm, c in curves.items()}
@@ -703,12 +703,14 @@ def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val
             "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
 
 
-def forced_by(config: str, overrides: list[str], steps: int):
-    """``record_run``'s ``forced``: base's dump decoded by the configured model, a run's by its final weights."""
+def forced_by(config: str, overrides: list[str]):
+    """``record_run``'s ``forced``: base's dump decoded by the configured model, a run's by the weights of the
+    dump's step (its final checkpoint)."""
     cfg = load_config(config, overrides)
 
     def forced(arm: str, dump: Path) -> list[str]:
-        model = cfg.model.path if arm == "base" else str(hf_export(dump.parent.parent, steps))
+        step = int(dump.stem.rsplit("_", 1)[1])
+        model = cfg.model.path if arm == "base" else str(hf_export(dump.parent.parent, step))
         return forced_continuations(model, dump, cfg.rollout.max_model_len)
 
     return forced
@@ -809,7 +811,7 @@ def main() -> None:
     wanted = [x for x in a.arms.split(",") if x]
     check_arms(wanted, arm_seeds, state)
     heldout = splits["heldout"]
-    forced = None if a.no_forced_format else forced_by(a.config, a.overrides, a.steps)
+    forced = None if a.no_forced_format else forced_by(a.config, a.overrides)
     runs = plan(wanted, a.seeds, arm_seeds)
     first = min((s for arm, s in runs if arm == "grpo"), default=0)
     for name, seed in runs:
