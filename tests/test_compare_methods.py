@@ -317,7 +317,7 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
     # forced-format decoding by a stub engine: every arm's weights box the gold answer but base's box 0
     forced_calls = []
 
-    def fake_forced(config, overrides, steps):
+    def fake_forced(config, overrides):
         def forced(arm, dump):
             forced_calls.append((arm, dump.name))
             return [("0" if arm == "base" else g) + "}." for g in golds]
@@ -541,3 +541,93 @@ def test_forced_format_inputs_and_decoding_with_a_stub_engine():
     rows = [{"gold": "3", "correct": False, "parseable": False, "response": "1 + 2 is 3"},
             {"gold": "6", "correct": True, "parseable": True, "response": "2 * 3 = 6"}]
     assert list(ms.measure_rows(ms.forced_rows(rows, continuations))["forced"]) == [0, 0]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rate_matched_random_reward_pays_at_its_rate_whatever_the_answer():
+    rewards = _load("controlled_rewards")
+    right = [rewards.random_matched("basic_arithmetic", f"{i} + 1 = {i + 1}", str(i + 1),
+                                    {"random_rate": 0.3, "random_seed": 1}) for i in range(4000)]
+    wrong = [rewards.random_matched("basic_arithmetic", f"{i} + 1 = {i}", str(i + 1),
+                                    {"random_rate": 0.3, "random_seed": 1}) for i in range(4000)]
+    assert all(r["acc"] for r in right) and not any(r["acc"] for r in wrong)  # acc: the real correctness
+    for rows in (right, wrong):  # paid at the rate (binomial sd 0.007), right or wrong alike
+        assert np.mean([r["score"] for r in rows]) == pytest.approx(0.3, abs=0.025)
+    again = rewards.random_matched("basic_arithmetic", "1 + 1 = 2", "2", {"random_rate": 0.3, "random_seed": 1})
+    assert again == right[1]  # the same response, question and seed: the same draw (a resumed run agrees)
+    seeds = [rewards.random_matched("basic_arithmetic", "1 + 1 = 2", "2", {"random_rate": 0.5, "random_seed": s})
+             ["score"] for s in range(40)]
+    assert 0 < sum(seeds) < 40  # another seed, another draw
+    with pytest.raises(ValueError, match="random_rate"):
+        rewards.random_matched("basic_arithmetic", "2", "2", {})
+
+
+def test_the_controlled_experiment_runs_each_arm_from_the_start_and_contrasts_them_paired(tmp_path, monkeypatch):
+    """main() with training replaced by hand-written validation dumps: the start (and base) first, every arm
+    from the start's weights, the random arm at its matched run's rate, and the contrasts in the table."""
+    ev = _eval_module()
+    ce = _load("controlled_experiment")
+    cm = ce.cm  # the module it runs through (patched below: no run starts)
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    questions, golds = ["Calculate 10 + 20.", "Calculate 11 + 22.", "Calculate 12 + 23."], ["30", "33", "35"]
+    split = {"seed": 7, "kept": 3, "drawn": 3, "duplicates": 0, "excluded": {"training": 0, "tuning": 0}}
+    operands = {"drawn_by": "by their operands", "training_fingerprint": "pool", "question_overlap": 0,
+                "substep_overlap": 0, "excluded_ids": [], "mix": {"training pool": {"sum": 9}, "held-out": {"sum": 3}}}
+    splits = {"config": ce.CONFIG, "fingerprint": ev.fingerprint(questions), "training_questions": 9,
+              "training_distinct": 9, "operands": operands,
+              "heldout": {"file": tmp_path / "heldout.jsonl", "questions": questions, **split},
+              "tuning": {"file": tmp_path / "tuning.jsonl", "questions": ["Q"], **split}}
+    monkeypatch.setattr(cm, "prepare_splits", lambda *args: splits)
+    monkeypatch.setattr(cm, "hf_export", lambda folder, steps: folder / "hf")
+    monkeypatch.setattr(cm, "forced_by", lambda config, overrides: lambda arm, dump: ["0}"] * 3)
+    answers = {"base": ["30", "x", "x"], "start": ["30", "0", "0"], "grpo_correct": ["30", "33", "35"],
+               "grpo_format": ["30", "0", "0"], "grpo_random": ["30", "33", "0"], "sft_more": ["30", "0", "35"]}
+    commands = {}
+
+    def fake_run(name, args, folder, steps):
+        arm = name.split()[0]
+        commands[name] = args
+        dumps = [(steps, answers[arm])] + ([(0, answers["base"])] if "trainer.val_before_train=true" in args else [])
+        (folder / "rollouts").mkdir(parents=True, exist_ok=True)
+        for step, texts in dumps:
+            (folder / "rollouts" / f"val_step_{step:08d}.jsonl").write_text("".join(
+                json.dumps(_val_row(i, q, g, f"so = {t}", t == g)) + "\n"
+                for i, (q, g, t) in enumerate(zip(questions, golds, texts, strict=True))))
+        if arm == "grpo_correct":  # its training accuracy, which the random arm is matched to
+            (folder / "metrics.jsonl").write_text('{"step": 0, "val/accuracy": 0.1}\n{"step": 1, "accuracy": 0.25}\n'
+                                                  '{"step": 2, "accuracy": 0.5}\n')
+        return 60.0
+
+    monkeypatch.setattr(cm, "run_arm", fake_run)
+    monkeypatch.setattr(sys, "argv", ["controlled_experiment.py", "--seeds", "2", "--steps", "2", "--start-steps",
+                                      "3", "--runs", str(runs), "--results", str(results)])
+    ce.main()
+    assert list(commands) == ["start", *(f"{arm} seed {s}" for s in (0, 1) for arm in ce.ARMS)]
+    assert commands["start"][0] == "sft" and "trainer.steps=3" in commands["start"]
+    start_hf = f"model.path={runs / 'start' / 'seed0' / 'hf'}"
+    for name, cmd in commands.items():
+        assert name == "start" or cmd[-1] == start_hf
+    assert "++data.sources.0.extra_info.reward_type=boxed" in commands["grpo_format seed 1"]
+    assert commands["sft_more seed 0"][0] == "sft"
+    random = commands["grpo_random seed 1"]
+    assert ce.RANDOM_REWARD in random and "++data.sources.0.extra_info.random_rate=0.375000" in random
+    assert "++data.sources.0.extra_info.random_seed=1" in random
+    table = json.loads((results / "compare_methods.json").read_text())["arms"]
+    assert list(table)[:3] == ["base", "start", "grpo_correct"]
+    v = table["grpo_correct"]["vs_grpo_format"]["last_number"]
+    # per prompt 1 - [1, 0, 0] in both seeds: three prompts drawn, all three the first (0) in 1/27 > 2.5% of draws
+    assert v["diff"] == pytest.approx(2 / 3) and v["ci"] == [0.0, 1.0]
+    assert table["grpo_correct"]["vs_sft_more"]["strict"]["diff"] == pytest.approx(1 / 3)
+    assert table["start"]["vs_base"]["parseable"]["diff"] == pytest.approx(2 / 3)
+    md = (results / "compare_methods.md").read_text()
+    assert "- grpo_correct − grpo_random, by seed: last-number: +0.333, +0.333; forced: +0.000, +0.000." in md
+    calls = len(commands)
+    ce.main()  # everything finished: nothing runs again
+    assert len(commands) == calls

@@ -503,7 +503,7 @@ def _mix_lines(mixes: dict[str, dict[str, int]]) -> list[str]:
     return lines
 
 
-FORCED_MISSING = "not measured (the run's weights were not kept)"
+FORCED_MISSING = "the run's weights were not kept to decode it"
 
 
 def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
@@ -566,8 +566,8 @@ def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
               "or a trailing '= number') is correct. Parseable: the response has such a final answer. Last-number: "
               "the last number anywhere in the response is correct (no format needed). Forced-format: the "
               "model's own response, then 'The final answer is \\boxed{', decoded greedily for at most "
-              f"{FORCED_TOKENS} tokens: the boxed number is correct ({FORCED_MISSING} where it says 'not "
-              "measured'). Intervals: 95% percentile two-level bootstrap (10,000 resamples) that draws the "
+              f"{FORCED_TOKENS} tokens: the boxed number is correct ('not measured': {FORCED_MISSING}). "
+              "Intervals: 95% percentile two-level bootstrap (10,000 resamples) that draws the "
               "training seeds and the held-out prompts, both with replacement (an arm of one seed: prompts "
               "only); a contrast's two arms share the prompt draw. p: twice the share of bootstrap differences "
               f"on the far side of 0 (at least 1/10,000, the bootstrap's resolution: '≤' marks a p at it), "

@@ -129,7 +129,7 @@ def seed_contrasts(results: Path, state: dict) -> list[str]:
 
 def publish(results: Path, state: dict, budget: str, show: bool = False) -> None:
     arms = cm.table(results, state, paired_seeds=True, pairs=pairs(), order=("base", START, *ARMS))
-    curves, prompts = cm.curves_of(state, arms)
+    curves, _ = cm.curves_of(state, arms)
     state.update({"arms": arms, "held_out_curves": curves})
     cm._write(results / "compare_methods.json", json.dumps(state, indent=2) + "\n")
     start = arms.get(START, {}).get("measures", {}).get("parseable", {}).get("value")
@@ -154,8 +154,6 @@ def publish(results: Path, state: dict, budget: str, show: bool = False) -> None
     cm._write(results / "compare_methods.md", "\n".join(lines) + "\n")
     if show:
         print("\n".join(lines), flush=True)
-    if curves:
-        cm.save(cm.heldout_figure(curves, prompts), results / "compare_methods_heldout.png", dpi=120)
 
 
 def main() -> None:
