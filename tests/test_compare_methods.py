@@ -631,3 +631,38 @@ def test_the_controlled_experiment_runs_each_arm_from_the_start_and_contrasts_th
     calls = len(commands)
     ce.main()  # everything finished: nothing runs again
     assert len(commands) == calls
+
+
+def test_critic_discrimination_of_a_position_bias_and_of_a_critic_that_checks_the_answer():
+    """tools/critic_discrimination.py with stub critics: one that always says A (a coin flip's 0.5 over
+    both orders, never testable) and one that names the answer boxing the gold number (1.0 on the pairs
+    whose policy answer is wrong)."""
+    from megareason.config.load import load_config
+
+    cd = _load("critic_discrimination")
+    cfg = load_config("compare_multiply_smollm2_cpu", [])
+    rows = [{"id": 0, "question": "Calculate 57 * 47.", "gold": "2679", "response": "57 * 47 = 2000", "correct": False},
+            {"id": 1, "question": "Calculate 12 * 3.", "gold": "36", "response": "12 * 3 = 36", "correct": True}]
+    ps = cd.pairs(rows, cfg.raro.expert_template)
+    assert ps[0]["expert"] == ("57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679\n\nThe final answer is "
+                               "\\boxed{2679}.")
+    judged = cd.judgements(ps, "judge")
+    assert [(p["id"], first) for p, first, _ in judged] == [(0, True), (0, False), (1, True), (1, False)]
+    assert "Answer A:\n57 * 47 = 57 * 40" in judged[0][2][1]["content"]
+    assert "Answer B:\n57 * 47 = 57 * 40" in judged[1][2][1]["content"]
+
+    always_a = cd.measure(rows, cfg, lambda chats: ["Verdict: A"] * len(chats))
+    assert always_a == {"judgements": 4, "names_expert": 0.5, "wrong_pairs": 1, "names_expert_wrong": 0.5,
+                        "tie": 0.0, "no_verdict": 0.0, "testable": False}
+
+    def checks(chats):
+        out = []
+        for chat in chats:
+            text = chat[1]["content"]
+            a = text.split("Answer A:\n")[1].split("Answer B:")[0]
+            out.append("Verdict: A" if "\\boxed{" in a else "Verdict: B")
+        return out
+
+    checker = cd.measure(rows, cfg, checks)
+    assert checker["names_expert_wrong"] == 1.0 and checker["testable"] and checker["names_expert"] == 1.0
+    assert cd.measure(rows, cfg, lambda chats: ["Verdict: Tie", "I cannot"] * 2)["tie"] == 0.5

@@ -25,12 +25,15 @@ only a number). Give each task its own ``--runs`` and ``--results``.
 
 **Held-out and tuning splits** (``tools/compare_methods_eval.py``). reasoning-gym builds item i of seed s
 from ``Random(s + i)`` and two-term arithmetic repeats questions even between far seeds, so the splits are
-made disjoint by their text: the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct
-questions outside the whole training pool (``data.sources``), the held-out set (``--heldout-seed``) the
-first ``--heldout`` distinct ones outside the training pool and the tuning split. Both are written under
+made disjoint by their operations (``tools/compare_methods_measures.py``: ``b * a`` is ``a * b``, and every
+sub-step of a training demonstration, ``57 * 40`` in ``57 * 47 = 57 * 40 + 57 * 7 = ...``, counts as a
+training question): the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct questions
+outside the whole training pool (``data.sources``), the held-out set (``--heldout-seed``) the first
+``--heldout`` distinct ones outside the training pool and the tuning split. Both are written under
 ``--runs``/data as ``kind: file`` sources (the trainer reads them through ``data.val_sources``), read back
 with the trainer's loader and checked disjoint and duplicate-free; the tool stops on any overlap. The
-table states how many candidates each split dropped and why.
+table states how many candidates each split dropped and why, and the difficulty mix of the held-out set
+beside the training pool's. Results record the held-out set's fingerprint and the training pool's.
 
 **Tuning** never looks at the held-out prompts: ``--tune NAME=ARM:key=value,...`` (repeatable) trains each
 variant on the same training prompts and scores it on the tuning split, beside the base model's score on
@@ -44,17 +47,21 @@ comparison with them.
 SFT-then-GRPO). A run (arm and seed) that finished is never rerun: as it finishes, its per-prompt rows are
 written to ``compare_methods_prompts/ARM_seedS.jsonl`` and its entry to ``compare_methods.json`` under
 ``--results``, and the table is rewritten; one interrupted resumes from its last checkpoint (the trainer's
-own resume). Results computed on another held-out set are refused.
+own resume). Results computed on another held-out set or training pool are refused. ``--recompute``
+rewrites the tables of ``--results`` from its committed per-prompt rows alone (no run).
 
-Writes, under ``--results``: ``compare_methods.md`` (the table: for each arm accuracy, parseable-answer rate
-and accuracy among parseable answers, each with its 95% bootstrap interval over prompts; the paired
-difference of each against base with its interval, and for accuracy and parseable rate an exact paired p,
-McNemar's for one seed, Holm-Bonferroni-adjusted over the table's tests; the per-seed accuracies, wall time
-and the command of each arm), ``compare_methods.json``, the per-prompt rows (id, question, gold answer,
-response, the final answer the arithmetic reward parses or null, parseable, correct, truncated),
-``compare_methods_heldout.png`` (held-out accuracy vs step, mean over seeds, a panel per arm, with its 95%
-Wilson score interval over the held-out prompts) and ``compare_methods_raro_critic.png`` (the critic's
-accuracy, tie rate and format-error rate per step of RARO's first seed; when RARO ran).
+Writes, under ``--results``: ``compare_methods.md`` (for each arm strict accuracy, parseable rate,
+last-number accuracy and forced-format accuracy over the held-out questions operand-disjoint from the
+training pool, each with its 95% two-level bootstrap interval over seeds and prompts; strict and
+last-number accuracy over every held-out question; each arm's contrasts with base, and RARO's with GRPO,
+with their intervals and bootstrap p-values Holm-adjusted over the page; last-number accuracy by difficulty
+class; the command and wall time of each run), ``compare_methods.json``, the per-prompt rows (id, question,
+gold answer, response, the final answer the arithmetic reward parses or null, parseable, correct,
+truncated, and the forced-format answer), ``compare_methods_heldout.png`` (held-out strict accuracy vs
+step, mean over seeds, a panel per arm, with its 95% Wilson score interval over the held-out prompts) and
+``compare_methods_raro_critic.png`` (the critic's accuracy, tie rate and format-error rate per step of
+RARO's first seed; when RARO ran). Forced-format accuracy is decoded after each run from its final weights
+(``tools/forced_format.py``, a vLLM engine; ``--no-forced-format`` skips it).
 """
 
 from __future__ import annotations

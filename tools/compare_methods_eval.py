@@ -7,14 +7,17 @@ far seeds. The splits are therefore made disjoint by their text, not by their se
 a generator's items in order and keeps the first ``want`` whose question is new (duplicates dropped) and
 in none of the excluded sets (the whole training pool; for the held-out set also the tuning split), and
 ``check_splits`` verifies the result, raising ``SplitError`` on any shared or repeated question. Questions
-are compared as the model reads them (the user message), whitespace-normalised.
+are compared by a ``key``: by default their text as the model reads it (the user message),
+whitespace-normalised; ``tools/compare_methods.py`` passes their operation (commuted forms equal) and adds
+the training demonstrations' sub-steps to the training set.
 
 **Per-prompt rows.** ``prompt_rows`` turns a run's ``rollouts/val_step_N.jsonl`` (one greedy sample per
 held-out prompt, scored by the task's reward) into rows of id, question, gold answer, response, the final
 answer the arithmetic reward parses from it (``megareason.rewards.arithmetic.final_answer``; None: no
 final answer), ``parseable`` and ``correct``.
 
-**Statistics** (outcomes as arrays ``[S, P]``: S seeds of an arm by P held-out prompts). Accuracy,
+**Statistics used by the tuning list** (the comparison's tables use ``compare_methods_measures.py``;
+outcomes as arrays ``[S, P]``: S seeds of an arm by P held-out prompts). Accuracy,
 parseable-answer rate and accuracy among parseable answers, each with a 95% percentile bootstrap interval
 that resamples prompts (a prompt's seeds together); paired differences against another arm on the same
 prompts, with a bootstrap interval and an exact test (``paired_exact_p``: McNemar's exact test for one
