@@ -666,3 +666,18 @@ def test_critic_discrimination_of_a_position_bias_and_of_a_critic_that_checks_th
     checker = cd.measure(rows, cfg, checks)
     assert checker["names_expert_wrong"] == 1.0 and checker["testable"] and checker["names_expert"] == 1.0
     assert cd.measure(rows, cfg, lambda chats: ["Verdict: Tie", "I cannot"] * 2)["tie"] == 0.5
+
+
+def test_the_random_arms_overrides_route_its_rows_to_the_random_reward(monkeypatch):
+    """The random arm's command-line overrides, loaded as the trainer loads them: the configured scorer pays
+    basic_arithmetic rows by tools/controlled_rewards.py at the row's rate, and still reports correctness."""
+    from megareason.config.load import load_config
+    from megareason.rewards.scoring import scorer_from
+
+    ce = _load("controlled_experiment")
+    monkeypatch.chdir(TOOL.parent.parent)  # the tool runs megareason from the repository root
+    for rate, paid in ((1.0, 1.0), (0.0, 0.0)):
+        cfg = load_config(ce.CONFIG, [ce.RANDOM_REWARD, f"++data.sources.0.extra_info.random_rate={rate}",
+                                      "++data.sources.0.extra_info.random_seed=3"])
+        out = scorer_from(cfg.reward)("basic_arithmetic", "12 + 30 = 42", "42", dict(cfg.data.sources[0].extra_info))
+        assert (out.score, out.correct) == (paid, True)
