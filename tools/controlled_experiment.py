@@ -41,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare_methods as cm  # noqa: E402
-from compare_methods_measures import signed  # noqa: E402
+from compare_methods_measures import measure_rows, signed  # noqa: E402
 
 from megareason.config.load import load_config  # noqa: E402
 
@@ -116,7 +116,7 @@ def seed_contrasts(results: Path, state: dict) -> list[str]:
             a, b = (state["runs"].get(f"{arm}/seed{seed}") for arm in (CORRECT, control))
             if a is None or b is None:
                 continue
-            ma, mb = (cm.measure_rows([r for r in cm.read_jsonl(results / e["file"]) if r["id"] not in excluded])
+            ma, mb = (measure_rows([r for r in cm.read_jsonl(results / e["file"]) if r["id"] not in excluded])
                       for e in (a, b))
             for m in diffs:
                 if m in ma and m in mb:
