@@ -80,6 +80,7 @@ def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
             "trainer.val_every=1", "trainer.save_every=2", "optim.lr=1e-3"]
     proc = subprocess.run([sys.executable, str(TOOL), "--steps", "2", "--prompts", "4", "--heldout", "6",
                            "--seeds", "1", "--rerank-prompts", "2", "--arms", "grpo,raro", "--runs", str(runs),
+                           "--no-forced-format",
                            "--results", str(results), *tiny], capture_output=True, text=True, timeout=900, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     check_golden("compare_grpo", _metrics(runs / "grpo" / "seed0"))
@@ -91,7 +92,7 @@ def test_the_recipe_first_steps_on_the_tiny_model(tiny_qwen2, tmp_path):
     for arm, dump in (("base", runs / "grpo" / "seed0" / "rollouts" / "val_step_00000000.jsonl"),
                       ("raro", runs / "raro" / "seed0" / "rollouts" / "val_step_00000002.jsonl")):
         rows = [json.loads(line) for line in dump.read_text().splitlines()]
-        assert len(rows) == 6 and table["arms"][arm]["accuracy"] == sum(r["correct"] for r in rows) / 6
+        assert len(rows) == 6 and table["arms"][arm]["all_prompts"]["strict"] == sum(r["correct"] for r in rows) / 6
         committed = [json.loads(line) for line in (results / "compare_methods_prompts" / f"{arm}_seed0.jsonl")
                      .read_text().splitlines()]
         assert [r["response"] for r in committed] == [r["response"] for r in sorted(rows, key=lambda r: r["index"])]
@@ -286,8 +287,10 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
     runs, results = tmp_path / "runs", tmp_path / "results"
     questions, golds = ["Calculate 1 + 2.", "Calculate 2 * 3.", "Calculate 9 - 4."], ["3", "6", "5"]
     split = {"seed": 7, "kept": 3, "drawn": 4, "duplicates": 1, "excluded": {"training": 0, "tuning": 0}}
+    operands = {"drawn_by": "by their operands", "training_fingerprint": "pool", "question_overlap": 0,
+                "substep_overlap": 1, "excluded_ids": [1], "mix": {"training pool": {"sum": 2}, "held-out": {"sum": 3}}}
     splits = {"config": "compare_multiply_smollm2_cpu", "fingerprint": ev.fingerprint(questions),
-              "training_questions": 10, "training_distinct": 9,
+              "training_questions": 10, "training_distinct": 9, "operands": operands,
               "heldout": {"file": tmp_path / "heldout.jsonl", "questions": questions, **split},
               "tuning": {"file": tmp_path / "tuning.jsonl", "questions": ["Q"], **split}}
     monkeypatch.setattr(cm, "prepare_splits", lambda *args: splits)
@@ -311,6 +314,16 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
         return 60.0
 
     monkeypatch.setattr(cm, "run_arm", fake_run)
+    # forced-format decoding by a stub engine: every arm's weights box the gold answer but base's box 0
+    forced_calls = []
+
+    def fake_forced(config, overrides):
+        def forced(arm, dump):
+            forced_calls.append((arm, dump.name))
+            return [("0" if arm == "base" else g) + "}." for g in golds]
+        return forced
+
+    monkeypatch.setattr(cm, "forced_by", fake_forced)
 
     def main(*args):
         monkeypatch.setattr(sys, "argv", ["compare_methods.py", "--steps", "2", "--rerank-prompts", "0", "--runs",
@@ -340,11 +353,23 @@ def test_a_finished_run_is_never_rerun_and_the_table_resumes(tmp_path, monkeypat
     assert calls == ["sft seed 1", "grpo seed 1"]
     table = json.loads((results / "compare_methods.json").read_text())["arms"]
     assert list(table) == ["base", "sft", "grpo"]
-    assert (table["base"]["accuracy"], table["base"]["parseable"]) == (1 / 3, 2 / 3)
-    assert (table["grpo"]["seeds"], table["grpo"]["accuracy"], table["grpo"]["parseable"]) == (2, 2 / 3, 1.0)
-    assert table["sft"]["vs_base"]["accuracy"]["diff"] == pytest.approx(1 / 3)
+    # over every prompt; the measures over prompts 0 and 2 (prompt 1 is a training demonstration's sub-step)
+    assert table["base"]["all_prompts"] == {"strict": 1 / 3, "last_number": 1 / 3}
+    m = table["base"]["measures"]
+    assert (m["strict"]["value"], m["parseable"]["value"], m["last_number"]["value"], m["forced"]["value"]) == (
+        0.5, 1.0, 0.5, 0.0)  # base: "\\boxed{3}" right, "= 2" wrong; forced: boxes 0
+    m = table["grpo"]["measures"]
+    assert table["grpo"]["seeds"] == 2 and table["grpo"]["prompts"] == 2
+    assert (m["strict"]["value"], m["parseable"]["value"], m["forced"]["value"]) == (0.5, 1.0, 1.0)
+    assert m["strict"]["by_seed"] == [0.5, 0.5]
+    assert table["sft"]["vs_base"]["strict"]["diff"] == pytest.approx(0.5)
+    assert table["sft"]["vs_base"]["forced"]["diff"] == pytest.approx(1.0)
+    assert ("base", "val_step_00000000.jsonl") in forced_calls and ("grpo", "val_step_00000002.jsonl") in forced_calls
+    rows = [json.loads(x) for x in (results / "compare_methods_prompts" / "sft_seed1.jsonl").read_text().splitlines()]
+    assert [r["forced_answer"] for r in rows] == golds
     md = (results / "compare_methods.md").read_text()
     assert "| grpo | 2 |" in md and "Task: `configs/compare_multiply_smollm2_cpu.yaml`" in md
+    assert "0 held-out questions are training questions by their operands and 1 more" in md
 
     # another held-out set: the results are refused, not mixed
     splits["fingerprint"] = "other"
@@ -385,15 +410,274 @@ def test_an_arms_interval_does_not_move_when_another_arm_joins_the_table(tmp_pat
     gives SFT the same intervals (one generator shared in table order would draw other resamples for it)."""
     cm = _tool()
     rng = np.random.default_rng(1)
-    state = {"runs": {}}
+    runs = {}
     for arm in ("sft", "base", "grpo"):
-        rows = [{"id": i, "correct": bool(c), "parseable": bool(c or p)}
+        rows = [{"id": i, "question": f"Calculate {i} + 1.", "gold": str(i + 1), "correct": bool(c),
+                 "parseable": bool(c or p), "response": f"= {i + 1}" if c else "no"}
                 for i, (c, p) in enumerate(zip(rng.random(60) < 0.3, rng.random(60) < 0.5, strict=True))]
         (tmp_path / f"{arm}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        state["runs"][f"{arm}/seed0"] = {"arm": arm, "seed": 0, "file": f"{arm}.jsonl", "wall_seconds": 1.0}
-    alone = cm.table(tmp_path, {"runs": {"sft/seed0": state["runs"]["sft/seed0"]}})["sft"]
-    full = cm.table(tmp_path, state)
-    for key in ("accuracy_ci", "parseable_ci", "accuracy_parseable_ci"):
-        assert full["sft"][key] == alone[key]
-    assert full["sft"]["vs_base"] == cm.table(tmp_path, {"runs": {k: state["runs"][k] for k in
-                                                                   ("base/seed0", "sft/seed0")}})["sft"]["vs_base"]
+        runs[f"{arm}/seed0"] = {"arm": arm, "seed": 0, "file": f"{arm}.jsonl", "wall_seconds": 1.0}
+
+    def state(*names):
+        return {"heldout": {}, "runs": {k: runs[k] for k in names}}
+
+    alone = cm.table(tmp_path, state("sft/seed0"))["sft"]
+    full = cm.table(tmp_path, state(*runs))
+    assert full["sft"]["measures"] == alone["measures"]
+    assert full["sft"]["vs_base"] == cm.table(tmp_path, state("base/seed0", "sft/seed0"))["sft"]["vs_base"]
+
+
+def _measures_module():
+    _tool()
+    import compare_methods_measures
+
+    return compare_methods_measures
+
+
+def test_the_four_measures_of_a_run_by_hand():
+    ms = _measures_module()
+    rows = [{"gold": "12", "correct": True, "parseable": True, "response": "5 + 7 = 12"},
+            {"gold": "12", "correct": False, "parseable": False, "response": "It is 12, I think"},  # no format
+            {"gold": "-4", "correct": False, "parseable": True, "response": "1 - 5 = 4"},
+            {"gold": "-4", "correct": False, "parseable": False, "response": "so 1 - 5 gives -4 in the end"}]
+    m = ms.measure_rows(rows)
+    assert list(m["strict"]) == [1, 0, 0, 0] and list(m["parseable"]) == [1, 0, 1, 0]
+    assert list(m["last_number"]) == [1, 1, 0, 1]  # the right number in words counts; "-4" keeps its sign
+    assert "forced" not in m  # no forced_answer: not measured
+    forced = ms.forced_rows(rows, ["12}.", " 12 }", "4}", "-4"])  # the box's contents, up to its "}"
+    assert [r["forced_answer"] for r in forced] == ["12", "12", "4", "-4"]
+    assert list(ms.measure_rows(forced)["forced"]) == [1, 1, 0, 1]
+    assert ms.forced_answer("twelve}") is None and ms.forced_answer("1,250} and") == "1,250"
+
+
+def test_operations_commuted_forms_and_demonstration_sub_steps():
+    ms = _measures_module()
+    assert ms.operand_keys("57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679") == {
+        ("*", 47, 57), ("*", 40, 57), ("*", 7, 57), ("+", 399, 2280)}  # not 40 + 57: precedence
+    assert ms.operand_keys("88 + 94 = 88 + 90 + 4 = 178 + 4 = 182") == {("+", 88, 94), ("+", 88, 90), ("+", 4, 178)}
+    assert ms.operand_keys("1 - 5 = -4") == {("-", 1, 5)}
+    assert ms.question_operation("Calculate 47 * 57.") == ms.question_operation("Calculate 57 * 47.") == ("*", 47, 57)
+    assert ms.question_operation("Calculate 5 - 1.") != ms.question_operation("Calculate 1 - 5.")
+    assert ms.question_operation("Calculate 2 + 3 + 4.") is None  # two operations: no single one
+    pool = ms.pool_keys(["Calculate 57 * 47."], ["57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679"])
+    held = ["Calculate 47 * 57.", "Calculate 7 * 57.", "Calculate 57 * 8.", "Calculate 40 * 57."]
+    assert list(ms.disjoint_mask(held, pool)) == [False, False, True, False]
+    assert [ms.difficulty(ms.question_operation(q)) for q in held] == [
+        "product, both operands 2+ digits", "product, a one-digit operand", "product, a one-digit operand",
+        "product, a multiple of ten"]
+    assert ms.pool_fingerprint(["Q"], ["a"]) != ms.pool_fingerprint(["Q"], ["b"])
+
+
+def test_splits_drop_commuted_questions_and_sub_steps_of_the_training_demonstrations():
+    cm, ev = _tool(), _eval_module()
+    training, solutions = ["Calculate 57 * 47."], ["57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679"]
+    pool = cm.pool_keys(training, solutions)
+    candidates = [_record(q) for q in ("Calculate 47 * 57.", "Calculate 7 * 57.", "Calculate 12 * 13.",
+                                       "Calculate 13 * 12.", "Calculate 21 * 22.")]
+    split = ev.select_split(candidates, 2, {"training": pool}, cm.split_key)
+    assert [ev.question_of(r) for r in split.records] == ["Calculate 12 * 13.", "Calculate 21 * 22."]
+    assert split.stats() == {"kept": 2, "drawn": 5, "duplicates": 1, "excluded": {"training": 2}}  # 13*12 repeats
+    with pytest.raises(ev.SplitError, match="training and heldout share 1"):
+        ev.check_splits(training, cm.split_key, frozenset(pool), heldout=["Calculate 57 * 7."])
+    ops = cm.operand_overlap(["Calculate 47 * 57.", "Calculate 57 * 7.", "Calculate 12 * 13."], training, solutions,
+                             "by their text")
+    assert (ops["question_overlap"], ops["substep_overlap"], ops["excluded_ids"]) == (1, 1, [0, 1])
+    assert ops["mix"]["held-out, operand-disjoint"] == {"product, both operands 2+ digits": 1}
+
+
+def test_the_two_level_bootstrap_has_the_variance_computed_by_hand():
+    """The replicates' variance against its closed form (each pair of drawn cells shares a seed, a prompt,
+    both or neither), for one arm, one arm of one seed, and a paired difference of two arms."""
+    ms = _measures_module()
+    rng = np.random.default_rng(0)
+    x = (rng.random((3, 40)) < np.linspace(0.1, 0.9, 40)).astype(float) * (rng.random((3, 1)) < 0.8)
+    s, p = x.shape
+    by_hand = ((p - 1) * x.mean(axis=1).var() + (s - 1) * x.mean(axis=0).var() + x.var()) / (s * p)
+    assert ms.two_level_variance(x) == pytest.approx(by_hand)
+    (rep,) = ms.two_level([x], np.random.default_rng(1))
+    assert rep.mean() == pytest.approx(x.mean(), abs=0.01)
+    assert rep.var() == pytest.approx(by_hand, rel=0.06)  # 10,000 replicates: the variance within ~3%
+    one = x[:1]
+    (rep,) = ms.two_level([one], np.random.default_rng(2))
+    assert rep.var() == pytest.approx(one.var() / p, rel=0.06)  # one seed: the prompt bootstrap's p(1-p)/n
+    # a - b, seeds drawn apart, prompts together: var(a) + var(b) - 2 cov(prompt means of a, of b) / P
+    b = np.roll(x, 1, axis=1)[:2]
+    cov = np.mean((x.mean(axis=0) - x.mean()) * (b.mean(axis=0) - b.mean()))
+    ra, rb = ms.two_level([x, b], np.random.default_rng(3))
+    assert (ra - rb).var() == pytest.approx(ms.two_level_variance(x) + ms.two_level_variance(b) - 2 * cov / p,
+                                            rel=0.06)
+    # seeds paired: the difference is one arm of per-seed, per-prompt differences
+    c = x[::-1]
+    ra, rc = ms.two_level([x, c], np.random.default_rng(4), paired_seeds=True)
+    assert (ra - rc).var() == pytest.approx(ms.two_level_variance(x - c), rel=0.06)
+    d = ms.contrast(x, x, np.random.default_rng(5), paired_seeds=True)
+    assert d == {"diff": 0.0, "ci": [0.0, 0.0], "p": 1.0}
+    assert ms.bootstrap_p(np.full(100, 0.5)) == 0.01 and ms.bootstrap_p(np.array([-1.0, 1.0, 2.0, 3.0])) == 0.5
+
+
+def test_forced_format_inputs_and_decoding_with_a_stub_engine():
+    """tools/forced_format.py's inputs (the prompt's ids, then the response and the answer prefix) and its
+    decoding by an engine stubbed to box the number the response ends with, doubled."""
+    spec = importlib.util.spec_from_file_location("forced_format", TOOL.parent / "forced_format.py")
+    ff = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ff)
+    dump = [{"index": 1, "prompt_token_ids": [7, 8], "response": "2 * 3 = 6  \n"},
+            {"index": 0, "prompt_token_ids": [9], "response": "1 + 2 is 3"}]
+
+    def encode(text):
+        return [ord(c) for c in text]
+
+    inputs = ff.forced_inputs(dump, encode)
+    assert inputs[0] == [9, *encode("1 + 2 is 3\n\nThe final answer is \\boxed{")]
+    assert inputs[1][:2] == [7, 8] and "".join(map(chr, inputs[1][2:])) == "2 * 3 = 6" + ff.FORCED_PREFIX
+
+    def generate(prompts):
+        texts = ["".join(map(chr, p)) for p in prompts]
+        return [f"{2 * int(t.split(ff.FORCED_PREFIX)[0].split()[-1])}}}." for t in texts]
+
+    continuations = ff.decode(generate, inputs)
+    assert continuations == ["6}.", "12}."]
+    ms = _measures_module()
+    rows = [{"gold": "3", "correct": False, "parseable": False, "response": "1 + 2 is 3"},
+            {"gold": "6", "correct": True, "parseable": True, "response": "2 * 3 = 6"}]
+    assert list(ms.measure_rows(ms.forced_rows(rows, continuations))["forced"]) == [0, 0]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_rate_matched_random_reward_pays_at_its_rate_whatever_the_answer():
+    rewards = _load("controlled_rewards")
+    right = [rewards.random_matched("basic_arithmetic", f"{i} + 1 = {i + 1}", str(i + 1),
+                                    {"random_rate": 0.3, "random_seed": 1}) for i in range(4000)]
+    wrong = [rewards.random_matched("basic_arithmetic", f"{i} + 1 = {i}", str(i + 1),
+                                    {"random_rate": 0.3, "random_seed": 1}) for i in range(4000)]
+    assert all(r["acc"] for r in right) and not any(r["acc"] for r in wrong)  # acc: the real correctness
+    for rows in (right, wrong):  # paid at the rate (binomial sd 0.007), right or wrong alike
+        assert np.mean([r["score"] for r in rows]) == pytest.approx(0.3, abs=0.025)
+    again = rewards.random_matched("basic_arithmetic", "1 + 1 = 2", "2", {"random_rate": 0.3, "random_seed": 1})
+    assert again == right[1]  # the same response, question and seed: the same draw (a resumed run agrees)
+    seeds = [rewards.random_matched("basic_arithmetic", "1 + 1 = 2", "2", {"random_rate": 0.5, "random_seed": s})
+             ["score"] for s in range(40)]
+    assert 0 < sum(seeds) < 40  # another seed, another draw
+    with pytest.raises(ValueError, match="random_rate"):
+        rewards.random_matched("basic_arithmetic", "2", "2", {})
+
+
+def test_the_controlled_experiment_runs_each_arm_from_the_start_and_contrasts_them_paired(tmp_path, monkeypatch):
+    """main() with training replaced by hand-written validation dumps: the start (and base) first, every arm
+    from the start's weights, the random arm at its matched run's rate, and the contrasts in the table."""
+    ev = _eval_module()
+    ce = _load("controlled_experiment")
+    cm = ce.cm  # the module it runs through (patched below: no run starts)
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    questions, golds = ["Calculate 10 + 20.", "Calculate 11 + 22.", "Calculate 12 + 23."], ["30", "33", "35"]
+    split = {"seed": 7, "kept": 3, "drawn": 3, "duplicates": 0, "excluded": {"training": 0, "tuning": 0}}
+    operands = {"drawn_by": "by their operands", "training_fingerprint": "pool", "question_overlap": 0,
+                "substep_overlap": 0, "excluded_ids": [], "mix": {"training pool": {"sum": 9}, "held-out": {"sum": 3}}}
+    splits = {"config": ce.CONFIG, "fingerprint": ev.fingerprint(questions), "training_questions": 9,
+              "training_distinct": 9, "operands": operands,
+              "heldout": {"file": tmp_path / "heldout.jsonl", "questions": questions, **split},
+              "tuning": {"file": tmp_path / "tuning.jsonl", "questions": ["Q"], **split}}
+    monkeypatch.setattr(cm, "prepare_splits", lambda *args: splits)
+    monkeypatch.setattr(cm, "hf_export", lambda folder, steps: folder / "hf")
+    monkeypatch.setattr(cm, "forced_by", lambda config, overrides: lambda arm, dump: ["0}"] * 3)
+    answers = {"base": ["30", "x", "x"], "start": ["30", "0", "0"], "grpo_correct": ["30", "33", "35"],
+               "grpo_format": ["30", "0", "0"], "grpo_random": ["30", "33", "0"], "sft_more": ["30", "0", "35"]}
+    commands = {}
+
+    def fake_run(name, args, folder, steps):
+        arm = name.split()[0]
+        commands[name] = args
+        dumps = [(steps, answers[arm])] + ([(0, answers["base"])] if "trainer.val_before_train=true" in args else [])
+        (folder / "rollouts").mkdir(parents=True, exist_ok=True)
+        for step, texts in dumps:
+            (folder / "rollouts" / f"val_step_{step:08d}.jsonl").write_text("".join(
+                json.dumps(_val_row(i, q, g, f"so = {t}", t == g)) + "\n"
+                for i, (q, g, t) in enumerate(zip(questions, golds, texts, strict=True))))
+        if arm == "grpo_correct":  # its training accuracy, which the random arm is matched to
+            (folder / "metrics.jsonl").write_text('{"step": 0, "val/accuracy": 0.1}\n{"step": 1, "accuracy": 0.25}\n'
+                                                  '{"step": 2, "accuracy": 0.5}\n')
+        return 60.0
+
+    monkeypatch.setattr(cm, "run_arm", fake_run)
+    monkeypatch.setattr(sys, "argv", ["controlled_experiment.py", "--seeds", "2", "--steps", "2", "--start-steps",
+                                      "3", "--runs", str(runs), "--results", str(results)])
+    ce.main()
+    assert list(commands) == ["start", *(f"{arm} seed {s}" for s in (0, 1) for arm in ce.ARMS)]
+    assert commands["start"][0] == "sft" and "trainer.steps=3" in commands["start"]
+    start_hf = f"model.path={runs / 'start' / 'seed0' / 'hf'}"
+    for name, cmd in commands.items():
+        assert name == "start" or cmd[-1] == start_hf
+    assert "++data.sources.0.extra_info.reward_type=boxed" in commands["grpo_format seed 1"]
+    assert commands["sft_more seed 0"][0] == "sft"
+    random = commands["grpo_random seed 1"]
+    assert ce.RANDOM_REWARD in random and "++data.sources.0.extra_info.random_rate=0.375000" in random
+    assert "++data.sources.0.extra_info.random_seed=1" in random
+    table = json.loads((results / "compare_methods.json").read_text())["arms"]
+    assert list(table)[:3] == ["base", "start", "grpo_correct"]
+    v = table["grpo_correct"]["vs_grpo_format"]["last_number"]
+    # per prompt 1 - [1, 0, 0] in both seeds: three prompts drawn, all three the first (0) in 1/27 > 2.5% of draws
+    assert v["diff"] == pytest.approx(2 / 3) and v["ci"] == [0.0, 1.0]
+    assert table["grpo_correct"]["vs_sft_more"]["strict"]["diff"] == pytest.approx(1 / 3)
+    assert table["start"]["vs_base"]["parseable"]["diff"] == pytest.approx(2 / 3)
+    md = (results / "compare_methods.md").read_text()
+    assert "- grpo_correct − grpo_random, by seed: last-number: +0.333, +0.333; forced: +0.000, +0.000." in md
+    calls = len(commands)
+    ce.main()  # everything finished: nothing runs again
+    assert len(commands) == calls
+
+
+def test_critic_discrimination_of_a_position_bias_and_of_a_critic_that_checks_the_answer():
+    """tools/critic_discrimination.py with stub critics: one that always says A (a coin flip's 0.5 over
+    both orders, never testable) and one that names the answer boxing the gold number (1.0 on the pairs
+    whose policy answer is wrong)."""
+    from megareason.config.load import load_config
+
+    cd = _load("critic_discrimination")
+    cfg = load_config("compare_multiply_smollm2_cpu", [])
+    rows = [{"id": 0, "question": "Calculate 57 * 47.", "gold": "2679", "response": "57 * 47 = 2000", "correct": False},
+            {"id": 1, "question": "Calculate 12 * 3.", "gold": "36", "response": "12 * 3 = 36", "correct": True}]
+    ps = cd.pairs(rows, cfg.raro.expert_template)
+    assert ps[0]["expert"] == ("57 * 47 = 57 * 40 + 57 * 7 = 2280 + 399 = 2679\n\nThe final answer is "
+                               "\\boxed{2679}.")
+    judged = cd.judgements(ps, "judge")
+    assert [(p["id"], first) for p, first, _ in judged] == [(0, True), (0, False), (1, True), (1, False)]
+    assert "Answer A:\n57 * 47 = 57 * 40" in judged[0][2][1]["content"]
+    assert "Answer B:\n57 * 47 = 57 * 40" in judged[1][2][1]["content"]
+
+    always_a = cd.measure(rows, cfg, lambda chats: ["Verdict: A"] * len(chats))
+    assert always_a == {"judgements": 4, "names_expert": 0.5, "wrong_pairs": 1, "names_expert_wrong": 0.5,
+                        "tie": 0.0, "no_verdict": 0.0, "testable": False}
+
+    def checks(chats):
+        out = []
+        for chat in chats:
+            text = chat[1]["content"]
+            a = text.split("Answer A:\n")[1].split("Answer B:")[0]
+            out.append("Verdict: A" if "\\boxed{" in a else "Verdict: B")
+        return out
+
+    checker = cd.measure(rows, cfg, checks)
+    assert checker["names_expert_wrong"] == 1.0 and checker["testable"] and checker["names_expert"] == 1.0
+    assert cd.measure(rows, cfg, lambda chats: ["Verdict: Tie", "I cannot"] * 2)["tie"] == 0.5
+
+
+def test_the_random_arms_overrides_route_its_rows_to_the_random_reward(monkeypatch):
+    """The random arm's command-line overrides, loaded as the trainer loads them: the configured scorer pays
+    basic_arithmetic rows by tools/controlled_rewards.py at the row's rate, and still reports correctness."""
+    from megareason.config.load import load_config
+    from megareason.rewards.scoring import scorer_from
+
+    ce = _load("controlled_experiment")
+    monkeypatch.chdir(TOOL.parent.parent)  # the tool runs megareason from the repository root
+    for rate, paid in ((1.0, 1.0), (0.0, 0.0)):
+        cfg = load_config(ce.CONFIG, [ce.RANDOM_REWARD, f"++data.sources.0.extra_info.random_rate={rate}",
+                                      "++data.sources.0.extra_info.random_seed=3"])
+        out = scorer_from(cfg.reward)("basic_arithmetic", "12 + 30 = 42", "42", dict(cfg.data.sources[0].extra_info))
+        assert (out.score, out.correct) == (paid, True)

@@ -25,12 +25,15 @@ only a number). Give each task its own ``--runs`` and ``--results``.
 
 **Held-out and tuning splits** (``tools/compare_methods_eval.py``). reasoning-gym builds item i of seed s
 from ``Random(s + i)`` and two-term arithmetic repeats questions even between far seeds, so the splits are
-made disjoint by their text: the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct
-questions outside the whole training pool (``data.sources``), the held-out set (``--heldout-seed``) the
-first ``--heldout`` distinct ones outside the training pool and the tuning split. Both are written under
+made disjoint by their operations (``tools/compare_methods_measures.py``: ``b * a`` is ``a * b``, and every
+sub-step of a training demonstration, ``57 * 40`` in ``57 * 47 = 57 * 40 + 57 * 7 = ...``, counts as a
+training question): the tuning split (``--tune-seed``) keeps the first ``--tune-prompts`` distinct questions
+outside the whole training pool (``data.sources``), the held-out set (``--heldout-seed``) the first
+``--heldout`` distinct ones outside the training pool and the tuning split. Both are written under
 ``--runs``/data as ``kind: file`` sources (the trainer reads them through ``data.val_sources``), read back
 with the trainer's loader and checked disjoint and duplicate-free; the tool stops on any overlap. The
-table states how many candidates each split dropped and why.
+table states how many candidates each split dropped and why, and the difficulty mix of the held-out set
+beside the training pool's. Results record the held-out set's fingerprint and the training pool's.
 
 **Tuning** never looks at the held-out prompts: ``--tune NAME=ARM:key=value,...`` (repeatable) trains each
 variant on the same training prompts and scores it on the tuning split, beside the base model's score on
@@ -44,30 +47,32 @@ comparison with them.
 SFT-then-GRPO). A run (arm and seed) that finished is never rerun: as it finishes, its per-prompt rows are
 written to ``compare_methods_prompts/ARM_seedS.jsonl`` and its entry to ``compare_methods.json`` under
 ``--results``, and the table is rewritten; one interrupted resumes from its last checkpoint (the trainer's
-own resume). Results computed on another held-out set are refused.
+own resume). Results computed on another held-out set or training pool are refused. ``--recompute``
+rewrites the tables of ``--results`` from its committed per-prompt rows alone (no run).
 
-Writes, under ``--results``: ``compare_methods.md`` (the table: for each arm accuracy, parseable-answer rate
-and accuracy among parseable answers, each with its 95% bootstrap interval over prompts; the paired
-difference of each against base with its interval, and for accuracy and parseable rate an exact paired p,
-McNemar's for one seed, Holm-Bonferroni-adjusted over the table's tests; the per-seed accuracies, wall time
-and the command of each arm), ``compare_methods.json``, the per-prompt rows (id, question, gold answer,
-response, the final answer the arithmetic reward parses or null, parseable, correct, truncated),
-``compare_methods_heldout.png`` (held-out accuracy vs step, mean over seeds, a panel per arm, with its 95%
-Wilson score interval over the held-out prompts) and ``compare_methods_raro_critic.png`` (the critic's
-accuracy, tie rate and format-error rate per step of RARO's first seed; when RARO ran).
+Writes, under ``--results``: ``compare_methods.md`` (for each arm strict accuracy, parseable rate,
+last-number accuracy and forced-format accuracy over the held-out questions operand-disjoint from the
+training pool, each with its 95% two-level bootstrap interval over seeds and prompts; strict and
+last-number accuracy over every held-out question; each arm's contrasts with base, and RARO's with GRPO,
+with their intervals and bootstrap p-values Holm-adjusted over the page; last-number accuracy by difficulty
+class; the command and wall time of each run), ``compare_methods.json``, the per-prompt rows (id, question,
+gold answer, response, the final answer the arithmetic reward parses or null, parseable, correct,
+truncated, and the forced-format answer), ``compare_methods_heldout.png`` (held-out strict accuracy vs
+step, mean over seeds, a panel per arm, with its 95% Wilson score interval over the held-out prompts) and
+``compare_methods_raro_critic.png`` (the critic's accuracy, tie rate and format-error rate per step of
+RARO's first seed; when RARO ran). Forced-format accuracy is decoded after each run from its final weights
+(``tools/forced_format.py``, a vLLM engine; ``--no-forced-format`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shlex
 import subprocess
 import sys
 import time
-import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -79,21 +84,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare_methods_eval import (  # noqa: E402
     SplitError,
-    arm_stats,
     bootstrap_mean,
     check_splits,
     draw_split,
     fingerprint,
-    holm,
-    outcomes,
     paired,
     prompt_rows,
     question_key,
     question_of,
     read_jsonl,
     split_rows,
-    versus,
 )
+from compare_methods_measures import (  # noqa: E402
+    forced_rows,
+    mix,
+    pool_fingerprint,
+    pool_keys,
+    question_operation,
+)
+from compare_methods_table import table as _table  # noqa: E402
+from compare_methods_table import table_lines  # noqa: E402
 
 from megareason.config.load import load_config  # noqa: E402
 from megareason.config.schema import DataConfig, DataSourceConfig  # noqa: E402
@@ -170,12 +180,13 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
     file must hold the same split), read them back with the trainer's loader and check them against the
     training pool. Returns the files, the questions, each split's counts and the held-out fingerprint."""
     cfg = load_config(config, overrides)
-    training = [question_of(r) for r in load_records(replace(cfg.data, val_sources=[]))]
-    exclude = {"training": {question_key(q) for q in training}}
+    training, solutions = training_pool(cfg)
+    pool = pool_keys(training, solutions)
+    exclude = {"training": pool | {split_key(q) for q in training}}
     source = cfg.data.val_sources[0]
-    tuning = draw_split(replace(source, seed=tune_seed), tune_prompts, exclude)
+    tuning = draw_split(replace(source, seed=tune_seed), tune_prompts, exclude, split_key)
     held = draw_split(replace(source, seed=heldout_seed), heldout,
-                      {**exclude, "tuning": {question_key(question_of(r)) for r in tuning.records}})
+                      {**exclude, "tuning": {split_key(question_of(r)) for r in tuning.records}}, split_key)
     folder.mkdir(parents=True, exist_ok=True)
     out = {"training_questions": len(training), "training_distinct": len(exclude["training"])}
     for name, split, seed in (("tuning", tuning, tune_seed), ("heldout", held, heldout_seed)):
@@ -189,10 +200,40 @@ def prepare_splits(folder: Path, heldout: int, tune_prompts: int, heldout_seed: 
             _write(path, text)
         read = load_records(DataConfig(sources=[DataSourceConfig(kind="file", path=str(path))], system_prompt=""))
         out[name] = {"file": path, "seed": seed, "questions": [question_of(r) for r in read], **split.stats()}
-    check_splits(training, tuning=out["tuning"]["questions"], heldout=out["heldout"]["questions"])
+    check_splits(training, split_key, frozenset(pool), tuning=out["tuning"]["questions"],
+                 heldout=out["heldout"]["questions"])
     out["fingerprint"] = fingerprint(out["heldout"]["questions"])
     out["config"] = config
+    out["operands"] = operand_overlap(out["heldout"]["questions"], training, solutions, "by their operands")
     return out
+
+
+def split_key(question: str):
+    """What makes two questions the same for the splits: their operation (commuted forms equal), or their
+    whitespace-normalised text when they hold no single operation."""
+    return question_operation(question) or question_key(question)
+
+
+def training_pool(cfg) -> tuple[list[str], list[str]]:
+    """The training pool's questions and demonstrations (the worked solutions SFT imitates)."""
+    records = load_records(replace(cfg.data, val_sources=[]))
+    return [question_of(r) for r in records], [str(r.extra_info.get("solution", "")) for r in records]
+
+
+def operand_overlap(heldout: list[str], training: list[str], solutions: list[str], drawn_by: str) -> dict:
+    """Which held-out questions the training pool holds by their operands (``compare_methods_measures``):
+    as a question's operation, or else as a demonstration's sub-step; the ids to exclude, the pool's
+    fingerprint and the difficulty mixes."""
+    questions = {split_key(q) for q in training}
+    pool = pool_keys(training, solutions) | questions
+    ops = [split_key(q) for q in heldout]
+    excluded = [i for i, k in enumerate(ops) if k in pool]
+    kept = [q for i, q in enumerate(heldout) if i not in set(excluded)]
+    return {"drawn_by": drawn_by, "training_fingerprint": pool_fingerprint(training, solutions),
+            "question_overlap": sum(k in questions for k in ops),
+            "substep_overlap": sum(k in pool and k not in questions for k in ops), "excluded_ids": excluded,
+            "mix": {"training pool": dict(mix(training)), "held-out": dict(mix(heldout)),
+                    "held-out, operand-disjoint": dict(mix(kept))}}
 
 
 def val_override(path: Path, size: int = 0) -> str:
@@ -272,29 +313,47 @@ def load_state(results: Path, splits: dict) -> dict:
     if state.get("runs") and found != splits["fingerprint"]:
         raise SystemExit(f"{path} holds runs evaluated on another held-out set (fingerprint {found}, now "
                          f"{splits['fingerprint']}): use another --results, or move it away")
+    pool = state.get("heldout", {}).get("operands", {}).get("training_fingerprint")
+    if state.get("runs") and pool and pool != splits["operands"]["training_fingerprint"]:
+        raise SystemExit(f"{path} holds runs trained on another training pool (fingerprint {pool}, now "
+                         f"{splits['operands']['training_fingerprint']}): use another --results, or move it away")
     return {"heldout": heldout_info(splits), "runs": state.get("runs", {})}
 
 
 def heldout_info(splits: dict) -> dict:
     """What the results record of the splits: seeds, sizes, what each dropped, the held-out fingerprint."""
-    return {"config": splits["config"], "fingerprint": splits["fingerprint"],
+    return {"config": splits["config"], "fingerprint": splits["fingerprint"], "operands": splits["operands"],
             "training_questions": splits["training_questions"],
             "training_distinct": splits["training_distinct"],
             **{name: {k: v for k, v in splits[name].items() if k not in ("file", "questions")}
                for name in ("tuning", "heldout")}}
 
 
+def forced_continuations(model: str, dump: Path, max_model_len: int) -> list[str]:
+    """``tools/forced_format.py`` on a validation dump (once: its output is kept beside the dump), the
+    continuations in held-out order."""
+    out = dump.with_name(dump.stem + "_forced.jsonl")
+    if not out.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools" / "forced_format.py"), model, str(dump), str(out),
+                        "--max-model-len", str(max_model_len)], cwd=ROOT, check=True)
+    return [r["continuation"] for r in sorted(read_jsonl(out), key=lambda r: r["index"])]
+
+
 def record_run(results: Path, state: dict, name: str, seed: int, folder: Path, steps: int, wall: float,
-               command: list[str], questions: list[str]) -> None:
+               command: list[str], questions: list[str], forced=None) -> None:
     """A finished run's per-prompt rows (its final validation; also base's, from the step-0 validation of the
-    run that made it) and its entry in the state, written at once."""
+    run that made it) and its entry in the state, written at once. ``forced(arm, dump)``: the forced-format
+    continuations of a dump's prompts by that arm's weights (None: not measured)."""
     (results / PROMPTS_DIR).mkdir(parents=True, exist_ok=True)
     entries = [(name, steps, wall, command)]
     if "trainer.val_before_train=true" in command:
         entries.insert(0, ("base", 0, None, None))
     curve = {s: float(x.mean()) for s, x in held_out(folder).items()}
     for arm, step, seconds, cmd in entries:
-        rows = prompt_rows(read_jsonl(folder / "rollouts" / f"val_step_{step:08d}.jsonl"), questions)
+        dump = folder / "rollouts" / f"val_step_{step:08d}.jsonl"
+        rows = prompt_rows(read_jsonl(dump), questions)
+        if forced is not None:
+            rows = forced_rows(rows, forced(arm, dump))
         file = f"{PROMPTS_DIR}/{arm}_seed{seed}.jsonl"
         _write(results / file, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
         state["runs"][f"{arm}/seed{seed}"] = {
@@ -372,92 +431,19 @@ def critic_figure(critic: dict[str, list[tuple[int, float]]]):
     return fig
 
 
-# ---- the table
+# ---- the table (compare_methods_table.py)
 
 
-def _rng(*names: str) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32("/".join(names).encode()))
-
-
-def table(results: Path, state: dict) -> dict[str, dict]:
-    """Each arm's statistics over its finished seeds (``arm_stats``), its comparison with base (and RARO's
-    with GRPO) on the same prompts (``versus``), the exact p-values Holm-adjusted over all those tests. Each
-    arm's and each pair's bootstrap draws its own resamples, seeded by its names: an interval does not move
-    when another arm joins the table."""
-    entries = {arm: sorted((e for e in state["runs"].values() if e["arm"] == arm), key=lambda e: e["seed"])
-               for arm in ORDER}
-    data = {arm: outcomes([read_jsonl(results / e["file"]) for e in es]) for arm, es in entries.items() if es}
-    out = {}
-    for arm, (correct, parseable) in data.items():
-        walls = [e["wall_seconds"] for e in entries[arm] if e["wall_seconds"] is not None]
-        out[arm] = {**arm_stats(correct, parseable, _rng(arm)), "seed_values": [e["seed"] for e in entries[arm]],
-                    "wall_seconds": sum(walls) / len(walls) if walls else None}
-    pairs = [(arm, "base") for arm in data if arm != "base"] + [("raro", "grpo")]
-    tests = []
-    for arm, other in pairs:
-        if arm in data and other in data:
-            v = out[arm][f"vs_{other}"] = versus(data[arm], data[other], _rng(arm, other))
-            tests += [v["accuracy"], v["parseable"]]
-    for t, p in zip(tests, holm([t["p"] for t in tests]), strict=True):
-        t["p_holm"] = p
-    return out
-
-
-def _ci(x: float, ci: list[float], signed: bool = False) -> str:
-    if math.isnan(x):
-        return "—"
-    f = "{:+.3f}" if signed else "{:.3f}"
-    return f"{f.format(x)} ({f.format(ci[0])} to {f.format(ci[1])})"
-
-
-def table_lines(arms: dict[str, dict], heldout: dict) -> list[str]:
-    """The table of ``compare_methods.md`` and the text that says what it holds."""
-    h, t = heldout["heldout"], heldout["tuning"]
-    tests = sum(2 for row in arms.values() for k in row if k.startswith("vs_"))
-    lines = [
-        f"Task: `configs/{heldout.get('config', CONFIG)}.yaml` (every arm). "
-        f"Held-out: {h['kept']} basic_arithmetic prompts, reasoning-gym seed {h['seed']}: the first {h['kept']} "
-        f"distinct questions of its first {h['drawn']} items that are neither among the "
-        f"{heldout['training_distinct']} distinct questions of the whole training pool "
-        f"({heldout['training_questions']} items) nor in the tuning split; dropped: {h['duplicates']} repeats, "
-        f"{h['excluded'].get('training', 0)} training questions, {h['excluded'].get('tuning', 0)} tuning questions. "
-        f"Tuning split: {t['kept']} prompts, seed {t['seed']}, the first of its first {t['drawn']} items outside the "
-        f"training pool; dropped: {t['duplicates']} repeats, {t['excluded'].get('training', 0)} training questions. "
-        "The tool checks the three disjoint.", "",
-        "| arm | seeds | accuracy (95% CI) | parseable (95% CI) | accuracy among parseable (95% CI) "
-        "| accuracy − base (95% CI) | p (Holm) | parseable − base (95% CI) | p (Holm) "
-        "| among parseable − base (95% CI) | accuracy by seed | wall time per run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, row in arms.items():
-        vs = row.get("vs_base")
-        cells = ["—"] * 5
-        if vs:
-            a, p, r = vs["accuracy"], vs["parseable"], vs["accuracy_parseable"]
-            cells = [_ci(a["diff"], a["ci"], True), f"{a['p_holm']:.2g}", _ci(p["diff"], p["ci"], True),
-                     f"{p['p_holm']:.2g}", _ci(r["diff"], r["ci"], True)]
-        wall = f"{row['wall_seconds'] / 60:.0f} min" if row.get("wall_seconds") else "—"
-        by_seed = ", ".join(f"{x:.3f}" for x in row["accuracy_by_seed"])
-        lines.append(f"| {name} | {row['seeds']} | {_ci(row['accuracy'], row['accuracy_ci'])} "
-                     f"| {_ci(row['parseable'], row['parseable_ci'])} "
-                     f"| {_ci(row['accuracy_parseable'], row['accuracy_parseable_ci'])} | {' | '.join(cells)} "
-                     f"| {by_seed} | {wall} |")
-    lines += ["", "Parseable: the response has a final answer the arithmetic reward reads (a last \\boxed{} number, "
-              "'= number <eoe>' or a trailing '= number'); accuracy among parseable: correct answers over parseable "
-              "ones, pooled over seeds. Intervals: 95% percentile bootstrap over the held-out prompts (10,000 "
-              "resamples; a prompt's seeds resampled together), not adjusted for multiplicity. p: exact paired "
-              "test against base of accuracy and of parseable rate, McNemar's for one seed and, for several, the "
-              "exact sign-flip test of the seed-averaged per-prompt differences (McNemar's generalised), "
-              f"Holm-Bonferroni-adjusted over the {tests} tests of this page (RARO − GRPO's included)."]
-    if "vs_grpo" in arms.get("raro", {}):
-        v = arms["raro"]["vs_grpo"]["accuracy"]
-        lines += ["", f"RARO − GRPO accuracy on the same prompts: {_ci(v['diff'], v['ci'], True)}, "
-                      f"p {v['p']:.2g} (Holm {v['p_holm']:.2g})."]
-    return lines
+def table(results: Path, state: dict, paired_seeds: bool = False, pairs: list[tuple[str, str]] | None = None,
+          order: tuple[str, ...] = ORDER) -> dict[str, dict]:
+    """``compare_methods_table.table`` with this tool's arms first, in their order."""
+    return _table(results, state, paired_seeds, pairs, order)
 
 
 def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
-    """Held-out accuracy per step of each trained arm, the mean over its seeds at the steps all of them
-    have, and the held-out prompt count per step (for the figure's intervals)."""
+    """Held-out strict accuracy (every held-out prompt, as the trainer validates) per step of each trained
+    arm, the mean over its seeds at the steps all of them have, and the held-out prompt count per step (for
+    the figure's intervals)."""
     curves = {}
     for arm in arms:
         if arm == "base":
@@ -465,9 +451,10 @@ def curves_of(state: dict, arms: dict[str, dict]) -> tuple[dict, dict]:
         per_seed = [e["curve"] for e in state["runs"].values() if e["arm"] == arm]
         steps = set.intersection(*(set(c) for c in per_seed))
         curves[arm] = {int(s): float(np.mean([c[s] for c in per_seed])) for s in steps}
-        if "base" in arms and not ARMS[arm].start_from:
-            curves[arm].setdefault(0, arms["base"]["accuracy"])  # every such arm starts from the base model
-    prompts = {arm: {s: next(iter(arms.values()))["prompts"] for s in c} for arm, c in curves.items()}
+        if "base" in arms and arm in ARMS and not ARMS[arm].start_from:
+            curves[arm].setdefault(0, arms["base"]["all_prompts"]["strict"])  # these arms start from base
+    held = state["heldout"]["heldout"]["kept"]  # the trainer validates on every held-out prompt
+    prompts = {arm: {s: held for s in c} for arm, c in curves.items()}
     return {k: dict(sorted(v.items())) for k, v in curves.items()}, prompts
 
 
@@ -476,7 +463,8 @@ def publish(results: Path, runs: Path, state: dict, rerank: dict | None, budget:
     (``show``: print the table too)."""
     arms = table(results, state)
     curves, prompts = curves_of(state, arms)
-    critic = {}
+    critic = state.get("raro_critic") or {}  # kept when the run folders are gone (a recomputation)
+    rerank = rerank or state.get("rerank")
     raro = sorted(e["seed"] for e in state["runs"].values() if e["arm"] == "raro")
     if raro and (run_folder(runs, "raro", raro[0]) / "metrics.jsonl").exists():
         critic = critic_curves(run_folder(runs, "raro", raro[0]))
@@ -580,6 +568,39 @@ def rerank_arm(runs: Path, folder: Path, steps: int, n_prompts: int, n: int, val
             "critic@n": s["rerank_accuracy"], "wall_seconds": summary.get("wall_seconds")}
 
 
+def forced_by(config: str, overrides: list[str]):
+    """``record_run``'s ``forced``: base's dump decoded by the configured model, a run's by the weights of the
+    dump's step (its final checkpoint)."""
+    cfg = load_config(config, overrides)
+
+    def forced(arm: str, dump: Path) -> list[str]:
+        step = int(dump.stem.rsplit("_", 1)[1])
+        model = cfg.model.path if arm == "base" else str(hf_export(dump.parent.parent, step))
+        return forced_continuations(model, dump, cfg.rollout.max_model_len)
+
+    return forced
+
+
+def recompute(results: Path, runs: Path, config: str, overrides: list[str], budget: str) -> None:
+    """Rewrite ``results``' tables from its committed per-prompt files alone: the held-out questions are
+    theirs (checked against the recorded fingerprint), the training pool is ``config``'s (checked against a
+    recorded pool fingerprint, when there is one), and operand-level disjointness is computed anew."""
+    path = results / "compare_methods.json"
+    state = json.loads(path.read_text())
+    questions = [r["question"] for r in read_jsonl(results / next(iter(state["runs"].values()))["file"])]
+    if fingerprint(questions) != state["heldout"]["fingerprint"]:
+        raise SystemExit(f"{results}: the per-prompt files' questions are not the recorded held-out set")
+    if state["heldout"].get("config", config) != config:
+        raise SystemExit(f"{path} was run with --config {state['heldout']['config']}, not {config}")
+    training, solutions = training_pool(load_config(config, overrides))
+    old = state["heldout"].get("operands", {})
+    ops = operand_overlap(questions, training, solutions, old.get("drawn_by", "by their text"))
+    if old.get("training_fingerprint") not in (None, ops["training_fingerprint"]):
+        raise SystemExit(f"{path} was trained on another training pool than {config}'s")
+    state["heldout"]["operands"] = ops
+    publish(results, runs, state, None, budget, show=True)
+
+
 def plan(arms: list[str], seeds: int, arm_seeds: dict[str, int]) -> list[tuple[str, int]]:
     """The runs in order, (arm, seed): seed after seed, the arms in ``ORDER`` within a seed (base is no run)."""
     count = {arm: arm_seeds.get(arm, seeds) for arm in arms}
@@ -622,6 +643,10 @@ def main() -> None:
                     help="tune instead: train this variant, score it on the tuning split (repeatable)")
     ap.add_argument("--tune-prompts", type=int, default=100, help="prompts of the tuning split")
     ap.add_argument("--tune-seed", type=int, default=TUNE_SEED, help="the tuning split's reasoning-gym seed")
+    ap.add_argument("--no-forced-format", action="store_true", help="skip forced-format decoding of each "
+                    "finished run (tools/forced_format.py: a vLLM engine on its final weights)")
+    ap.add_argument("--recompute", action="store_true", help="rewrite the tables under --results from their "
+                    "committed per-prompt files and the training pool of --config; no run")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every arm (e.g. model.path=...)")
     a = ap.parse_args()
     if a.heldout < 2:
@@ -634,6 +659,11 @@ def main() -> None:
         if not n.isdigit() or int(n) < 1:
             ap.error(f"--arm-seeds {spec!r}: expected ARM=N with N >= 1")
         arm_seeds[arm] = int(n)
+    n = load_config(a.config, a.overrides).rollout.n
+    budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
+              f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
+    if a.recompute:
+        return recompute(a.results, a.runs, a.config, a.overrides, budget)
     try:
         splits = prepare_splits(a.runs / "data", a.heldout, a.tune_prompts, a.heldout_seed, a.tune_seed, a.overrides,
                                 a.config)
@@ -646,9 +676,7 @@ def main() -> None:
     wanted = [x for x in a.arms.split(",") if x]
     check_arms(wanted, arm_seeds, state)
     heldout = splits["heldout"]
-    n = load_config(a.config, a.overrides).rollout.n
-    budget = (f"{a.steps} steps x {a.prompts} training prompts (GRPO and RARO: {n} samples each, RARO's critic "
-              f"judging them too; SFT: one demonstration each); held-out: {a.heldout} prompts, greedy")
+    forced = None if a.no_forced_format else forced_by(a.config, a.overrides)
     runs = plan(wanted, a.seeds, arm_seeds)
     first = min((s for arm, s in runs if arm == "grpo"), default=0)
     for name, seed in runs:
@@ -661,7 +689,7 @@ def main() -> None:
         cmd = arm_command(name, seed, a.runs, a.steps, a.prompts, heldout["file"], a.overrides,
                           validate_base=name == "grpo" and seed == first, config=a.config)
         wall = run_arm(f"{name} seed {seed}", cmd, folder, a.steps)
-        record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"])
+        record_run(a.results, state, name, seed, folder, a.steps, wall, cmd, heldout["questions"], forced)
         publish(a.results, a.runs, state, None, budget)
     raro = sorted(s for arm, s in runs if arm == "raro")
     rerank = rerank_arm(a.runs, run_folder(a.runs, "raro", raro[0]), a.steps, min(a.rerank_prompts, a.heldout),

@@ -7,14 +7,17 @@ far seeds. The splits are therefore made disjoint by their text, not by their se
 a generator's items in order and keeps the first ``want`` whose question is new (duplicates dropped) and
 in none of the excluded sets (the whole training pool; for the held-out set also the tuning split), and
 ``check_splits`` verifies the result, raising ``SplitError`` on any shared or repeated question. Questions
-are compared as the model reads them (the user message), whitespace-normalised.
+are compared by a ``key``: by default their text as the model reads it (the user message),
+whitespace-normalised; ``tools/compare_methods.py`` passes their operation (commuted forms equal) and adds
+the training demonstrations' sub-steps to the training set.
 
 **Per-prompt rows.** ``prompt_rows`` turns a run's ``rollouts/val_step_N.jsonl`` (one greedy sample per
 held-out prompt, scored by the task's reward) into rows of id, question, gold answer, response, the final
 answer the arithmetic reward parses from it (``megareason.rewards.arithmetic.final_answer``; None: no
 final answer), ``parseable`` and ``correct``.
 
-**Statistics** (outcomes as arrays ``[S, P]``: S seeds of an arm by P held-out prompts). Accuracy,
+**Statistics used by the tuning list** (the comparison's tables use ``compare_methods_measures.py``;
+outcomes as arrays ``[S, P]``: S seeds of an arm by P held-out prompts). Accuracy,
 parseable-answer rate and accuracy among parseable answers, each with a 95% percentile bootstrap interval
 that resamples prompts (a prompt's seeds together); paired differences against another arm on the same
 prompts, with a bootstrap interval and an exact test (``paired_exact_p``: McNemar's exact test for one
@@ -69,14 +72,15 @@ class Split:
                 "excluded": dict(self.excluded)}
 
 
-def select_split(candidates: list[PromptRecord], want: int, exclude: dict[str, set[str]]) -> Split | None:
+def select_split(candidates: list[PromptRecord], want: int, exclude: dict[str, set], key=question_key) -> Split | None:
     """The first ``want`` candidates, in order, whose question is not an earlier kept one's and in no set of
-    ``exclude`` ({name: question keys}; a question in several counts for the first); None when fewer."""
+    ``exclude`` ({name: keys}; a question in several counts for the first); None when fewer. ``key``: what
+    makes two questions the same (default: their whitespace-normalised text)."""
     kept, seen = [], set()
     dropped = {name: 0 for name in exclude}
     duplicates = 0
     for drawn, rec in enumerate(candidates, start=1):
-        k = question_key(question_of(rec))
+        k = key(question_of(rec))
         if k in seen:
             duplicates += 1
             continue
@@ -91,14 +95,14 @@ def select_split(candidates: list[PromptRecord], want: int, exclude: dict[str, s
     return None
 
 
-def draw_split(source: DataSourceConfig, want: int, exclude: dict[str, set[str]]) -> Split:
+def draw_split(source: DataSourceConfig, want: int, exclude: dict[str, set], key=question_key) -> Split:
     """``select_split`` over a reasoning-gym source's items from its seed, drawing more until ``want`` are
     kept (the generator's first items do not depend on how many are drawn, so the split does not either)."""
     if source.kind != "reasoning_gym":
         raise ValueError(f"the held-out and tuning splits are drawn from a reasoning_gym source, not {source.kind}")
     size = want
     while True:
-        split = select_split(load_reasoning_gym(replace(source, size=size)), want, exclude)
+        split = select_split(load_reasoning_gym(replace(source, size=size)), want, exclude, key)
         if split is not None:
             return split
         if size >= MAX_DRAW * want:
@@ -107,13 +111,15 @@ def draw_split(source: DataSourceConfig, want: int, exclude: dict[str, set[str]]
         size *= 2
 
 
-def check_splits(training: list[str], **evaluated: list[str]) -> None:
+def check_splits(training: list[str], key=question_key, training_keys: frozenset = frozenset(),
+                 **evaluated: list[str]) -> None:
     """Raise ``SplitError`` unless every evaluated split (name: its questions) repeats no question and no two
-    of the splits and the training questions share one."""
+    of the splits and the training questions (and ``training_keys``, e.g. its demonstrations' sub-steps)
+    share one, questions compared by ``key``."""
     problems = []
-    keys = {"training": {question_key(q) for q in training}}
+    keys = {"training": {key(q) for q in training} | set(training_keys)}
     for name, questions in evaluated.items():
-        ks = [question_key(q) for q in questions]
+        ks = [key(q) for q in questions]
         if len(set(ks)) != len(ks):
             repeated = sorted({k for k in ks if ks.count(k) > 1})
             problems.append(f"{name} repeats {len(repeated)} question(s), e.g. {repeated[:3]}")
