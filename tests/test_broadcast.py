@@ -6,6 +6,7 @@ worker receives every tensor bit for bit, and a worker that dies mid-update make
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 from types import SimpleNamespace
 
 import pytest
@@ -122,7 +123,10 @@ def _rank(inboxes, outbox, layout, bucket_bytes, die_at_update):
     recorder = _Recorder()
     box = inboxes[rank - 1]
     while True:
-        method, args = box.get(timeout=60)
+        try:
+            method, args = box.get(timeout=30)
+        except queue.Empty:  # the sender stopped sending (it raised): this engine is left idle
+            return "idle"
         try:
             if method == "init":
                 worker.init_transfer_engine(worker.parse_init_info(args[0]))
@@ -170,4 +174,6 @@ def test_a_worker_that_dies_mid_update_makes_the_sender_raise():
     sender, *workers = run_workers(4, _rank, inboxes, outbox, layout, 600, 3, timeout=90)
     assert isinstance(sender, str) and sender.startswith("raised: "), sender
     assert workers[2] == "gone"
-    assert all(isinstance(w, str) and w.startswith("raised: ") for w in workers[:2]), workers[:2]
+    # The surviving engine's ranks got the bucket (gloo's root sent it to them before failing at rank 3) or
+    # failed in the same collective; either way nothing waits for them.
+    assert all(w == "idle" or (isinstance(w, str) and w.startswith("raised: ")) for w in workers[:2]), workers[:2]

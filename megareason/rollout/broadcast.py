@@ -12,20 +12,21 @@ its end of the group (both block in the same rendezvous), and ``send_weights`` r
 ``update_weights`` on a side thread while the sender broadcasts (both meet in the same collectives). Two
 differences: each engine gets its own rank offset (vLLM's workers compute theirs from the data-parallel index
 of ONE deployment, ``nccl_common.worker_init_process_group``, so separate ``LLM``s would all claim ranks 1 ..
-TP), and the bucket plan (every tensor's byte offset in its bucket) travels in the update info, so the
-workers never recompute it.
+TP), and each bucket is one chunk whose update info is its specs (name, dtype, shape, byte offset per
+tensor), as for the tmpfs bucket: the buckets follow the order the trainer's gather yields the tensors,
+which need not be the order of the weight map's shapes.
 
-Backends: on GPU, vLLM's own ``nccl`` worker engine (PyNccl over a ``StatelessProcessGroup``) with the
-trainer side ``NcclTrainer`` below; on CPU (and wherever ``megareason_broadcast`` is named), a gloo group
-built on the project's rendezvous store (``ports.rendezvous_store``). ``rollout.weight_transfer`` picks the
+The group: on GPU vLLM's own weight-transfer communicator (``NcclGroup``: PyNccl over a
+``StatelessProcessGroup``, as ``nccl_common.py`` builds it); on CPU a gloo group on the project's rendezvous
+store (``GlooGroup``). Everything else is the same code on both. ``rollout.weight_transfer`` picks the
 backend (``auto``: the tmpfs bucket of ``rollout.transfer`` when every engine shares the trainer's node, this
 module otherwise).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -93,14 +94,33 @@ def _numel(shape) -> int:
     return n
 
 
+@dataclass
+class Listening:
+    """Rank 0's end of a group before the others join: where it listens, and ``join()``, which blocks until
+    every rank has joined and returns the group."""
+
+    port: int
+    join: Callable[[], object]
+
+
 class GlooGroup:
-    """A gloo process group of its own (not torch.distributed's default group, which the trainer and each vLLM
-    engine already use) on a TCP store: rank 0 hosts the store, the others connect to ``host:port``."""
+    """CPU: a gloo process group of its own (not torch.distributed's default group, which the trainer and each
+    vLLM engine already use) on a TCP store: rank 0 hosts the store, the others connect to ``host:port``."""
+
+    device = "cpu"
 
     def __init__(self, store, rank: int, world: int, timeout_s: float):
         self.rank, self.world = rank, world
         self.pg = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(_PREFIX, store), rank, world,
                                                      timedelta(seconds=timeout_s))
+
+    @classmethod
+    def open(cls, host: str, world: int, timeout_s: float) -> Listening:
+        """Rank 0: the store on a port of the run's block (``ports.rendezvous_store``)."""
+        from megareason.ports import rendezvous_store
+
+        store = rendezvous_store(host, world, timedelta(seconds=timeout_s))
+        return Listening(store.port, lambda: cls(store, 0, world, timeout_s))
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, timeout_s: float) -> GlooGroup:
@@ -111,6 +131,60 @@ class GlooGroup:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         self.pg.broadcast([buf], opts).wait()
+
+
+class NcclGroup:
+    """GPU: vLLM's own communicator for weight transfer, as its NCCL backend builds it
+    (``nccl_common.stateless_init_process_group``): a ``StatelessProcessGroup`` (a TCP store, rank 0 its
+    server) and a ``PyNcclCommunicator`` on this process's device, created under ``unpinned_nccl_env`` (the
+    NCCL settings vLLM pins for its own groups must not leak into one shared with the trainer). Rank 0 listens
+    on a socket the run's port block bound first (``StatelessProcessGroup.create(listen_socket=...)``). The
+    broadcast runs on the current stream and is waited for, so a bucket may be reused as soon as it returns.
+    Not run on these GPU-less machines."""
+
+    device = "cuda"
+
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, listen_socket=None):
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        from vllm.utils.nccl import unpinned_nccl_env
+
+        pg = StatelessProcessGroup.create(host, port, rank, world, store_timeout=int(timeout_s),
+                                          listen_socket=listen_socket)
+        with unpinned_nccl_env():
+            self.comm = PyNcclCommunicator(pg, device=torch.accelerator.current_device_index())
+
+    @classmethod
+    def open(cls, host: str, world: int, timeout_s: float) -> Listening:
+        import socket
+
+        from megareason.ports import RENDEZVOUS, bind_first, block_base
+
+        def listen(port: int) -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            s.listen()
+            return s
+
+        base = block_base()
+        sock = bind_first(listen, range(base, base + RENDEZVOUS), f"weight broadcast rendezvous on {host}")
+        port = sock.getsockname()[1]
+        return Listening(port, lambda: cls(host, port, 0, world, timeout_s, listen_socket=sock))
+
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, world: int, timeout_s: float) -> NcclGroup:
+        return cls(host, port, rank, world, timeout_s)
+
+    def broadcast(self, buf: torch.Tensor) -> None:
+        stream = torch.cuda.current_stream()
+        self.comm.broadcast(buf, src=0, stream=stream)
+        stream.synchronize()
+
+
+def group_class():
+    """The group this machine's engines and trainer meet in: NCCL where there is CUDA, gloo elsewhere."""
+    return NcclGroup if torch.cuda.is_available() else GlooGroup
 
 
 # ---- worker side (inside each vLLM worker process) ----------------------------------------------------------
@@ -128,9 +202,9 @@ class BroadcastInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class BroadcastUpdateInfo(WeightTransferUpdateInfo):
-    """One whole update: the buckets the sender will broadcast, in order (``plan_buckets``)."""
+    """One chunk: the bucket the sender broadcasts next, (name, dtype, shape, byte offset) per tensor."""
 
-    buckets: list
+    specs: list
 
 
 class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
@@ -144,8 +218,8 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         p = self.parallel_config
         rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
-        self.group = GlooGroup.join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                    init_info.timeout_s)
+        self.group = group_class().join(init_info.master_address, init_info.master_port, rank,
+                                        init_info.world_size, init_info.timeout_s)
         self._reload: _Reload | None = None
 
     def start_weight_update(self) -> None:
@@ -159,14 +233,13 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
-        for specs in update_info.buckets:
-            specs = [tuple(s) for s in specs]
-            # A fresh buffer per bucket: vLLM may keep views of it until their layer is complete.
-            buf = torch.empty(bucket_size(specs), dtype=torch.uint8)
-            self.group.broadcast(buf)
-            names, views = unpack(buf, specs)
-            self._reload.check(names, views)
-            self._reload.load(names, views)
+        specs = [tuple(s) for s in update_info.specs]
+        # A fresh buffer per bucket: vLLM may keep views of it until their layer is complete.
+        buf = torch.empty(bucket_size(specs), dtype=torch.uint8, device=self.group.device)
+        self.group.broadcast(buf)
+        names, views = unpack(buf, specs)
+        self._reload.check(names, views)
+        self._reload.load(names, views)
 
     def finish_weight_update(self) -> None:
         reload, self._reload = self._reload, None
@@ -208,19 +281,17 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
 
     @classmethod
     def trainer_init(cls, init_info: BroadcastTrainerInitInfo, *, client, source=None):
-        from megareason.ports import rendezvous_store
-
         engine = cls(client=client, source=source, is_sender=init_info.rank == 0)
         engine.bucket_bytes, engine.dtype, engine.group = init_info.bucket_bytes, source.dtype, None
         if not engine.is_sender:
             return engine
         world = 1 + sum(init_info.engine_sizes)
-        store = rendezvous_store(init_info.host, world, timedelta(seconds=init_info.timeout_s))
-        payloads = [asdict(BroadcastInitInfo(init_info.host, store.port, offset, world, init_info.timeout_s))
+        listening = group_class().open(init_info.host, world, init_info.timeout_s)
+        payloads = [asdict(BroadcastInitInfo(init_info.host, listening.port, offset, world, init_info.timeout_s))
                     for offset in engine_offsets(init_info.engine_sizes)]
         with ThreadPoolExecutor(max_workers=1) as exe:  # the workers block in the rendezvous, as does the sender
             future = exe.submit(client.init_each, payloads)
-            engine.group = GlooGroup(store, 0, world, init_info.timeout_s)
+            engine.group = listening.join()
             future.result()
         return engine
 
@@ -230,114 +301,50 @@ class BroadcastTrainerWeightTransferEngine(TrainerWeightTransferEngine[Broadcast
             for _ in self.source:
                 pass
             return WeightUpdate(0, 0, 0, time.perf_counter() - start, 0.0)
-        meta = [(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
-        plan = plan_buckets(meta, self.bucket_bytes)
-        waited = self.client.seconds
+        waited, sizes = self.client.seconds, []
         self.client.start_weight_update()
         exe = ThreadPoolExecutor(max_workers=1)
         try:
-            future = exe.submit(self.client.update_weights, {"buckets": plan})
-            sizes = self._broadcast(plan, meta, future)
-            future.result()  # the engines' own errors (a tensor the served model refuses, ...)
+            for specs, buf in self._buckets():
+                # The engines' update_weights (they receive) runs beside the broadcast: both meet in it.
+                future = exe.submit(self.client.update_weights, {"specs": specs})
+                self.group.broadcast(buf)
+                future.result()  # the engines' own errors (a tensor the served model refuses, ...)
+                sizes.append(buf.numel())
         except BaseException:
-            # Never join the RPC thread after a failed broadcast: the workers are blocked in the matching
-            # collective until its timeout (vLLM's NCCL trainer does the same).
+            # No finish_weight_update and no join: after a failed broadcast the engines are blocked in the
+            # matching collective until it fails there too (their sockets, or TIMEOUT_S), and a call queued
+            # behind it would hang; the group is unusable and the run stops (vLLM's NCCL trainer does the same).
             exe.shutdown(wait=False)
-            with contextlib.suppress(Exception):
-                self.client.finish_weight_update()
             raise
         exe.shutdown(wait=False)
         self.client.finish_weight_update(weight_version)
         return WeightUpdate(bytes=sum(sizes), buckets=len(sizes), largest_bucket=max(sizes, default=0),
                             seconds=time.perf_counter() - start, vllm_seconds=self.client.seconds - waited)
 
-    def _broadcast(self, plan: list[list[Spec]], meta, future) -> list[int]:
-        """Fill each bucket from the source, in the plan's order, and broadcast it when full."""
-        pairs = iter(self.source)
-        sizes, k = [], 0
-        for specs in plan:
-            if future.done():  # the engines gave up before the bucket's collective: say why, do not hang in it
-                future.result()
-            buf = torch.empty(bucket_size(specs), dtype=torch.uint8)
-            for name, dtype, shape, offset in specs:
-                got_name, tensor = next(pairs, (None, None))
-                if got_name != name or tuple(tensor.shape) != tuple(shape):
-                    raise ValueError(f"weight sync: the trainer's tensor {k} is {got_name!r} "
-                                     f"{None if tensor is None else tuple(tensor.shape)}, the announced plan "
-                                     f"says {name!r} {tuple(shape)}")
-                dt = getattr(torch, dtype)
-                buf[offset:offset + tensor.numel() * dt.itemsize].view(dt).view(tensor.shape).copy_(tensor)
-                k += 1
-            self.group.broadcast(buf)
-            sizes.append(buf.numel())
-        extra = next(pairs, None)
-        if extra is not None:
-            raise ValueError(f"weight sync: the trainer yielded {extra[0]!r} after the {len(meta)} tensors announced")
-        return sizes
+    def _buckets(self):
+        """(specs, filled uint8 buffer) per bucket, in the order the source yields the tensors (each in the
+        engines' dtype); a bucket is full at ``bucket_bytes`` (a larger tensor gets one of its own)."""
+        pending: list[tuple[str, torch.Tensor]] = []
+        used = 0
+        for name, tensor in self.source:
+            n = tensor.numel() * self.dtype.itemsize
+            if pending and used + n > self.bucket_bytes:
+                yield self._fill(pending)
+                pending, used = [], 0
+            pending.append((name, tensor))
+            used += n
+        if pending:
+            yield self._fill(pending)
+
+    def _fill(self, pending: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
+        specs = plan_buckets([(n, self.dtype, tuple(t.shape)) for n, t in pending], bucket_bytes=1 << 62)[0]
+        buf = torch.empty(bucket_size(specs), dtype=torch.uint8, device=self.group.device)
+        for spec, (_, tensor) in zip(specs, pending, strict=True):
+            offset = spec[3]
+            buf[offset:offset + tensor.numel() * self.dtype.itemsize].view(self.dtype).view(tensor.shape).copy_(tensor)
+        return [list(s) for s in specs], buf
 
     def shutdown(self) -> None:
         self.group = None
 
-
-class NcclTrainer:
-    """GPU: vLLM's own dense NCCL backend (``nccl_engine.NCCLTrainerWeightTransferEngine``, its workers'
-    ``NCCLWeightTransferEngine``) with one init payload per engine. vLLM's ``trainer_init`` sends every worker
-    the same ``rank_offset`` 1 (``nccl_engine.py``, "Workers sit at rank_offset 1"), and its workers add their
-    data-parallel index x world + rank (``nccl_common.worker_init_process_group``), which is 0 .. TP - 1 in
-    every separate ``LLM``: engines at offsets ``engine_offsets`` instead. The sender's end is vLLM's
-    (``StatelessProcessGroup`` + ``PyNcclCommunicator`` under ``unpinned_nccl_env``, ``nccl_common.
-    stateless_init_process_group``) on a socket the project's port block bound first; the broadcast, packed
-    into double buffers on side streams, is vLLM's ``send_weights``. Not run on these GPU-less machines."""
-
-    def __init__(self, engine, seconds_of):
-        self.engine, self.seconds_of = engine, seconds_of
-
-    @classmethod
-    def trainer_init(cls, init_info: BroadcastTrainerInitInfo, *, client, source):
-        import socket
-
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-        from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerWeightTransferEngine,
-            NCCLWeightTransferInitInfo,
-        )
-        from vllm.utils.nccl import unpinned_nccl_env
-
-        from megareason.ports import RENDEZVOUS, bind_first, block_base
-
-        engine = NCCLTrainerWeightTransferEngine(client=client, source=source, is_sender=init_info.rank == 0)
-        if not engine.is_sender:
-            return cls(engine, None)
-        world = 1 + sum(init_info.engine_sizes)
-
-        def listen(port: int) -> socket.socket:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((init_info.host, port))
-            s.listen()
-            return s
-
-        base = block_base()
-        sock = bind_first(listen, range(base, base + RENDEZVOUS), f"weight broadcast rendezvous on {init_info.host}")
-        port = sock.getsockname()[1]
-        payloads = [worker_init_payload(NCCLWeightTransferInitInfo(
-            master_address=init_info.host, master_port=port, rank_offset=offset, world_size=world, packed=True))
-            for offset in engine_offsets(init_info.engine_sizes)]
-        with ThreadPoolExecutor(max_workers=1) as exe:
-            future = exe.submit(client.init_each, payloads)
-            group = StatelessProcessGroup.create(init_info.host, port, 0, world, listen_socket=sock)
-            with unpinned_nccl_env():
-                engine.model_update_group = PyNcclCommunicator(group, device=torch.accelerator.current_device_index())
-            future.result()
-        return cls(engine, client)
-
-    def send_weights(self, weight_version: str | None = None) -> WeightUpdate:
-        start = time.perf_counter()
-        waited = self.seconds_of.seconds if self.seconds_of else 0.0
-        self.engine.send_weights()
-        meta = self.engine.source.metadata() if self.engine.is_sender else []
-        size = sum(_numel(m.shape) * m.dtype.itemsize for m in meta)
-        return WeightUpdate(bytes=size, buckets=1 if size else 0, largest_bucket=size,
-                            seconds=time.perf_counter() - start,
-                            vllm_seconds=(self.seconds_of.seconds - waited) if self.seconds_of else 0.0)

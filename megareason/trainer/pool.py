@@ -283,8 +283,6 @@ class RemoteEngines:
             rank=0, host=ray.util.get_node_ip_address(),
             engine_sizes=[tp] * (len(self.workers) // tp), bucket_bytes=bucket_bytes,
             timeout_s=broadcast.TIMEOUT_S)
-        if torch_cuda_available():
-            return broadcast.NcclTrainer.trainer_init(info, client=client, source=source)
         return broadcast.BroadcastTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
 
 
@@ -292,15 +290,7 @@ def worker_backend(cfg: Config) -> str:
     """The backend each separate engine's vLLM workers build (``LLM(weight_transfer_config=...)``)."""
     from megareason.rollout.vllm_worker import BROADCAST_BACKEND, SHM_BACKEND
 
-    if cfg.rollout.weight_transfer == "shm":
-        return SHM_BACKEND
-    return "nccl" if torch_cuda_available() else BROADCAST_BACKEND
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    return SHM_BACKEND if cfg.rollout.weight_transfer == "shm" else BROADCAST_BACKEND
 
 
 def _engine_cores(cores: list[int], i: int, per: int) -> list[int]:
