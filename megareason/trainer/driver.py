@@ -141,6 +141,8 @@ class Driver:
         t = self.cfg.trainer
         self.state = TrainerState()
         changed = self.run.check_resume(self.cfg)  # before anything is loaded or config.json is written
+        for partial in self.run.remove_partial_checkpoints():  # the run lock is held (loop.train, sft)
+            log.warning("removed %s: a checkpoint whose save was killed before it was committed", partial)
         latest = self.run.latest() if t.resume_mode != "disable" else None
         if changed:
             log.warning("resuming with a config that differs from the run's (trainer.resume_mode=force):\n  %s",
