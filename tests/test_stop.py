@@ -136,3 +136,95 @@ def test_sigterm_to_the_job_script_requeues_at_the_time_limit_and_not_after_scan
         assert out.index("scontrol requeue 41") < out.index("Ray stopped")
     if state == "CANCELLED":
         assert "the job was cancelled (JobState=CANCELLED): not requeued" in out
+
+
+def _pieces_worker(model_dir: str, tokens, mask):
+    """At DP 2 and at PP 2: a training pass and a log-prob pass cut into pieces with stop checks that
+    never stop, against one schedule call over all micro-batches; then a stop that only rank 1 sees, at its
+    third check, against the same pass. The data-parallel layout gives the replicas 5 and 3 micro-batches."""
+    import torch
+
+    from megareason.config.schema import Config
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.parallel import init_parallel
+    from megareason.models.schedule import agreed_stop, forward_backward, forward_outputs
+    from megareason.models.train import TrainBatch, wrap_for_training
+    from megareason.rollout.records import PassStopped
+    from megareason.settings import optimizer_settings
+
+    def nll(logp_BT, entropy_BT, batch):
+        m = batch.loss_mask_BT
+        return -(logp_BT * m).sum(), m.sum(), {"entropy_sum": (entropy_BT * m).sum()}
+
+    out = {}
+    for tp, pp in ((1, 1), (1, 2)):
+        layout = init_parallel(tp, pp)
+        ckpt = HFCheckpoint(model_dir)
+        model = build_gpt(ckpt.arch)
+        load_hf_weights(model, ckpt)
+        ddp, _ = wrap_for_training(model, optimizer_settings(Config(), 1e-3))
+        rows = (slice(0, 5), slice(5, 8))[layout.dp_rank] if layout.dp > 1 else slice(0, 8)
+        micro = [TrainBatch(t[None], m[None]) for t, m in zip(tokens[rows], mask[rows], strict=True)]
+        head = logprob_head(ckpt.arch.vocab_size)
+
+        def grads():
+            return {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+
+        whole = forward_backward(ddp, micro, head, nll)
+        whole_grads = grads()
+        asked = []
+        cut = forward_backward(ddp, micro, head, nll, agreed_stop(lambda: asked.append(1) or False))
+        same = whole == cut and all(torch.equal(g, whole_grads[n]) for n, g in grads().items())
+        logp = forward_outputs(ddp.module, micro, head, 2)
+        same_logp = all(torch.equal(a, b) for x, y in zip(logp, forward_outputs(ddp.module, micro, head, 2,
+                                                                                   agreed_stop(lambda: False)),
+                                                          strict=True) for a, b in zip(x, y, strict=True))
+        stopped = []
+        for run in (lambda s: forward_backward(ddp, micro, head, nll, s),
+                    lambda s: forward_outputs(ddp.module, micro, head, 2, s)):
+            seen = []
+
+            def local():
+                seen.append(1)
+                return torch.distributed.get_rank() == 1 and len(seen) >= 3  # only rank 1 sees the stop file, at its 3rd check
+
+            try:
+                run(agreed_stop(local))
+                stopped.append(None)
+            except PassStopped as e:
+                stopped.append(str(e))
+        out[(tp, pp)] = dict(same=same, same_logp=same_logp, checks=len(asked), stopped=stopped,
+                             dp_rank=layout.dp_rank, n=len(micro))
+    return out
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen2"])
+def test_a_pass_in_pieces_equals_one_schedule_call_and_every_rank_stops_at_the_same_piece(family, request):
+    """Cutting a pass into pieces with a stop check before each changes nothing (gradients, metrics and
+    log-probs bit-equal to one megatron-core schedule call, at DP 2 with unequal shares and at PP 2); a stop
+    seen by one rank only stops every rank before the same piece, none waits alone in a collective."""
+    import torch
+    from distributed import run_workers
+
+    from megareason.models.arch import ModelArch
+    from megareason.models.schedule import PIECES, PIECES_PIPELINED
+
+    vocab = ModelArch.from_pretrained(request.getfixturevalue(family)).vocab_size
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (8, 12), generator=g)
+    mask = torch.zeros(8, 12)
+    for i in range(8):
+        mask[i, 3 + i % 3: 12 - i % 4] = 1.0
+    per_rank = run_workers(2, _pieces_worker, str(request.getfixturevalue(family)), tokens, mask, timeout=300)
+    for layout, k in (((1, 1), PIECES), ((1, 2), PIECES_PIPELINED)):
+        ranks = [r[layout] for r in per_rank]
+        assert all(r["same"] and r["same_logp"] for r in ranks), layout
+        assert all(r["checks"] == k for r in ranks), layout  # every rank asks before each piece
+        # Rank 1's third check: both ranks stop before the third piece, after the first two pieces' micro-batches.
+        for r in ranks:
+            done = sum(len(range(r["n"])[r["n"] * i // k: r["n"] * (i + 1) // k]) for i in range(2))
+            assert r["stopped"] == [f"a training pass stopped after {done} of {r['n']} micro-batches: the run is "
+                                    "stopping", f"a log-prob pass stopped after {done} of {r['n']} micro-batches: "
+                                    "the run is stopping"], (layout, r)
+    assert sorted(r[(1, 1)]["n"] for r in per_rank) == [3, 5]

@@ -92,3 +92,9 @@ class RolloutEngine(Protocol):
 class GenerationStopped(RuntimeError):
     """A ``generate`` given up because the run is stopping (``VLLMEngine.should_stop``): every request was
     aborted, nothing of the call is returned."""
+
+
+class PassStopped(GenerationStopped):
+    """A log-prob or training pass given up between two pieces of its micro-batches because the run is
+    stopping (``models.schedule.forward_backward``), before the step's first optimizer step: the model is as
+    the step found it, and the step is dropped as a stopped generation is."""
