@@ -14,7 +14,7 @@ from test_weight_sync import MAX_TOKENS, QUESTIONS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config import ConfigError, load_config, validate_training
-from megareason.rollout.colocated import colocated_engine_args, rollout_layout
+from megareason.rollout.colocated import STOP_AGREE_STEPS, colocated_engine_args, rollout_layout
 
 
 def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field():

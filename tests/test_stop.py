@@ -228,3 +228,31 @@ def test_a_pass_in_pieces_equals_one_schedule_call_and_every_rank_stops_at_the_s
                                     "stopping", f"a log-prob pass stopped after {done} of {r['n']} micro-batches: "
                                     "the run is stopping"], (layout, r)
     assert sorted(r[(1, 1)]["n"] for r in per_rank) == [3, 5]
+
+
+@pytest.mark.parametrize(("config", "shape", "nodes"), [("raro_70b", "llama-3.1-70b", 8), ("grpo_qwen3_8b", "qwen3-8b", 1),
+                                                         ("grpo_qwen3_30b_a3b", "qwen3-30b-a3b", 4)])
+def test_a_sigterm_is_followed_by_a_checkpoint_within_the_longest_piece_that_cannot_stop_and_the_save(config, shape,
+                                                                                                     nodes):
+    """The bound ``megareason plan`` prints per recipe, from the plan's seconds per phase by hand: a log-prob
+    pass and the first optimizer step stop between pieces (8 at PP 1, 4 at PP > 1), what follows the first
+    optimizer step (here: the weight refit; these recipes make one update a step) does not, then the save."""
+    from megareason.config import load_config
+    from megareason.launch.plan import PlanOptions, plan_config
+    from megareason.launch.preemption import plan_lead, plan_stop_bound
+
+    cfg = load_config(config, [])
+    plan = plan_config(config, [], PlanOptions(nodes=nodes, gpus_per_node=8), shape)
+    alg = cfg.algorithm
+    assert (alg.ppo_epochs, alg.mini_batches, alg.name != "ppo") == (1, 1, True)
+    n = 4 if cfg.parallel.pipeline_model_parallel_size > 1 else 8
+    logprob_passes = 1 if alg.kl_coef > 0 else 0  # the reference's; on-policy: no old log-probs
+    bound = plan_stop_bound(plan, cfg)
+    s = plan.seconds
+    want = max(s["logprobs"] / max(logprob_passes, 1) / n, s["training"] / n, s["weight refit"], 0.5)
+    assert bound.longest[1] == pytest.approx(want)
+    assert bound.seconds == pytest.approx(want + plan_lead(plan, cfg).checkpoint_s)
+    # far less than what a stop after the step in progress needs: a whole step, then the save
+    assert bound.seconds < plan_lead(plan, cfg).step_s + plan_lead(plan, cfg).checkpoint_s
+    assert bound.line().startswith(f"a pre-emption's SIGTERM: a checkpoint within {bound.seconds:.0f} s, the longest "
+                                   f"piece that cannot stop ({bound.longest[0]}, ")
