@@ -370,7 +370,11 @@ megareason_slurm_run() {
     local waiter=$!
     while _mr_alive "$waiter"; do  # a Ray step that dies early fails the job now, not after the timeout
         for pid in "${MR_RAY_STEPS[@]}"; do
-            _mr_alive "$pid" || { kill "$waiter"; _mr_fail "a Ray node step exited during start-up (see above)"; }
+            if ! _mr_alive "$pid"; then
+                kill "$waiter"
+                _mr_requeue_without_failed_nodes
+                _mr_fail "a Ray node step exited during start-up (see above)"
+            fi
         done
         sleep 2
     done
@@ -395,11 +399,53 @@ megareason_slurm_run() {
 }
 
 # The driver exited with $1: on 75 (a checkpoint, then a stop) the job requeues first, since the teardown takes
-# minutes on a large job, past a pre-emption's grace time; then the EXIT trap tears Ray down.
+# minutes on a large job, past a pre-emption's grace time; on a failure, it requeues without the nodes that
+# failed, if any did; then the EXIT trap tears Ray down.
 _mr_driver_exited() {
     _mr_log "driver exited with $1"
     (( $1 == MEGAREASON_EXIT_STOPPED )) && _mr_requeue "the driver stopped after a checkpoint"
+    (( $1 != 0 && $1 != MR_EXIT_REFUSED )) && _mr_requeue_without_failed_nodes
     exit "$1"
+}
+
+# The job's nodes (MR_NODES) that are down or do not answer, comma-separated: Slurm's node state (DOWN, FAIL,
+# DRAIN, or a trailing * for a node whose slurmd stopped answering, which Slurm marks only after SlurmdTimeout),
+# or a one-task step on it that does not run `true` within MEGAREASON_NODE_PROBE_S (default 60) seconds.
+_mr_failed_nodes() {
+    local node
+    for node in $MR_NODES; do
+        (
+            state=$(scontrol show node "$node" 2>/dev/null | grep -oP 'State=\K\S+' | head -1)
+            if [[ -z $state || $state =~ DOWN|FAIL|DRAIN || $state == *'*' ]] ||
+                ! timeout "${MEGAREASON_NODE_PROBE_S:-60}" srun --overlap --nodes=1 --ntasks=1 -w "$node" true \
+                    >/dev/null 2>&1; then
+                echo "$node"
+            fi
+        ) &
+    done | sort | paste -sd, -
+    wait
+}
+
+# After a failure (the driver's, or a Ray step's): when nodes of the job failed (a dead node, a GPU whose
+# failure took its node step down), requeue the job with them added to its excluded nodes, and the requeued run
+# resumes from the latest checkpoint on other nodes. The job is held while its ExcNodeList changes (Slurm
+# changes it only on a pending job), then released. Without a failed node the failure stands (exit 1).
+_mr_requeue_without_failed_nodes() {
+    local failed excluded
+    failed=$(_mr_failed_nodes)
+    [[ -n $failed ]] || return 0
+    (( MR_REQUEUED )) && exit "$MEGAREASON_EXIT_STOPPED"
+    excluded=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'ExcNodeList=\K\S+' | head -1)
+    [[ $excluded == "(null)" ]] && excluded=
+    _mr_log "node(s) $failed down or not answering: requeueing job $SLURM_JOB_ID without them" \
+            "(ExcNodeList=${excluded:+$excluded,}$failed); the next run resumes from the latest checkpoint"
+    if scontrol requeuehold "$SLURM_JOB_ID"; then
+        MR_REQUEUED=1
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$failed" ||
+            _mr_log "warning: the failed node(s) could not be excluded; the requeued job may land on them again"
+        scontrol release "$SLURM_JOB_ID"
+    fi
+    exit "$MEGAREASON_EXIT_STOPPED"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" && ${1:-} == node ]]; then

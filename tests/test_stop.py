@@ -256,3 +256,36 @@ def test_a_sigterm_is_followed_by_a_checkpoint_within_the_longest_piece_that_can
     assert bound.seconds < plan_lead(plan, cfg).step_s + plan_lead(plan, cfg).checkpoint_s
     assert bound.line().startswith(f"a pre-emption's SIGTERM: a checkpoint within {bound.seconds:.0f} s, the longest "
                                    f"piece that cannot stop ({bound.longest[0]}, ")
+
+
+def test_a_failed_node_ends_in_a_requeue_that_excludes_it(tmp_path):
+    """The driver fails (exit 1) because node n2 died (Slurm already marks it not responding: IDLE*) and n3's
+    slurmd no longer runs steps (the probe step fails): the job is held, its ExcNodeList gets both (after the
+    user's own n9), released, and exits 75 before Ray's teardown. With every node healthy the failure stands."""
+    env = _fake_scontrol(tmp_path, "RUNNING")
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "scontrol").write_text(f"""#!/bin/bash
+echo "scontrol $*" >> {tmp_path}/calls
+case "$1 $2" in
+  "show node") [[ $3 == n2 && -e {tmp_path}/dead ]] && echo "NodeName=n2 State=IDLE*" || echo "NodeName=$3 State=ALLOCATED" ;;
+  "show job") echo "JobId=41 JobState=RUNNING ExcNodeList=n9" ;;
+esac
+exit 0
+""")
+    (bin_dir / "srun").write_text(f"""#!/bin/bash
+[[ -e {tmp_path}/dead && " $* " == *" -w n3 "* ]] && exit 1
+exit 0
+""")
+    (bin_dir / "srun").chmod(0o755)
+    env = {**env, "MR_NODES": "n1 n2 n3"}
+    healthy = _job_script("_mr_driver_exited 1", env, tmp_path)
+    assert healthy.splitlines()[0] == "exit 1" and "requeue" not in healthy, healthy
+    (tmp_path / "dead").touch()
+    (tmp_path / "calls").write_text("")
+    out = _job_script("_mr_driver_exited 1", env, tmp_path)
+    lines = [line for line in out.splitlines() if not line.startswith("scontrol show")]
+    assert lines == ["exit 75", "megareason-slurm: driver exited with 1",
+                     "megareason-slurm: node(s) n2,n3 down or not answering: requeueing job 41 without them "
+                     "(ExcNodeList=n9,n2,n3); the next run resumes from the latest checkpoint",
+                     "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=n9,n2,n3", "scontrol release 41",
+                     "megareason-slurm: Ray stopped"], out
