@@ -289,3 +289,102 @@ exit 0
                      "(ExcNodeList=n9,n2,n3); the next run resumes from the latest checkpoint",
                      "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=n9,n2,n3", "scontrol release 41",
                      "megareason-slurm: Ray stopped"], out
+
+
+class _Actors:
+    """The policy's handle as ``loop._update`` calls it: records each call; ``stop_in``: the pass that a
+    SIGTERM ends ("logprobs", "train": only where the worker would stop, i.e. a stoppable training pass)."""
+
+    def __init__(self, stop_in: str = ""):
+        self.calls, self.stop_in = [], stop_in
+
+    def sleep_engine(self):
+        self.calls.append("sleep")
+
+    def logprobs(self, exp):
+        from megareason.rollout.records import PassStopped
+
+        self.calls.append("logprobs")
+        if self.stop_in == "logprobs":
+            raise PassStopped("a log-prob pass stopped after 1 of 2 micro-batches: the run is stopping")
+        return exp.rollout_logp_BT, exp.rollout_logp_BT
+
+    def train(self, exp, lr, on_policy, stoppable=False):
+        from megareason.rollout.records import PassStopped
+
+        self.calls.append(f"train stoppable={stoppable}")
+        if self.stop_in == "train" and stoppable:
+            raise PassStopped("a training pass stopped after 1 of 2 micro-batches: the run is stopping")
+        return None  # the stats are not read here
+
+    def sync_weights(self):
+        self.calls.append("sync")
+        return []
+
+
+@pytest.mark.parametrize("stop_in", ["", "logprobs", "train"])
+def test_only_the_log_probs_and_the_first_optimizer_step_of_a_step_may_stop(stop_in):
+    """PPO epochs 2 x mini-batches 2: four optimizer steps a step, of which only the first pass may stop (the
+    model holds part of the step after it); a stop in the log-probs or in that first pass ends the update
+    before any optimizer step and before the sync, so the step can be dropped with the model unchanged."""
+    import torch
+
+    from megareason.config import load_config
+    from megareason.rollout.records import PassStopped
+    from megareason.trainer.loop import _update, mini_batch_rows
+    from megareason.trainer.steps import StepRows
+
+    cfg = load_config("grpo_smollm2_cpu", ["algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
+                                           "parallel.data_parallel_size=1", "algorithm.kl_coef=0"])
+    from test_trainer_units import _experience
+
+    exp = _experience()
+    rows = StepRows(exp=exp, reward_B=torch.tensor([1.0, 0.0, 0.0, 1.0]), group_B=torch.tensor([0, 0, 1, 1]),
+                    is_critic_B=None, scored=[])
+    actors = _Actors(stop_in)
+    if not stop_in:
+        _update(cfg, 1, actors, None, rows, mini_batch_rows(cfg, rows), False, {})
+        assert actors.calls == ["sleep", "logprobs", "train stoppable=True"] + ["train stoppable=False"] * 3 + ["sync"]
+        return
+    with pytest.raises(PassStopped):
+        _update(cfg, 1, actors, None, rows, mini_batch_rows(cfg, rows), False, {})
+    assert actors.calls == {"logprobs": ["sleep", "logprobs"],
+                            "train": ["sleep", "logprobs", "train stoppable=True"]}[stop_in]
+
+
+def test_a_sigterm_in_a_steps_update_saves_the_step_before_it_and_every_role_sees_the_stop_file(tmp_path, caplog):
+    """Every trained role (the policy's engines and passes, the critic's passes) is given the stop file at the
+    start; a SIGTERM during step 2's log-probs or first optimizer step (the loop catches ``PassStopped``) drops
+    step 2: the state after step 1 is saved, the run exits with EXIT_STOPPED and resumes at step 2."""
+    import os
+    import signal
+
+    from megareason.config import load_config
+    from megareason.trainer.driver import EXIT_STOPPED, Driver, stop_signals
+
+    class Role(_Role):
+        def stop_generating_on(self, path: str) -> None:
+            self.stop_path = path
+
+    cfg = load_config("grpo_smollm2_cpu", [f"trainer.output_dir={tmp_path}", "trainer.save_every=0", "trainer.steps=4",
+                                           "trainer.val_before_train=false"])
+    policy, critic = Role(), Role()
+    critic.name = "critic"
+    with stop_signals() as stop:
+        driver = Driver(cfg, RunDir(tmp_path), [policy, critic], 16, "training", None, stop)
+        driver.start()
+        stop_file = RunDir(tmp_path).stop_file.resolve()
+        assert policy.stop_path == critic.stop_path == str(stop_file) and not stop_file.exists()
+        with pytest.raises(SystemExit) as stopped:
+            for step, _ in driver.steps():
+                if step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    assert stop_file.exists()  # what the workers look at between pieces of their passes
+                    driver.drop_step(step, "log-probs or first optimizer step")
+                driver.end_step(step, {"loss": float(step)})
+    assert stopped.value.code == EXIT_STOPPED
+    assert RunDir(tmp_path).steps() == [1]
+    assert "SIGTERM during step 2's log-probs or first optimizer step: the step was dropped, the run resumes at " \
+           "step 2" in caplog.text
+    resumed = Driver(cfg, RunDir(tmp_path), [Role(), Role()], 16, "training", None)
+    assert resumed.start().step == 1
