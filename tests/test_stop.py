@@ -4,8 +4,10 @@ passes (before the step's first optimizer step), and the pre-emption lead these 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -142,6 +144,15 @@ def _pieces_worker(model_dir: str, tokens, mask):
     """At DP 2 and at PP 2: a training pass and a log-prob pass cut into pieces with stop checks that
     never stop, against one schedule call over all micro-batches; then a stop that only rank 1 sees, at its
     third check, against the same pass. The data-parallel layout gives the replicas 5 and 3 micro-batches."""
+    return {(tp, pp): _pieces_on(tp, pp, model_dir, tokens, mask) for tp, pp in ((1, 1), (1, 2))}
+
+
+def _nll(logp_BT, entropy_BT, batch):
+    m = batch.loss_mask_BT
+    return -(logp_BT * m).sum(), m.sum(), {"entropy_sum": (entropy_BT * m).sum()}
+
+
+def _pieces_on(tp: int, pp: int, model_dir: str, tokens, mask) -> dict:
     import torch
 
     from megareason.config.schema import Config
@@ -153,50 +164,42 @@ def _pieces_worker(model_dir: str, tokens, mask):
     from megareason.rollout.records import PassStopped
     from megareason.settings import optimizer_settings
 
-    def nll(logp_BT, entropy_BT, batch):
-        m = batch.loss_mask_BT
-        return -(logp_BT * m).sum(), m.sum(), {"entropy_sum": (entropy_BT * m).sum()}
+    layout = init_parallel(tp, pp)
+    ckpt = HFCheckpoint(model_dir)
+    model = build_gpt(ckpt.arch)
+    load_hf_weights(model, ckpt)
+    ddp, _ = wrap_for_training(model, optimizer_settings(Config(), 1e-3))
+    rows = (slice(0, 5), slice(5, 8))[layout.dp_rank] if layout.dp > 1 else slice(0, 8)
+    micro = [TrainBatch(t[None], m[None]) for t, m in zip(tokens[rows], mask[rows], strict=True)]
+    head = logprob_head(ckpt.arch.vocab_size)
 
-    out = {}
-    for tp, pp in ((1, 1), (1, 2)):
-        layout = init_parallel(tp, pp)
-        ckpt = HFCheckpoint(model_dir)
-        model = build_gpt(ckpt.arch)
-        load_hf_weights(model, ckpt)
-        ddp, _ = wrap_for_training(model, optimizer_settings(Config(), 1e-3))
-        rows = (slice(0, 5), slice(5, 8))[layout.dp_rank] if layout.dp > 1 else slice(0, 8)
-        micro = [TrainBatch(t[None], m[None]) for t, m in zip(tokens[rows], mask[rows], strict=True)]
-        head = logprob_head(ckpt.arch.vocab_size)
+    def grads():
+        return {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
 
-        def grads():
-            return {n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()}
+    whole = forward_backward(ddp, micro, head, _nll)
+    whole_grads = grads()
+    asked = []
+    cut = forward_backward(ddp, micro, head, _nll, agreed_stop(lambda: asked.append(1) or False))
+    same = whole == cut and all(torch.equal(g, whole_grads[n]) for n, g in grads().items())
+    plain = forward_outputs(ddp.module, micro, head, 2)
+    pieces = forward_outputs(ddp.module, micro, head, 2, agreed_stop(lambda: False))
+    same_logp = all(torch.equal(a, b) for x, y in zip(plain, pieces, strict=True) for a, b in zip(x, y, strict=True))
+    stopped = []
+    for run in (lambda s: forward_backward(ddp, micro, head, _nll, s),
+                lambda s: forward_outputs(ddp.module, micro, head, 2, s)):
+        seen = []
 
-        whole = forward_backward(ddp, micro, head, nll)
-        whole_grads = grads()
-        asked = []
-        cut = forward_backward(ddp, micro, head, nll, agreed_stop(lambda: asked.append(1) or False))
-        same = whole == cut and all(torch.equal(g, whole_grads[n]) for n, g in grads().items())
-        logp = forward_outputs(ddp.module, micro, head, 2)
-        same_logp = all(torch.equal(a, b) for x, y in zip(logp, forward_outputs(ddp.module, micro, head, 2,
-                                                                                   agreed_stop(lambda: False)),
-                                                          strict=True) for a, b in zip(x, y, strict=True))
-        stopped = []
-        for run in (lambda s: forward_backward(ddp, micro, head, nll, s),
-                    lambda s: forward_outputs(ddp.module, micro, head, 2, s)):
-            seen = []
+        def local(seen=seen):
+            seen.append(1)
+            return torch.distributed.get_rank() == 1 and len(seen) >= 3  # only rank 1 sees it, at its 3rd check
 
-            def local():
-                seen.append(1)
-                return torch.distributed.get_rank() == 1 and len(seen) >= 3  # only rank 1 sees the stop file, at its 3rd check
-
-            try:
-                run(agreed_stop(local))
-                stopped.append(None)
-            except PassStopped as e:
-                stopped.append(str(e))
-        out[(tp, pp)] = dict(same=same, same_logp=same_logp, checks=len(asked), stopped=stopped,
-                             dp_rank=layout.dp_rank, n=len(micro))
-    return out
+        try:
+            run(agreed_stop(local))
+            stopped.append(None)
+        except PassStopped as e:
+            stopped.append(str(e))
+    return dict(same=same, same_logp=same_logp, checks=len(asked), stopped=stopped, dp_rank=layout.dp_rank,
+                n=len(micro))
 
 
 @pytest.mark.parametrize("family", ["tiny_qwen2"])
@@ -230,7 +233,8 @@ def test_a_pass_in_pieces_equals_one_schedule_call_and_every_rank_stops_at_the_s
     assert sorted(r[(1, 1)]["n"] for r in per_rank) == [3, 5]
 
 
-@pytest.mark.parametrize(("config", "shape", "nodes"), [("raro_70b", "llama-3.1-70b", 8), ("grpo_qwen3_8b", "qwen3-8b", 1),
+@pytest.mark.parametrize(("config", "shape", "nodes"), [("raro_70b", "llama-3.1-70b", 8),
+                                                         ("grpo_qwen3_8b", "qwen3-8b", 1),
                                                          ("grpo_qwen3_30b_a3b", "qwen3-30b-a3b", 4)])
 def test_a_sigterm_is_followed_by_a_checkpoint_within_the_longest_piece_that_cannot_stop_and_the_save(config, shape,
                                                                                                      nodes):
@@ -267,7 +271,8 @@ def test_a_failed_node_ends_in_a_requeue_that_excludes_it(tmp_path):
     (bin_dir / "scontrol").write_text(f"""#!/bin/bash
 echo "scontrol $*" >> {tmp_path}/calls
 case "$1 $2" in
-  "show node") [[ $3 == n2 && -e {tmp_path}/dead ]] && echo "NodeName=n2 State=IDLE*" || echo "NodeName=$3 State=ALLOCATED" ;;
+  "show node") [[ $3 == n2 && -e {tmp_path}/dead ]] && echo "NodeName=n2 State=IDLE*" ||
+               echo "NodeName=$3 State=ALLOCATED" ;;
   "show job") echo "JobId=41 JobState=RUNNING ExcNodeList=n9" ;;
 esac
 exit 0
@@ -388,3 +393,53 @@ def test_a_sigterm_in_a_steps_update_saves_the_step_before_it_and_every_role_see
            "step 2" in caplog.text
     resumed = Driver(cfg, RunDir(tmp_path), [Role(), Role()], 16, "training", None)
     assert resumed.start().step == 1
+
+
+@pytest.mark.slow
+def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninterrupted_run(tiny_qwen2, tmp_path):
+    """``megareason train`` at colocated rollout TP 2 over 2 data-parallel ranks, 2 optimizer steps a step
+    (mini-batches), a checkpoint every step: one run folder stopped by a SIGTERM to the driver in each phase,
+    fired at that point by ``tests/sigterm_at`` on the policy's rank 0, and resumed each time:
+
+    - during step 2's checkpoint write: the save completes, step 3's generation gives the step up;
+    - between two engine steps of step 4's generation (the SPMD engine's two ranks agree on the step);
+    - between pieces of step 5's log-prob pass, and of step 6's first optimizer step (the step is dropped);
+    - during step 6's weight sync: it completes, step 6 is saved;
+    - between two engine steps of the last step's validation: the step is saved, its validation pending.
+
+    Each stopped run exits with EXIT_STOPPED (a Slurm job requeues on it) and its latest checkpoint is the one
+    the stop promises; the last run validates step 7 first and ends. The runs together give the uninterrupted
+    run's metrics, every one of every step."""
+    from golden_curves import check_same
+    from test_train_e2e import _args, _env, _metrics
+
+    from megareason.trainer.driver import EXIT_STOPPED
+
+    extra = ("parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2", "algorithm.mini_batches=2",
+             "trainer.steps=7", "trainer.save_every=1", "trainer.keep_last=1", "trainer.val_every=7")
+    straight = tmp_path / "straight"
+    proc = subprocess.run(_args(tiny_qwen2, tmp_path, straight, *extra), capture_output=True, text=True,
+                          timeout=900, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    out = tmp_path / "stopped"
+    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "sigterm_at"),
+                                                        os.environ.get("PYTHONPATH")])),
+            "MEGAREASON_TEST_SIGTERM_RUN": str(out)}
+    # (where the SIGTERM fires: phase and which pass of the run, the latest checkpoint after, the log's line)
+    plan = [("save:2", 2, "SIGTERM during step 3's generation: the step was dropped"),
+            ("generation:2", 3, "SIGTERM during step 4's generation: the step was dropped"),
+            ("logprobs:2", 4, "SIGTERM during step 5's log-probs or first optimizer step: the step was dropped"),
+            ("train:2", 5, "SIGTERM during step 6's log-probs or first optimizer step: the step was dropped"),
+            ("sync:2", 6, "SIGTERM: stopped after step 6 with a checkpoint"),
+            ("validation:1", 7, "SIGTERM during step 7's validation: saved; the next run validates it first")]
+    for at, latest, line in plan:
+        proc = subprocess.run(_args(tiny_qwen2, tmp_path, out, *extra), capture_output=True, text=True, timeout=900,
+                              env={**_env(), **hook, "MEGAREASON_TEST_SIGTERM_AT": at})
+        assert proc.returncode == EXIT_STOPPED, (at, proc.stdout[-3000:] + proc.stderr[-5000:])
+        assert line in proc.stderr, (at, proc.stderr[-5000:])
+        assert RunDir(out).steps() == [latest], at
+    proc = subprocess.run(_args(tiny_qwen2, tmp_path, out, *extra), capture_output=True, text=True, timeout=900,
+                          env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    check_same(_metrics(out), _metrics(straight), "the runs stopped in each phase")

@@ -248,8 +248,9 @@ class Driver:
     def _stop_generation_on_sigterm(self) -> None:
         """A SIGTERM makes the engines give up a generation in progress, and the workers a log-prob pass or the
         step's first training pass (``models.schedule``): the handler creates the run's stop file, which every
-        engine polls while it generates and every worker between pieces of its passes. Not with trainer.max_staleness (the batch in
-        flight belongs to the next step's checkpoint); not without a handler (tests, library use)."""
+        engine polls while it generates and every worker between pieces of its passes. Not with
+        trainer.max_staleness (the batch in flight belongs to the next step's checkpoint); not without a
+        handler (tests, library use)."""
         if self.stop is None or self.cfg.trainer.max_staleness:
             return
         stop_file = self.run.stop_file.resolve()
