@@ -128,8 +128,12 @@ def stop_pieces(seconds: dict[str, float], cfg: Config, pp: int) -> dict[str, fl
 
 
 def plan_stop_bound(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> StopBound:
-    """The ``StopBound`` of a ``megareason plan`` result for its config."""
-    return StopBound(stop_pieces(plan.seconds, cfg, plan.pp), plan_lead(plan, cfg, options).checkpoint_s)
+    """The ``StopBound`` of a ``megareason plan`` result for its config. One step off-policy
+    (trainer.max_staleness) finishes the step in progress: its batch in flight belongs to the next checkpoint."""
+    lead = plan_lead(plan, cfg, options)
+    if cfg.trainer.max_staleness:
+        return StopBound({"a whole step, one step off-policy": lead.step_s}, lead.checkpoint_s)
+    return StopBound(stop_pieces(plan.seconds, cfg, plan.pp), lead.checkpoint_s)
 
 
 def checkpoint_bytes(cfg: Config, total_params: int, trainable_params: int) -> float:
