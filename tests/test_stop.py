@@ -443,3 +443,111 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
                           env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     check_same(_metrics(out), _metrics(straight), "the runs stopped in each phase")
+
+
+def _phase_stub():
+    """``test_engine_state.StubPolicy`` (the real loop, driver, engine state machine and checkpoints over stub
+    Megatron parts) whose passes stop as the real workers' do: a log-prob pass and a stoppable training pass
+    raise ``PassStopped`` once the stop file exists; ``fire = (phase, n)`` sends this process a SIGTERM in the
+    n-th pass through ``phase`` (logprobs, train, sync, save), as a pre-emption at that moment would."""
+    import signal
+
+    from test_engine_state import StubPolicy
+
+    from megareason.rollout.records import PassStopped
+
+    class PhaseStub(StubPolicy):
+        fire: tuple[str, int] | None = None
+        seen: dict
+
+        def _reach(self, phase: str) -> None:
+            self.seen = getattr(self, "seen", {})
+            self.seen[phase] = self.seen.get(phase, 0) + 1
+            if self.fire == (phase, self.seen[phase]):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def _stopped(self, what: str) -> None:
+            if self.stop_path is not None and os.path.exists(self.stop_path):
+                raise PassStopped(f"{what} stopped after 1 of 2 micro-batches: the run is stopping")
+
+        def logprobs(self, exp):
+            self._reach("logprobs")
+            self._stopped("a log-prob pass")
+            return super().logprobs(exp)
+
+        def train(self, exp, lr, on_policy, stoppable=False):
+            if stoppable:
+                self._reach("train")
+                self._stopped("a training pass")
+            return super().train(exp, lr, on_policy)
+
+        def sync_weights(self):
+            self._reach("sync")
+            return super().sync_weights()
+
+        def _write_checkpoint(self, path, metadata, asynchronous):
+            self._reach("save")
+            super()._write_checkpoint(path, metadata, asynchronous)
+
+    return PhaseStub
+
+
+def _stub_run(cfg, out, prompts, val, tok, fire=None):
+    """The real ``_train_loop`` over one ``_phase_stub`` rank; with ``fire``, under the driver's signal handling,
+    expecting EXIT_STOPPED. The worker."""
+    from test_engine_state import InProcessGroup, _reply, _score
+
+    from megareason.trainer.driver import EXIT_STOPPED, stop_signals
+    from megareason.trainer.loop import _train_loop
+
+    worker = _phase_stub()(cfg, 0, 1, tok, _reply)
+    worker.fire = fire
+    with stop_signals() as stop:
+        if fire is None:
+            _train_loop(cfg, RunDir(str(out)), [InProcessGroup("actor", [worker])], prompts, val, _score, tok, stop=stop)
+            return worker
+        with pytest.raises(SystemExit) as stopped:
+            _train_loop(cfg, RunDir(str(out)), [InProcessGroup("actor", [worker])], prompts, val, _score, tok, stop=stop)
+    assert stopped.value.code == 75
+    return worker
+
+
+def test_a_sigterm_in_each_phase_of_the_loop_saves_what_the_stop_promises_and_resumes_exactly(tmp_path, caplog):
+    """The loop and the driver, in process, two optimizer steps a step (mini-batches) and a checkpoint every
+    step, one run folder stopped by a real SIGTERM in each phase and resumed: in a checkpoint write (it
+    completes; the next step's generation gives up), in a log-prob pass and in the first optimizer step (the
+    step is dropped, the model unchanged), in the weight sync (it completes; the step is saved). Every stopped
+    run exits with EXIT_STOPPED leaving the checkpoint the stop promises; together the runs log the
+    uninterrupted run's rows and generate its prompts."""
+    import json
+
+    from test_engine_state import _cfg, _prompts
+
+    from megareason.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = _cfg("grpo_smollm2_cpu", ["trainer.steps=6", "trainer.val_every=0", "trainer.val_before_train=false",
+                                    "trainer.save_every=1", "trainer.keep_last=1", "algorithm.mini_batches=2"])
+    prompts, val = _prompts(tok, 5), _prompts(tok, 2)
+    straight = _stub_run(cfg, tmp_path / "straight", prompts, val, tok)
+    out = tmp_path / "stopped"
+    workers = []
+    for fire, latest, line in [(("save", 2), 2, "SIGTERM during step 3's generation: the step was dropped"),
+                               (("logprobs", 2), 3, "SIGTERM during step 4's log-probs or first optimizer step"),
+                               (("train", 2), 4, "SIGTERM during step 5's log-probs or first optimizer step"),
+                               (("sync", 2), 5, "SIGTERM: stopped after step 5 with a checkpoint")]:
+        caplog.clear()
+        workers.append(_stub_run(cfg, out, prompts, val, tok, fire))
+        assert RunDir(str(out)).steps() == [latest], fire
+        assert line in caplog.text, (fire, caplog.text[-2000:])
+    workers.append(_stub_run(cfg, out, prompts, val, tok))
+    assert RunDir(str(out)).steps() == [6]
+
+    def rows(folder):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "throughput/"))}
+                for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows(out) == rows(tmp_path / "straight") and [r["step"] for r in rows(out)] == [1, 2, 3, 4, 5, 6]
+    # the prompts each step generated from: the dropped steps' generations were repeated on the same prompts
+    generated = [p for w in workers for p in w.vllm.prompts]
+    assert [p for p in generated if p not in straight.vllm.prompts] == []
