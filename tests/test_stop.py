@@ -508,7 +508,7 @@ def _stub_run(cfg, out, prompts, val, tok, fire=None):
             return worker
         with pytest.raises(SystemExit) as stopped:
             _train_loop(cfg, RunDir(str(out)), [InProcessGroup("actor", [worker])], prompts, val, _score, tok, stop=stop)
-    assert stopped.value.code == 75
+    assert stopped.value.code == EXIT_STOPPED
     return worker
 
 
