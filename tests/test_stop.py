@@ -501,13 +501,13 @@ def _stub_run(cfg, out, prompts, val, tok, fire=None):
     from megareason.trainer.loop import _train_loop
 
     worker = _phase_stub()(cfg, 0, 1, tok, _reply)
-    worker.fire = fire
+    worker.fire, groups = fire, [InProcessGroup("actor", [worker])]
     with stop_signals() as stop:
         if fire is None:
-            _train_loop(cfg, RunDir(str(out)), [InProcessGroup("actor", [worker])], prompts, val, _score, tok, stop=stop)
+            _train_loop(cfg, RunDir(str(out)), groups, prompts, val, _score, tok, stop=stop)
             return worker
         with pytest.raises(SystemExit) as stopped:
-            _train_loop(cfg, RunDir(str(out)), [InProcessGroup("actor", [worker])], prompts, val, _score, tok, stop=stop)
+            _train_loop(cfg, RunDir(str(out)), groups, prompts, val, _score, tok, stop=stop)
     assert stopped.value.code == EXIT_STOPPED
     return worker
 
