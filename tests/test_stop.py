@@ -416,7 +416,8 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
     from megareason.trainer.driver import EXIT_STOPPED
 
     extra = ("parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2", "algorithm.mini_batches=2",
-             "trainer.steps=7", "trainer.save_every=1", "trainer.keep_last=1", "trainer.val_every=7")
+             "trainer.steps=7", "trainer.save_every=1", "trainer.keep_last=1", "trainer.val_every=7",
+             "trainer.micro_batch_tokens=128")  # a rank's share of a mini-batch in 2 micro-batches or more
     straight = tmp_path / "straight"
     proc = subprocess.run(_args(tiny_qwen2, tmp_path, straight, *extra), capture_output=True, text=True,
                           timeout=900, env=_env())
