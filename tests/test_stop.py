@@ -159,9 +159,8 @@ def _pieces_on(tp: int, pp: int, model_dir: str, tokens, mask) -> dict:
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.logprobs import logprob_head
     from megareason.models.parallel import init_parallel
-    from megareason.models.schedule import agreed_stop, forward_backward, forward_outputs
+    from megareason.models.schedule import PassStopped, agreed_stop, forward_backward, forward_outputs
     from megareason.models.train import TrainBatch, wrap_for_training
-    from megareason.rollout.records import PassStopped
     from megareason.settings import optimizer_settings
 
     layout = init_parallel(tp, pp)
@@ -307,19 +306,19 @@ class _Actors:
         self.calls.append("sleep")
 
     def logprobs(self, exp):
-        from megareason.rollout.records import PassStopped
+        from megareason.rollout.records import UpdateStopped
 
         self.calls.append("logprobs")
         if self.stop_in == "logprobs":
-            raise PassStopped("a log-prob pass stopped after 1 of 2 micro-batches: the run is stopping")
+            raise UpdateStopped("a log-prob pass stopped after 1 of 2 micro-batches: the run is stopping")
         return exp.rollout_logp_BT, exp.rollout_logp_BT
 
     def train(self, exp, lr, on_policy, stoppable=False):
-        from megareason.rollout.records import PassStopped
+        from megareason.rollout.records import UpdateStopped
 
         self.calls.append(f"train stoppable={stoppable}")
         if self.stop_in == "train" and stoppable:
-            raise PassStopped("a training pass stopped after 1 of 2 micro-batches: the run is stopping")
+            raise UpdateStopped("a training pass stopped after 1 of 2 micro-batches: the run is stopping")
         return None  # the stats are not read here
 
     def sync_weights(self):
@@ -335,7 +334,7 @@ def test_only_the_log_probs_and_the_first_optimizer_step_of_a_step_may_stop(stop
     import torch
 
     from megareason.config import load_config
-    from megareason.rollout.records import PassStopped
+    from megareason.rollout.records import UpdateStopped
     from megareason.trainer.loop import _update, mini_batch_rows
     from megareason.trainer.steps import StepRows
 
@@ -351,7 +350,7 @@ def test_only_the_log_probs_and_the_first_optimizer_step_of_a_step_may_stop(stop
         _update(cfg, 1, actors, None, rows, mini_batch_rows(cfg, rows), False, {})
         assert actors.calls == ["sleep", "logprobs", "train stoppable=True"] + ["train stoppable=False"] * 3 + ["sync"]
         return
-    with pytest.raises(PassStopped):
+    with pytest.raises(UpdateStopped):
         _update(cfg, 1, actors, None, rows, mini_batch_rows(cfg, rows), False, {})
     assert actors.calls == {"logprobs": ["sleep", "logprobs"],
                             "train": ["sleep", "logprobs", "train stoppable=True"]}[stop_in]
@@ -359,7 +358,7 @@ def test_only_the_log_probs_and_the_first_optimizer_step_of_a_step_may_stop(stop
 
 def test_a_sigterm_in_a_steps_update_saves_the_step_before_it_and_every_role_sees_the_stop_file(tmp_path, caplog):
     """Every trained role (the policy's engines and passes, the critic's passes) is given the stop file at the
-    start; a SIGTERM during step 2's log-probs or first optimizer step (the loop catches ``PassStopped``) drops
+    start; a SIGTERM during step 2's log-probs or first optimizer step (the loop catches ``UpdateStopped``) drops
     step 2: the state after step 1 is saved, the run exits with EXIT_STOPPED and resumes at step 2."""
     import os
     import signal
@@ -449,13 +448,13 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
 def _phase_stub():
     """``test_engine_state.StubPolicy`` (the real loop, driver, engine state machine and checkpoints over stub
     Megatron parts) whose passes stop as the real workers' do: a log-prob pass and a stoppable training pass
-    raise ``PassStopped`` once the stop file exists; ``fire = (phase, n)`` sends this process a SIGTERM in the
+    raise ``UpdateStopped`` once the stop file exists; ``fire = (phase, n)`` sends this process a SIGTERM in the
     n-th pass through ``phase`` (logprobs, train, sync, save), as a pre-emption at that moment would."""
     import signal
 
     from test_engine_state import StubPolicy
 
-    from megareason.rollout.records import PassStopped
+    from megareason.rollout.records import UpdateStopped
 
     class PhaseStub(StubPolicy):
         fire: tuple[str, int] | None = None
@@ -469,7 +468,7 @@ def _phase_stub():
 
         def _stopped(self, what: str) -> None:
             if self.stop_path is not None and os.path.exists(self.stop_path):
-                raise PassStopped(f"{what} stopped after 1 of 2 micro-batches: the run is stopping")
+                raise UpdateStopped(f"{what} stopped after 1 of 2 micro-batches: the run is stopping")
 
         def logprobs(self, exp):
             self._reach("logprobs")

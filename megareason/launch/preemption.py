@@ -112,7 +112,7 @@ def stop_pieces(seconds: dict[str, float], cfg: Config, pp: int) -> dict[str, fl
     ``models/schedule.py``), and what follows that first optimizer step: the step's other updates and the
     weight refit. A generation stops between two engine steps, within ``STOP_POLL_S``."""
     from megareason.models.schedule import PIECES, PIECES_PIPELINED
-    from megareason.rollout.engine import STOP_POLL_S
+    from megareason.rollout.records import STOP_POLL_S
 
     alg = cfg.algorithm
     n_pieces = PIECES if pp == 1 else PIECES_PIPELINED

@@ -57,9 +57,11 @@ def agreed_stop(local: Callable[[], bool]) -> StopCheck:
     return check
 
 
-def _check(stop: StopCheck | None, what: str, done: int, n: int) -> None:
-    from megareason.rollout.records import PassStopped
+class PassStopped(RuntimeError):
+    """A pass given up between two pieces because ``stop`` said so; the optimizer was not stepped."""
 
+
+def _check(stop: StopCheck | None, what: str, done: int, n: int) -> None:
     if stop is not None and stop():
         raise PassStopped(f"{what} stopped after {done} of {n} micro-batches: the run is stopping")
 

@@ -22,12 +22,18 @@ import torch
 from megareason.rollout.buckets import new_bucket
 
 # The records, also under this module's name: pickles written before they moved name it.
-from megareason.rollout.records import Completion, EngineSettings, GenerationStopped, Sampling, WeightUpdate  # noqa: F401
+from megareason.rollout.records import (  # noqa: F401
+    STOP_POLL_S,
+    Completion,
+    EngineSettings,
+    GenerationStopped,
+    Sampling,
+    WeightUpdate,
+)
 from megareason.utils import alive, process_name, process_table
 
 log = logging.getLogger(__name__)
 
-STOP_POLL_S = 0.5  # how often a generate asks ``VLLMEngine.should_stop``
 
 
 def _on_cpu() -> bool:

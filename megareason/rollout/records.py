@@ -94,7 +94,10 @@ class GenerationStopped(RuntimeError):
     aborted, nothing of the call is returned."""
 
 
-class PassStopped(GenerationStopped):
-    """A log-prob or training pass given up between two pieces of its micro-batches because the run is
-    stopping (``models.schedule.forward_backward``), before the step's first optimizer step: the model is as
-    the step found it, and the step is dropped as a stopped generation is."""
+class UpdateStopped(GenerationStopped):
+    """A log-prob or training pass of the step's update given up between two pieces of its micro-batches
+    because the run is stopping (``models.schedule.PassStopped``), before the step's first optimizer step: the
+    model is as the step found it, and the step is dropped as a stopped generation is."""
+
+
+STOP_POLL_S = 0.5  # how often a generate asks ``VLLMEngine.should_stop`` (it reads a file)

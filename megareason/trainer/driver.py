@@ -234,7 +234,7 @@ class Driver:
 
     def drop_step(self, step: int, phase: str = "generation") -> None:
         """A SIGTERM stopped ``step``'s generation (``GenerationStopped``), or a log-prob pass or its first
-        training pass before any optimizer step (``PassStopped``): nothing of the step is kept. The state
+        training pass before any optimizer step (``UpdateStopped``): nothing of the step is kept. The state
         after step - 1 is saved unless a checkpoint holds it already, then the run exits with
         ``EXIT_STOPPED``; the next run does ``step`` again, as the uninterrupted run did it."""
         if step - 1 > self.saved_step:

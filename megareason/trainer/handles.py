@@ -54,7 +54,7 @@ class RoleHandle:
         self._call(PolicyWorker.load, path)
 
     def stop_generating_on(self, path: str) -> None:
-        """From now on the role's log-prob passes give up (``PassStopped``) once the file ``path`` exists."""
+        """From now on the role's log-prob passes give up (``UpdateStopped``) once the file ``path`` exists."""
         self._call(CriticWorker.stop_generating_on, path)
 
     def shutdown(self) -> None:
@@ -94,7 +94,7 @@ class PolicyHandle(RoleHandle):
 
     def stop_generating_on(self, path: str) -> None:
         """From now on a generate in progress gives up (``GenerationStopped``) once the file ``path`` exists,
-        and so do the log-prob passes and a stoppable training pass (``PassStopped``)."""
+        and so do the log-prob passes and a stoppable training pass (``UpdateStopped``)."""
         if self.pool is not None:
             self.pool.stop_generating_on(path)
         self._call(PolicyWorker.stop_generating_on, path)

@@ -26,7 +26,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
-from megareason.rollout.records import GenerationStopped, PassStopped
+from megareason.rollout.records import GenerationStopped, UpdateStopped
 from megareason.settings import policy_data
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
 from megareason.trainer.episodes import check_env_data, env_enabled, run_env
@@ -97,7 +97,7 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
             try:
                 exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer,
                                       sync=not rollout.pushes_weights)
-            except PassStopped:  # a SIGTERM before the step's first optimizer step: the model is unchanged
+            except UpdateStopped:  # a SIGTERM before the step's first optimizer step: the model is unchanged
                 driver.drop_step(step, "log-probs or first optimizer step")
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
@@ -135,7 +135,7 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
     """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x len(parts) updates (``parts``:
     ``mini_batch_rows``) -> weight sync (``sync``; one step off-policy pushes the weights when the engines
     are idle: ``offpolicy``). Returns the completed experience and what the workers reported; raises
-    ``PassStopped`` when a stop ends a pass before the first optimizer step."""
+    ``UpdateStopped`` when a stop ends a pass before the first optimizer step."""
     alg, exp, update = cfg.algorithm, rows.exp, UpdateStats()
     # The rollout engines free the devices while Megatron computes; the sync at the end wakes them.
     actors.sleep_engine()
@@ -151,7 +151,7 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
                                                rows.is_critic_B, parts))
 
     # A SIGTERM stops the log-prob passes and the first optimizer step's pass between pieces of their
-    # micro-batches (``PassStopped``: the step is dropped, the state before it saved). From the first
+    # micro-batches (``UpdateStopped``: the step is dropped, the state before it saved). From the first
     # optimizer step on, the model holds part of the step: the remaining updates and the sync run to the end,
     # and the checkpoint after the step is saved (with algorithm.ppo_epochs x mini_batches updates a step).
     with timed(timer, "train"):

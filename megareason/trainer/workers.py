@@ -11,6 +11,7 @@ of the step's rows (``share``), and the first rank of each replica returns that 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class _Worker:
 
     def stop_generating_on(self, path: str) -> None:
         """From now on the log-prob passes, and a training pass the driver marks stoppable (the step's first
-        optimizer step), give up between pieces of their micro-batches (``PassStopped``) once the file
+        optimizer step), give up between pieces of their micro-batches (``UpdateStopped``) once the file
         ``path`` exists on any rank of the role (``schedule.agreed_stop``)."""
         self.stop_path = path
 
@@ -175,7 +176,8 @@ class _Worker:
         """``head``'s outputs over this replica's share, as [B_share, T] rows (a pass that a stop may end)."""
         mine = self._share(exp)
         micro = self._pack(mine, model, responses_only=responses_only)
-        outs = forward_outputs(model, micro, head, num, self._stop_check())
+        with _update_stopped():
+            outs = forward_outputs(model, micro, head, num, self._stop_check())
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
         return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
@@ -185,7 +187,8 @@ class _Worker:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
         micro = self._pack(self._share(exp), role.model, names, responses_only=responses_only)
-        result = role.train_step(micro, loss_fn, self._stop_check() if stoppable else None)
+        with _update_stopped():
+            result = role.train_step(micro, loss_fn, self._stop_check() if stoppable else None)
         return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
     def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
@@ -208,6 +211,19 @@ class _Worker:
         from megareason.models.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+@contextlib.contextmanager
+def _update_stopped():
+    """A pass that a stop ended (``schedule.PassStopped``) leaves the worker as ``UpdateStopped``, which the
+    driver's worker group passes on as a stop, not a failure (a ``GenerationStopped``)."""
+    from megareason.models.schedule import PassStopped
+    from megareason.rollout.records import UpdateStopped
+
+    try:
+        yield
+    except PassStopped as e:
+        raise UpdateStopped(str(e)) from None
 
 
 def _max_over_data_parallel(n: int) -> int:
@@ -347,7 +363,7 @@ class PolicyWorker(_Worker):
         """One optimizer step of the policy loss over this replica's share of ``exp`` (a mini-batch).
         ``on_policy``: ``exp`` has no old log-probs; this forward pass gives them and measures the
         train/generation mismatch against ``rollout_logp_BT``. ``stoppable``: the pass gives up on a stop
-        (``PassStopped``) before the optimizer step (the loop says so for the step's first one only)."""
+        (``UpdateStopped``) before the optimizer step (the loop says so for the step's first one only)."""
         from megareason.trainer.losses import policy_loss_fn
 
         alg = self.settings.algorithm
