@@ -403,8 +403,8 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
     - during step 2's checkpoint write: the save completes, step 3's generation gives the step up;
     - between two engine steps of step 4's generation (the SPMD engine's two ranks agree on the step);
     - between pieces of step 5's log-prob pass, and of step 6's first optimizer step (the step is dropped);
-    - during step 6's weight sync: it completes, step 6 is saved;
-    - between two engine steps of the last step's validation: the step is saved, its validation pending.
+    - during step 7's weight sync: it completes, and the last step's validation gives up at its first engine
+      step (the step is saved, its validation pending).
 
     Each stopped run exits with EXIT_STOPPED (a Slurm job requeues on it) and its latest checkpoint is the one
     the stop promises; the last run validates step 7 first and ends. The runs together give the uninterrupted
@@ -431,8 +431,8 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
             ("generation:2", 3, "SIGTERM during step 4's generation: the step was dropped"),
             ("logprobs:2", 4, "SIGTERM during step 5's log-probs or first optimizer step: the step was dropped"),
             ("train:2", 5, "SIGTERM during step 6's log-probs or first optimizer step: the step was dropped"),
-            ("sync:2", 6, "SIGTERM: stopped after step 6 with a checkpoint"),
-            ("validation:1", 7, "SIGTERM during step 7's validation: saved; the next run validates it first")]
+            # the resume's sync, step 6's, then step 7's: it completes, and step 7's validation gives up
+            ("sync:3", 7, "SIGTERM during step 7's validation: saved; the next run validates it first")]
     for at, latest, line in plan:
         proc = subprocess.run(_args(tiny_qwen2, tmp_path, out, *extra), capture_output=True, text=True, timeout=900,
                               env={**_env(), **hook, "MEGAREASON_TEST_SIGTERM_AT": at})
