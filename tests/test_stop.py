@@ -416,7 +416,8 @@ def test_a_sigterm_in_each_phase_at_colocated_rollout_tp2_resumes_to_the_uninter
 
     extra = ("parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2", "algorithm.mini_batches=2",
              "trainer.steps=7", "trainer.save_every=1", "trainer.keep_last=1", "trainer.val_every=7",
-             "trainer.micro_batch_tokens=128")  # a rank's share of a mini-batch in 2 micro-batches or more
+             # a rank's share of a mini-batch (4 samples of a prompt: ~70 + 4 x 24 tokens) in 2 micro-batches
+             "data.max_prompt_length=100", "rollout.max_model_len=128", "trainer.micro_batch_tokens=128")
     straight = tmp_path / "straight"
     proc = subprocess.run(_args(tiny_qwen2, tmp_path, straight, *extra), capture_output=True, text=True,
                           timeout=900, env=_env())
