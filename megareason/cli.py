@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve_verifier(args)
         if args.command == "plan":
             rc = plan.run_cli(args)
-            print("\n" + preemption.lead_for(args).line())
+            lead, bound = preemption.lead_for(args)
+            print("\n" + lead.line() + "\n" + bound.line())
             return rc
         if args.command == "node-check":
             return node_check.run_cli(args)

@@ -26,10 +26,14 @@
 #   5. runs `megareason train --config-name CONFIG trainer.ray_address=HEAD:PORT OVERRIDES...` on the first
 #      node and exits with its exit code;
 #   6. stops: SIGUSR1 to this script (sbatch --signal=B:USR1@LEAD, before the time limit) is forwarded to
-#      the driver, which saves a checkpoint after the step in progress and exits with 75. A pre-emption's
-#      SIGTERM reaches the job steps (not this script): the driver does the same on it, and Ray, which
-#      ignores it, stays up for the checkpoint. On exit code 75 the job requeues itself (`scontrol
-#      requeue`) and the next run resumes from that checkpoint (trainer.resume_mode=auto);
+#      the driver, which saves a checkpoint and exits with 75. A pre-emption's SIGTERM reaches the job steps
+#      (not this script): the driver does the same on it, and Ray, which ignores it, stays up for the
+#      checkpoint. On exit code 75 the job requeues itself (`scontrol requeue`) at once, before Ray's
+#      teardown, and the next run resumes from that checkpoint (trainer.resume_mode=auto). A missed deadline
+#      still requeues: Slurm's SIGTERM at the time limit (JobState TIMEOUT) reaches this script, which
+#      requeues the job first thing (the next run resumes from the latest complete checkpoint; a save that
+#      KillWait's SIGKILL cut short leaves a .tmp folder, which the next start removes); a job cancelled by
+#      scancel is not requeued;
 #   7. stops Ray through a file the Ray steps watch: each kills its Ray process tree and copies its Ray logs
 #      to RUN_FOLDER/ray_logs/restart_R/NODE/; never `ray stop`, which kills every Ray on a node.
 # `bash slurm/ray_cluster.sh node` is step 3's per-node command (run inside the srun steps).
@@ -131,6 +135,7 @@ _mr_wait() {
 # checkpoint and stop, with SIGUSR1 (it may have had a SIGTERM of its own already; a second one kills it).
 _mr_on_signal() {
     MR_SIGNALS=$((MR_SIGNALS + 1)) MR_STOP_REQUESTED=1
+    [[ $1 == TERM ]] && _mr_requeue_on_term
     if [[ -z $MR_DRIVER ]]; then
         _mr_log "SIG$1 before the driver started: requeueing once Ray is up"
         return
@@ -172,10 +177,33 @@ _mr_fail() {
     exit 1  # the EXIT trap tears Ray down
 }
 
-_mr_requeue() {
+# Requeue this job, once: the next run resumes from the run folder's latest complete checkpoint. First, before
+# Ray's teardown (up to minutes), which a time limit's or pre-emption's SIGKILL may cut short. Slurm ends the
+# job's steps as a requeue does (SIGTERM, KillWait, SIGKILL), which the teardown would do anyway.
+_mr_requeue_job() {
+    (( MR_REQUEUED )) && return 0
     _mr_log "requeueing job $SLURM_JOB_ID ($1): the next run resumes from the latest checkpoint"
     scontrol requeue "$SLURM_JOB_ID" && MR_REQUEUED=1
+}
+
+# Requeue, then exit with 75 (the EXIT trap tears Ray down after the requeue).
+_mr_requeue() {
+    _mr_requeue_job "$1"
     exit "$MEGAREASON_EXIT_STOPPED"
+}
+
+# SIGTERM to this script. At the time limit Slurm marks the job TIMEOUT, then sends SIGTERM to the script and
+# every step and SIGKILL KillWait seconds later: no time for a checkpoint of a large model, so the job is
+# requeued at once and resumes from the latest complete checkpoint (a missed deadline: a step far longer than
+# the last one). Not after scancel (CANCELLED). Otherwise (a pre-emption's grace time, a signal sent by
+# hand) the driver is asked to stop and the requeue follows its checkpoint (exit code 75).
+_mr_requeue_on_term() {
+    local state
+    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'JobState=\K\S+' | head -1)
+    case $state in
+        TIMEOUT*|DEADLINE*) _mr_requeue_job "SIGTERM at the time limit (JobState=$state)" ;;
+        CANCELLED*) _mr_log "SIGTERM: the job was cancelled (JobState=$state): not requeued" ;;
+    esac
 }
 
 # The job folder goes with the job; a requeued job keeps its record of the code it started from.
@@ -342,7 +370,11 @@ megareason_slurm_run() {
     local waiter=$!
     while _mr_alive "$waiter"; do  # a Ray step that dies early fails the job now, not after the timeout
         for pid in "${MR_RAY_STEPS[@]}"; do
-            _mr_alive "$pid" || { kill "$waiter"; _mr_fail "a Ray node step exited during start-up (see above)"; }
+            if ! _mr_alive "$pid"; then
+                kill "$waiter"
+                _mr_requeue_without_failed_nodes
+                _mr_fail "a Ray node step exited during start-up (see above)"
+            fi
         done
         sleep 2
     done
@@ -352,10 +384,7 @@ megareason_slurm_run() {
                  "(MEGAREASON_RAY_WAIT_S)"
     fi
     touch "$MR_JOBDIR/ray.up"
-    if (( MR_STOP_REQUESTED )); then
-        _mr_teardown
-        _mr_requeue "a stop signal came during start-up"
-    fi
+    (( MR_STOP_REQUESTED )) && _mr_requeue "a stop signal came during start-up"
 
     # 5. the driver. It writes its PID (the host's, also in a pyxis container) so SIGUSR1 reaches it
     # alone: a signal to its srun would reach every process of the step, the reward workers included.
@@ -365,11 +394,58 @@ megareason_slurm_run() {
              "$MR_PYTHON" -m megareason.cli train "${train_args[@]}" \
              "trainer.ray_address=$MR_HEAD_IP:$MR_RAY_PORT_BASE" "$@" &
     MR_DRIVER=$!
-    _mr_wait "$MR_DRIVER"; rc=$?
-    _mr_log "driver exited with $rc"
-    _mr_teardown
-    (( rc == MEGAREASON_EXIT_STOPPED )) && _mr_requeue "the driver stopped on a signal after a checkpoint"
-    exit "$rc"
+    _mr_wait "$MR_DRIVER"
+    _mr_driver_exited $?
+}
+
+# The driver exited with $1: on 75 (a checkpoint, then a stop) the job requeues first, since the teardown takes
+# minutes on a large job, past a pre-emption's grace time; on a failure, it requeues without the nodes that
+# failed, if any did; then the EXIT trap tears Ray down.
+_mr_driver_exited() {
+    _mr_log "driver exited with $1"
+    (( $1 == MEGAREASON_EXIT_STOPPED )) && _mr_requeue "the driver stopped after a checkpoint"
+    (( $1 != 0 && $1 != MR_EXIT_REFUSED )) && _mr_requeue_without_failed_nodes
+    exit "$1"
+}
+
+# The job's nodes (MR_NODES) that are down or do not answer, comma-separated: Slurm's node state (DOWN, FAIL,
+# DRAIN, or a trailing * for a node whose slurmd stopped answering, which Slurm marks only after SlurmdTimeout),
+# or a one-task step on it that does not run `true` within MEGAREASON_NODE_PROBE_S (default 60) seconds.
+_mr_failed_nodes() {
+    local node
+    for node in $MR_NODES; do
+        (
+            state=$(scontrol show node "$node" 2>/dev/null | grep -oP 'State=\K\S+' | head -1)
+            if [[ -z $state || $state =~ DOWN|FAIL|DRAIN || $state == *'*' ]] ||
+                ! timeout "${MEGAREASON_NODE_PROBE_S:-60}" srun --overlap --nodes=1 --ntasks=1 -w "$node" true \
+                    >/dev/null 2>&1; then
+                echo "$node"
+            fi
+        ) &
+    done | sort | paste -sd, -
+    wait
+}
+
+# After a failure (the driver's, or a Ray step's): when nodes of the job failed (a dead node, a GPU whose
+# failure took its node step down), requeue the job with them added to its excluded nodes, and the requeued run
+# resumes from the latest checkpoint on other nodes. The job is held while its ExcNodeList changes (Slurm
+# changes it only on a pending job), then released. Without a failed node the failure stands (exit 1).
+_mr_requeue_without_failed_nodes() {
+    local failed excluded
+    failed=$(_mr_failed_nodes)
+    [[ -n $failed ]] || return 0
+    (( MR_REQUEUED )) && exit "$MEGAREASON_EXIT_STOPPED"
+    excluded=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'ExcNodeList=\K\S+' | head -1)
+    [[ $excluded == "(null)" ]] && excluded=
+    _mr_log "node(s) $failed down or not answering: requeueing job $SLURM_JOB_ID without them" \
+            "(ExcNodeList=${excluded:+$excluded,}$failed); the next run resumes from the latest checkpoint"
+    if scontrol requeuehold "$SLURM_JOB_ID"; then
+        MR_REQUEUED=1
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$failed" ||
+            _mr_log "warning: the failed node(s) could not be excluded; the requeued job may land on them again"
+        scontrol release "$SLURM_JOB_ID"
+    fi
+    exit "$MEGAREASON_EXIT_STOPPED"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" && ${1:-} == node ]]; then

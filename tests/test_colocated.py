@@ -14,7 +14,7 @@ from test_weight_sync import MAX_TOKENS, QUESTIONS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config import ConfigError, load_config, validate_training
-from megareason.rollout.colocated import colocated_engine_args, rollout_layout
+from megareason.rollout.colocated import STOP_AGREE_STEPS, colocated_engine_args, rollout_layout
 
 
 def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field():
@@ -93,6 +93,21 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     after = [c[0].token_ids for c in engine.generate(mine, greedy, use_tqdm=False)]
     unseeded = [[c.token_ids for c in group] for group in
                 engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=8), use_tqdm=False)]
+    # A stop that only each engine's second rank sees, at its second look: both ranks of the engine give the
+    # generation up at the same agreed engine step, and the engine generates as before afterwards.
+    import megareason.rollout.engine as engine_module
+    from megareason.rollout.records import GenerationStopped
+
+    engine_module.STOP_POLL_S = 0.0
+    looks = []
+    engine.should_stop = lambda: looks.append(1) or (engine.layout.engine_rank == 1 and len(looks) >= 2)
+    try:
+        engine.generate(mine, greedy, use_tqdm=False)
+        stopped = None
+    except GenerationStopped as e:
+        stopped = str(e)
+    engine.should_stop = None
+    again = [c[0].token_ids for c in engine.generate(mine, greedy, use_tqdm=False)]
     engine.shutdown()
     naive = gather_hf_naive(actor.model, ckpt.arch)
     if naive is not None:
@@ -100,7 +115,8 @@ def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
     # vLLM's process groups over the same processes leave Megatron's working
     logp, _ = actor.logprobs(torch.tensor([prompts[0]]), micro_batch_size=1)
     return {"engine": engine.layout.engine, "engine_rank": engine.layout.engine_rank, "mine": mine,
-            "before": before, "after": after, "unseeded": unseeded, "bytes": stats.bytes, "logp": logp}
+            "before": before, "after": after, "unseeded": unseeded, "bytes": stats.bytes, "logp": logp,
+            "stopped": stopped, "again": again}
 
 
 @pytest.mark.slow
@@ -129,6 +145,11 @@ def test_two_tp2_engines_in_a_tp2_pp2_trainer_take_the_sync_exactly(tiny_qwen2, 
     assert results[0]["mine"] != results[2]["mine"]
     assert results[0]["unseeded"] == results[1]["unseeded"] and results[2]["unseeded"] == results[3]["unseeded"]
     assert results[0]["unseeded"] != results[2]["unseeded"]
+    # a stop seen by one rank of each engine: every rank stopped at the same agreed step (STOP_AGREE_STEPS)
+    for r in results:
+        assert r["stopped"] == (f"generation of {len(r['mine'])} prompts stopped after {STOP_AGREE_STEPS} engine "
+                                "steps: the run is stopping"), r["stopped"]
+        assert r["again"] == r["after"]
     # every rank loaded the whole model (each vLLM rank keeps its slice of each whole tensor)
     file = out / "model.safetensors"
     with open(file, "rb") as f:

@@ -127,7 +127,7 @@ class StubPolicy(PolicyWorker):
     def ref_logprobs(self, exp):
         return _rows(self, exp)
 
-    def train(self, exp, lr, on_policy):
+    def train(self, exp, lr, on_policy, stoppable=False):
         mismatch = {"mismatch_sum": 10.0, "logp_diff_max": 0.0} if on_policy else {}
         return _stats(PolicyStats, pg_loss_num=0.0, pg_loss_den=1, clipfrac_sum=0.0, ppo_kl_sum=0.0, entropy_sum=1.0,
                       **mismatch)
@@ -568,7 +568,7 @@ class PoolPolicy(StubPolicy):
         self.calls.append("push")
         return WeightUpdate(bytes=8, buckets=1, largest_bucket=8, seconds=0.0, vllm_seconds=0.0)
 
-    def train(self, exp, lr, on_policy):
+    def train(self, exp, lr, on_policy, stoppable=False):
         self.calls.append("train")
         return super().train(exp, lr, on_policy)
 

@@ -22,9 +22,14 @@ trainable one: bf16 weights and fp32 main weights + two fp32 moments = 14 bytes 
 is printed by ``megareason plan``; ``tests/test_slurm.py`` checks ``slurm/raro_70b.sbatch``'s ``--signal``
 against it.
 
-A pre-emption without that signal (SIGTERM to the job's steps, then SIGKILL after the site's GraceTime) gets
-a checkpoint only if a step and a save fit in the grace time; ``trainer.save_every_minutes`` bounds what
-is lost otherwise.
+A pre-emption's SIGTERM (to the job's steps, then SIGKILL after the site's GraceTime) stops the step at the
+next point where it can stop: a generation (or validation) between two engine steps, a log-prob pass or the
+step's first optimizer step between two pieces of its micro-batches (``models/schedule.py``); the step is
+dropped and the state before it saved. From the first optimizer step on, the rest of the step's updates (PPO
+epochs, mini-batches, the critic's) and the weight sync run to the end, then the step is saved. So a
+checkpoint is committed within ``stop_bound``: the longest piece that cannot stop plus the save, printed by
+``megareason plan`` for the recipe; a GraceTime shorter than that loses the step in progress (the latest
+checkpoint stays; ``trainer.save_every_minutes`` bounds what is lost).
 """
 
 from __future__ import annotations
@@ -76,6 +81,59 @@ class Lead:
                 f"({gather}written by {nodes}, {self.bytes_per_node / GB:.0f} GB per node at "
                 f"{o.write_gb_s_per_node:g} GB/s = {write_s:.0f} s), x {o.safety:g} + "
                 f"{o.teardown_s:.0f} s teardown = #SBATCH --signal=B:USR1@{self.seconds}")
+
+
+@dataclass(frozen=True)
+class StopBound:
+    """How long after a SIGTERM the checkpoint is committed: the longest piece of a step that cannot stop,
+    then the save (``checkpoint_s``, as in ``Lead``)."""
+
+    pieces: dict[str, float]  # each kind of piece that runs to its end once started -> its seconds
+    checkpoint_s: float
+
+    @property
+    def longest(self) -> tuple[str, float]:
+        return max(self.pieces.items(), key=lambda kv: kv[1])
+
+    @property
+    def seconds(self) -> float:
+        return self.longest[1] + self.checkpoint_s
+
+    def line(self) -> str:
+        name, s = self.longest
+        return (f"a pre-emption's SIGTERM: a checkpoint within {self.seconds:.0f} s, the longest piece that cannot "
+                f"stop ({name}, {s:.0f} s) + the checkpoint ({self.checkpoint_s:.0f} s); the site's GraceTime must "
+                f"be longer, or the step in progress is lost")
+
+
+def stop_pieces(seconds: dict[str, float], cfg: Config, pp: int) -> dict[str, float]:
+    """The pieces of a step that run to their end once started, from a plan's seconds per phase
+    (``plan.seconds``): a log-prob pass's piece, a piece of the step's first optimizer step (``pieces`` of
+    ``models/schedule.py``), and what follows that first optimizer step: the step's other updates and the
+    weight refit. A generation stops between two engine steps, within ``STOP_POLL_S``."""
+    from megareason.models.schedule import PIECES, PIECES_PIPELINED
+    from megareason.rollout.records import STOP_POLL_S
+
+    alg = cfg.algorithm
+    n_pieces = PIECES if pp == 1 else PIECES_PIPELINED
+    # the passes ``plan_time.add_seconds`` counts: old log-probs, the reference's, the critic's values
+    passes = (alg.ppo_epochs > 1 or alg.mini_batches > 1) + (alg.kl_coef > 0) + (alg.name == "ppo")
+    updates = alg.ppo_epochs * alg.mini_batches * (2 if alg.name == "ppo" else 1)
+    training = seconds.get("training", 0.0)
+    first = training / updates  # the actor's first optimizer step; the critic's follow it
+    return {"a generation step": STOP_POLL_S,
+            "a piece of a log-prob pass": seconds.get("logprobs", 0.0) / max(passes, 1) / n_pieces,
+            "a piece of the first optimizer step": first / n_pieces,
+            "the updates after the first and the weight refit": training - first + seconds.get("weight refit", 0.0)}
+
+
+def plan_stop_bound(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> StopBound:
+    """The ``StopBound`` of a ``megareason plan`` result for its config. One step off-policy
+    (trainer.max_staleness) finishes the step in progress: its batch in flight belongs to the next checkpoint."""
+    lead = plan_lead(plan, cfg, options)
+    if cfg.trainer.max_staleness:
+        return StopBound({"a whole step, one step off-policy": lead.step_s}, lead.checkpoint_s)
+    return StopBound(stop_pieces(plan.seconds, cfg, plan.pp), lead.checkpoint_s)
 
 
 def checkpoint_bytes(cfg: Config, total_params: int, trainable_params: int) -> float:
@@ -132,8 +190,9 @@ def plan_lead(plan, cfg: Config, options: LeadOptions = LeadOptions()) -> Lead:
                            gathered_optimizer_bytes(cfg, trainable))
 
 
-def lead_for(args: argparse.Namespace) -> Lead:
-    """The lead for ``megareason plan``'s arguments (the plan's own flags plus ``--checkpoint-write-gbs``)."""
+def lead_for(args: argparse.Namespace) -> tuple[Lead, StopBound]:
+    """The lead and the SIGTERM bound for ``megareason plan``'s arguments (the plan's own flags plus
+    ``--checkpoint-write-gbs``)."""
     from megareason.config import load_config
     from megareason.launch.plan import PlanOptions, plan_config
 
@@ -142,7 +201,8 @@ def lead_for(args: argparse.Namespace) -> Lead:
     path = Path(args.config)
     is_file = path.suffix in (".yaml", ".yml") or "/" in args.config
     cfg = load_config(path.stem if is_file else args.config, args.overrides, path.parent if is_file else None)
-    return plan_lead(plan, cfg, LeadOptions(write_gb_s_per_node=args.checkpoint_write_gbs))
+    options = LeadOptions(write_gb_s_per_node=args.checkpoint_write_gbs)
+    return plan_lead(plan, cfg, options), plan_stop_bound(plan, cfg, options)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from megareason.models.logprobs import logprob_head
 from megareason.models.lora import LoRASettings, apply_lora
 from megareason.models.moe import RouterWatch
 from megareason.models.offload import TrainingStateOffload
-from megareason.models.schedule import LossFn, forward_outputs, padded_micro_batches
+from megareason.models.schedule import LossFn, StopCheck, forward_outputs, padded_micro_batches
 from megareason.models.train import OptimizerSettings, StepResult, train_step, wrap_for_training
 
 
@@ -40,9 +40,9 @@ class _Trainable:
         """Gradient buffers and optimizer state to host memory until the next update, save or load."""
         self.training_state.offload()
 
-    def train_step(self, micro_batches, loss_fn: LossFn) -> StepResult:
+    def train_step(self, micro_batches, loss_fn: LossFn, stop: StopCheck | None = None) -> StepResult:
         self.training_state.onload()
-        return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn, self.router_watch)
+        return train_step(self.ddp, self.optimizer, micro_batches, self.head, loss_fn, self.router_watch, stop)
 
     def save(self, path, metadata: dict | None = None, asynchronous: bool = False):
         from dataclasses import asdict

@@ -4,6 +4,14 @@ A *head* turns the model's output on the last pipeline stage into aligned [B, T]
 (``logprobs.logprob_head`` for the actor and reference, ``roles.value_head_outputs`` for the critic).
 ``forward_outputs`` returns them on every rank; ``forward_backward`` feeds them to a loss function that
 returns (loss_sum, count, metrics), and megatron-core divides the gradients by the global count.
+
+A run that is stopping gives a pass up between two *pieces* of its micro-batches (``stop``: every rank of the
+role asks it at the same points and gets the same answer, ``agreed_stop``): at PP 1 megatron-core's schedule
+without pipelining runs micro-batches one after the other, so a piece is one schedule call over an eighth of
+them; at PP > 1 a piece is one whole 1F1B schedule (it drains the pipeline: PP - 1 more idle slots per piece),
+and a pass is at most ``PIECES_PIPELINED`` of them. Gradients accumulate across the pieces of a training pass
+and are finalised once, after the last (data-parallel reduction, the division by the global token count:
+``finalize_model_grads``), exactly as one schedule call over all micro-batches does them.
 """
 
 from __future__ import annotations
@@ -22,6 +30,40 @@ import torch.distributed as dist
 Head = Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
 # (*head outputs, micro_batch) -> (loss_sum, count, metrics)
 LossFn = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+# Asked before each piece of a pass, on every rank of the role: True gives the pass up (``PassStopped``).
+StopCheck = Callable[[], bool]
+
+PIECES = 8  # PP 1: the pieces of a pass (free: the schedule has no pipeline to drain)
+PIECES_PIPELINED = 4  # PP > 1: each piece costs one pipeline drain, PP - 1 micro-batch slots
+
+
+def pieces(n: int, pp: int) -> list[slice]:
+    """The micro-batches ``0..n`` of a pass cut into the same number of contiguous pieces on every rank (the
+    data-parallel replicas may hold different counts; a piece may be empty): a stop check runs before each."""
+    k = PIECES if pp == 1 else PIECES_PIPELINED
+    return [slice(n * i // k, n * (i + 1) // k) for i in range(k)]
+
+
+def agreed_stop(local: Callable[[], bool]) -> StopCheck:
+    """A ``StopCheck`` that every rank of the process group answers alike: True when ``local()`` is True on
+    any rank (a MAX all-reduce of one integer over the default group, the role's ranks), so no rank goes on
+    alone into a collective its peers left. vLLM agrees on its data-parallel engines' unfinished requests the
+    same way (``ParallelConfig.has_unfinished_dp``, vllm/config/parallel.py)."""
+    def check() -> bool:
+        flag = torch.tensor([int(local())], dtype=torch.int32, device=device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    return check
+
+
+class PassStopped(RuntimeError):
+    """A pass given up between two pieces because ``stop`` said so; the optimizer was not stepped."""
+
+
+def _check(stop: StopCheck | None, what: str, done: int, n: int) -> None:
+    if stop is not None and stop():
+        raise PassStopped(f"{what} stopped after {done} of {n} micro-batches: the run is stopping")
 
 
 @dataclass
@@ -216,12 +258,14 @@ def _pipeline_broadcast(t: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs: int) -> list[list[torch.Tensor]]:
+def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs: int,
+                    stop: StopCheck | None = None) -> list[list[torch.Tensor]]:
     """For each micro-batch, ``head``'s ``num_outputs`` float32 [B, T] tensors, identical on every rank.
 
     Every rank of the model-parallel group passes the same micro-batches, all of one shape (the
     pipeline sends fixed-size activations). Right padding is harmless: a causal model never attends
-    to later (pad) positions; mask pad columns out of any loss.
+    to later (pad) positions; mask pad columns out of any loss. ``stop``: asked before each piece
+    (module docstring); True raises ``PassStopped``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -231,12 +275,20 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
         raise ValueError("all micro-batches of one call must have the same shape")
     was_training = model.training
     model.eval()
-    store = get_forward_backward_func()(
-        forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro_batches), model=[model],
-        num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches, model), micro_batch_size=b,
-        forward_only=True,
-    )
-    model.train(was_training)
+    parts = pieces(len(micro_batches), ps.get_pipeline_model_parallel_world_size()) if stop else [slice(None)]
+    store = []
+    try:
+        for part in parts:
+            _check(stop, "a log-prob pass", part.indices(len(micro_batches))[0], len(micro_batches))
+            if not micro_batches[part]:
+                continue
+            store += get_forward_backward_func()(
+                forward_step_func=partial(_forward_only_step, head), data_iterator=iter(micro_batches[part]),
+                model=[model], num_microbatches=len(micro_batches[part]),
+                seq_length=_physical_width(micro_batches, model), micro_batch_size=b, forward_only=True,
+            )
+    finally:
+        model.train(was_training)
     out = torch.zeros(len(micro_batches), num_outputs, b, t, dtype=torch.float32, device=device())
     if ps.is_pipeline_last_stage():
         for j, s in enumerate(store):
@@ -253,7 +305,7 @@ def padded_micro_batches(tokens_BT: torch.Tensor, micro_batch_size: int) -> list
     return [TokenBatch(t) for t in tokens_BT.split(micro_batch_size)]
 
 
-def _train_step(head: Head, loss_fn: LossFn, data_iterator, model):
+def _train_step(head: Head, loss_fn: LossFn, counts: list[torch.Tensor], data_iterator, model):
     batch = to_device(next(data_iterator), device())
     output = _run(batch, model)
 
@@ -261,25 +313,48 @@ def _train_step(head: Head, loss_fn: LossFn, data_iterator, model):
         loss_sum, count, metrics = loss_fn(*head(out, batch), batch)
         reported = {k: v.detach().float() for k, v in metrics.items()}
         reported["loss_sum"], reported["count"] = loss_sum.detach().float(), count.detach().float()
+        counts.append(count.detach().to(torch.int))  # the schedule's num_tokens, summed over the pieces
         return loss_sum, count.to(torch.int), reported
 
     return output, loss
 
 
-def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn) -> dict[str, float]:
+def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn,
+                     stop: StopCheck | None = None) -> dict[str, float]:
     """Accumulate gradients of ``loss_fn`` over ``micro_batches`` (objects with ``tokens_BT``, all the
     same shape). Returns each metric summed over micro-batches and data-parallel ranks (the max for
-    names ending in ``_max``), on every rank."""
+    names ending in ``_max``), on every rank. ``stop``: asked before each piece (module docstring); True
+    raises ``PassStopped`` with the gradients unfinished (the next pass zeroes them), the optimizer untouched."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     b = micro_batches[0].tokens_BT.shape[0]
     ddp_model.zero_grad_buffer()
-    store = get_forward_backward_func()(
-        forward_step_func=partial(_train_step, head, loss_fn), data_iterator=iter(micro_batches),
-        model=[ddp_model], num_microbatches=len(micro_batches), seq_length=_physical_width(micro_batches, ddp_model),
-        micro_batch_size=b, forward_only=False,
-    )
+    config = get_model_config(ddp_model)
+    parts = pieces(len(micro_batches), ps.get_pipeline_model_parallel_world_size()) if stop else [slice(None)]
+    # Each schedule call would finalise its own piece's gradients: once, after the last piece, instead
+    # (one piece: the schedule does it).
+    finalize = config.finalize_model_grads_func
+    if len(parts) > 1:
+        config.finalize_model_grads_func = None
+    store, counts = [], []
+    try:
+        for part in parts:
+            _check(stop, "a training pass", part.indices(len(micro_batches))[0], len(micro_batches))
+            if not micro_batches[part]:
+                continue
+            store += get_forward_backward_func()(
+                forward_step_func=partial(_train_step, head, loss_fn, counts),
+                data_iterator=iter(micro_batches[part]), model=[ddp_model],
+                num_microbatches=len(micro_batches[part]),
+                seq_length=_physical_width(micro_batches, ddp_model), micro_batch_size=b, forward_only=False,
+            )
+    finally:
+        config.finalize_model_grads_func = finalize
+    if finalize is not None and len(parts) > 1:  # as the schedule does after its last micro-batch (schedules.py)
+        tokens = torch.stack(counts).sum().to(torch.int) if counts else torch.zeros((), dtype=torch.int)
+        finalize([ddp_model], tokens.to(device()) if config.calculate_per_token_loss else None)
     keys = sorted(store[0]) if store else []
     if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage holds the metrics
         box = [keys]

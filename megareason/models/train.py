@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megareason.models.schedule import Head, LossFn, forward_backward
+from megareason.models.schedule import Head, LossFn, StopCheck, forward_backward
 
 
 @dataclass
@@ -89,13 +89,14 @@ def wrap_for_training(model, settings: OptimizerSettings):
 
 
 def train_step(ddp_model, optimizer, micro_batches: Sequence[Any], head: Head, loss_fn: LossFn,
-               router_watch=None) -> StepResult:
+               router_watch=None, stop: StopCheck | None = None) -> StepResult:
     """One optimizer step over ``micro_batches`` (this data-parallel rank's share of the global batch);
-    ``router_watch`` (an MoE model's ``moe.RouterWatch``) counts the step's routing."""
+    ``router_watch`` (an MoE model's ``moe.RouterWatch``) counts the step's routing. ``stop``: the pass may
+    give up between pieces of its micro-batches (``schedule.forward_backward``), before the optimizer step."""
     optimizer.zero_grad()
     if router_watch is not None:
         router_watch.start()
-    sums = forward_backward(ddp_model, micro_batches, head, loss_fn)
+    sums = forward_backward(ddp_model, micro_batches, head, loss_fn, stop)
     moe = router_watch.metrics() if router_watch is not None else None
     ok, grad_norm, _ = optimizer.step()
     if not ok:

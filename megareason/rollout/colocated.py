@@ -33,6 +33,8 @@ from megareason.rollout.records import Completion, EngineSettings, Sampling, Wei
 
 log = logging.getLogger(__name__)
 
+STOP_AGREE_STEPS = 4  # the ranks of an SPMD engine agree whether to stop every this many engine steps
+
 
 @dataclass(frozen=True)
 class RolloutLayout:
@@ -170,6 +172,23 @@ class ColocatedEngine(VLLMEngine):
             call = (self._seed * 1_000_003 + self._calls) * self.layout.engines + self.layout.engine
             sampling = replace(sampling, seed=call * 100_000)
         return super().generate(prompts_token_ids, sampling, use_tqdm=use_tqdm)
+
+    def _stop_now(self, steps: int) -> bool:
+        """Every ``STOP_AGREE_STEPS`` engine steps, the engine's ranks agree whether to give the generation up:
+        True when any of them sees the stop (``VLLMEngine._stop_now``), by a MAX all-reduce of one integer over
+        vLLM's CPU (gloo) group of the engine's TP ranks, as vLLM's external-launcher data-parallel engines
+        agree every step on their unfinished requests (``ParallelConfig.has_unfinished_dp``,
+        vllm/config/parallel.py; ``LLMEngine.has_unfinished_requests_dp``, vllm/v1/engine/llm_engine.py). Every
+        rank schedules the same requests (module docstring), so all of them ask at the same engine step and
+        abort together: none waits alone in the engine's next collective."""
+        if steps % STOP_AGREE_STEPS:
+            return False
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        flag = torch.tensor([int(super()._stop_now(steps))], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return bool(flag.item())
 
     @property
     def _seed(self) -> int:

@@ -22,12 +22,18 @@ import torch
 from megareason.rollout.buckets import new_bucket
 
 # The records, also under this module's name: pickles written before they moved name it.
-from megareason.rollout.records import Completion, EngineSettings, GenerationStopped, Sampling, WeightUpdate  # noqa: F401
+from megareason.rollout.records import (  # noqa: F401
+    STOP_POLL_S,
+    Completion,
+    EngineSettings,
+    GenerationStopped,
+    Sampling,
+    WeightUpdate,
+)
 from megareason.utils import alive, process_name, process_table
 
 log = logging.getLogger(__name__)
 
-STOP_POLL_S = 0.5  # how often a generate asks ``VLLMEngine.should_stop``
 
 
 def _on_cpu() -> bool:
@@ -106,6 +112,7 @@ class VLLMEngine:
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
         # Asked while generating; True aborts the call (``GenerationStopped``). Set by the trainer's workers.
         self.should_stop: Callable[[], bool] | None = None
+        self._polled = float("-inf")  # when ``should_stop`` was last asked
         self._watch = _EngineWatch()
 
     @_exits_if_the_core_died
@@ -135,26 +142,35 @@ class VLLMEngine:
 
     def _run(self, prompts: list, params: list, use_tqdm: bool) -> list:
         """What ``LLM.generate`` does (``enqueue``, then the loop of ``_run_engine`` in
-        vllm/entrypoints/common/offline.py: the same requests in the same order), asking ``should_stop``
-        at most every ``STOP_POLL_S``: when it says so, every request is aborted and ``GenerationStopped``
-        raised, so that a pre-empted run saves without waiting for a long generation to end."""
+        vllm/entrypoints/common/offline.py: the same requests in the same order), asking ``_stop_now`` before
+        each engine step: when it says so, every request is aborted and ``GenerationStopped`` raised, so that
+        a pre-empted run saves without waiting for a long generation to end."""
         from tqdm import tqdm
 
         engine = self.llm.llm_engine
         ids = self.llm.enqueue(prompts, params, use_tqdm=False)
-        done, polled = [], float("-inf")
+        done, steps = [], 0
         with tqdm(total=len(ids), desc="generating", unit="prompt", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
-                if self.should_stop is not None and time.monotonic() - polled >= STOP_POLL_S:
-                    polled = time.monotonic()
-                    if self.should_stop():
-                        engine.abort_request(ids, internal=True)  # enqueue returns internal ids
-                        raise GenerationStopped(f"generation of {len(ids)} prompts stopped: the run is stopping")
+                if self.should_stop is not None and self._stop_now(steps):
+                    engine.abort_request(ids, internal=True)  # enqueue returns internal ids
+                    raise GenerationStopped(f"generation of {len(ids)} prompts stopped after {steps} engine steps: "
+                                            "the run is stopping")
+                steps += 1
                 for out in engine.step():
                     if out.finished:
                         done.append(out)
                         bar.update(1)
         return sorted(done, key=lambda out: int(out.request_id))
+
+    def _stop_now(self, steps: int) -> bool:
+        """Whether to give the generation up before engine step ``steps``: ``should_stop``, asked at most
+        every ``STOP_POLL_S`` (it reads a file on a shared file system)."""
+        now = time.monotonic()
+        if now - self._polled < STOP_POLL_S:
+            return False
+        self._polled = now
+        return self.should_stop()
 
     @_exits_if_the_core_died
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -92,3 +92,12 @@ class RolloutEngine(Protocol):
 class GenerationStopped(RuntimeError):
     """A ``generate`` given up because the run is stopping (``VLLMEngine.should_stop``): every request was
     aborted, nothing of the call is returned."""
+
+
+class UpdateStopped(GenerationStopped):
+    """A log-prob or training pass of the step's update given up between two pieces of its micro-batches
+    because the run is stopping (``models.schedule.PassStopped``), before the step's first optimizer step: the
+    model is as the step found it, and the step is dropped as a stopped generation is."""
+
+
+STOP_POLL_S = 0.5  # how often a generate asks ``VLLMEngine.should_stop`` (it reads a file)

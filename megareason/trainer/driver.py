@@ -141,6 +141,8 @@ class Driver:
         t = self.cfg.trainer
         self.state = TrainerState()
         changed = self.run.check_resume(self.cfg)  # before anything is loaded or config.json is written
+        for partial in self.run.remove_partial_checkpoints():  # the run lock is held (loop.train, sft)
+            log.warning("removed %s: a checkpoint whose save was killed before it was committed", partial)
         latest = self.run.latest() if t.resume_mode != "disable" else None
         if changed:
             log.warning("resuming with a config that differs from the run's (trainer.resume_mode=force):\n  %s",
@@ -230,26 +232,30 @@ class Driver:
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
 
-    def drop_step(self, step: int) -> None:
-        """A SIGTERM stopped ``step``'s generation (``GenerationStopped``): nothing of the step is kept. The
-        state after step - 1 is saved unless a checkpoint holds it already, then the run exits with
+    def drop_step(self, step: int, phase: str = "generation") -> None:
+        """A SIGTERM stopped ``step``'s generation (``GenerationStopped``), or a log-prob pass or its first
+        training pass before any optimizer step (``UpdateStopped``): nothing of the step is kept. The state
+        after step - 1 is saved unless a checkpoint holds it already, then the run exits with
         ``EXIT_STOPPED``; the next run does ``step`` again, as the uninterrupted run did it."""
         if step - 1 > self.saved_step:
             self._save(step - 1, self.done_extra, self.before_step)
-        self._exit(f" during step {step}'s generation: the step was dropped, the run resumes at step {step}")
+        self._exit(f" during step {step}'s {phase}: the step was dropped, the run resumes at step {step}")
 
     def close(self) -> None:
         self._commit_background(blocking=True)
         self.tracker.close()
 
     def _stop_generation_on_sigterm(self) -> None:
-        """A SIGTERM makes the engines give up a generation in progress: the handler creates the run's stop
-        file, which every engine polls while it generates. Not with trainer.max_staleness (the batch in
-        flight belongs to the next step's checkpoint); not without a handler (tests, library use)."""
+        """A SIGTERM makes the engines give up a generation in progress, and the workers a log-prob pass or the
+        step's first training pass (``models.schedule``): the handler creates the run's stop file, which every
+        engine polls while it generates and every worker between pieces of its passes. Not with
+        trainer.max_staleness (the batch in flight belongs to the next step's checkpoint); not without a
+        handler (tests, library use)."""
         if self.stop is None or self.cfg.trainer.max_staleness:
             return
         stop_file = self.run.stop_file.resolve()
-        self.roles[0].stop_generating_on(str(stop_file))
+        for role in self.roles:  # the policy's engines and passes, the critic's passes
+            role.stop_generating_on(str(stop_file))
         self.stop.on_term = stop_file.touch
         if self.stop.signal == signal.SIGTERM:
             stop_file.touch()

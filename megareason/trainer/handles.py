@@ -53,6 +53,10 @@ class RoleHandle:
         """Every rank loads the role's checkpoint at ``path`` (any saved TP/PP layout)."""
         self._call(PolicyWorker.load, path)
 
+    def stop_generating_on(self, path: str) -> None:
+        """From now on the role's log-prob passes give up (``UpdateStopped``) once the file ``path`` exists."""
+        self._call(CriticWorker.stop_generating_on, path)
+
     def shutdown(self) -> None:
         self.group.shutdown()
 
@@ -89,7 +93,8 @@ class PolicyHandle(RoleHandle):
         self._call(PolicyWorker.sleep_engine)
 
     def stop_generating_on(self, path: str) -> None:
-        """From now on a generate in progress gives up (``GenerationStopped``) once the file ``path`` exists."""
+        """From now on a generate in progress gives up (``GenerationStopped``) once the file ``path`` exists,
+        and so do the log-prob passes and a stoppable training pass (``UpdateStopped``)."""
         if self.pool is not None:
             self.pool.stop_generating_on(path)
         self._call(PolicyWorker.stop_generating_on, path)
@@ -107,10 +112,10 @@ class PolicyHandle(RoleHandle):
         """[B, T] log-probs under the reference (the initial policy)."""
         return torch.cat(self._rows(PolicyWorker.ref_logprobs, exp))
 
-    def train(self, exp: Experience, lr: float, on_policy: bool) -> PolicyStats:
+    def train(self, exp: Experience, lr: float, on_policy: bool, stoppable: bool = False) -> PolicyStats:
         """One optimizer step on ``exp`` (a mini-batch; each replica trains its share); see
         ``PolicyWorker.train``."""
-        return self._call(PolicyWorker.train, exp, lr, on_policy)[0]
+        return self._call(PolicyWorker.train, exp, lr, on_policy, stoppable)[0]
 
     def sft_train(self, exp: Experience, lr: float) -> SftStats:
         """One supervised optimizer step on ``exp``'s response tokens."""

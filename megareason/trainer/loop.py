@@ -26,7 +26,7 @@ from megareason.data.loaders import load_records
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
 from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
-from megareason.rollout.records import GenerationStopped
+from megareason.rollout.records import GenerationStopped, UpdateStopped
 from megareason.settings import policy_data
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
 from megareason.trainer.episodes import check_env_data, env_enabled, run_env
@@ -94,8 +94,11 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         # 2. the engines asleep: log-probs, advantages, the updates; 3. the weight sync wakes the engines
         exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
         if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
-            exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer,
-                                  sync=not rollout.pushes_weights)
+            try:
+                exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer,
+                                      sync=not rollout.pushes_weights)
+            except UpdateStopped:  # a SIGTERM before the step's first optimizer step: the model is unchanged
+                driver.drop_step(step, "log-probs or first optimizer step")
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
         update.sync = update.sync or rows.sync  # one step off: the variant's push before this step's batch
@@ -131,7 +134,8 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
             ) -> tuple[Experience, UpdateStats]:
     """Log-probs (old, reference, critic values) -> advantages -> ppo_epochs x len(parts) updates (``parts``:
     ``mini_batch_rows``) -> weight sync (``sync``; one step off-policy pushes the weights when the engines
-    are idle: ``offpolicy``). Returns the completed experience and what the workers reported."""
+    are idle: ``offpolicy``). Returns the completed experience and what the workers reported; raises
+    ``UpdateStopped`` when a stop ends a pass before the first optimizer step."""
     alg, exp, update = cfg.algorithm, rows.exp, UpdateStats()
     # The rollout engines free the devices while Megatron computes; the sync at the end wakes them.
     actors.sleep_engine()
@@ -146,11 +150,16 @@ def _update(cfg: Config, step: int, actors: PolicyHandle, critic: CriticHandle |
     exp = exp.with_fields(**compute_advantages(cfg.algorithm, cfg.raro, exp, rows.reward_B, rows.group_B,
                                                rows.is_critic_B, parts))
 
+    # A SIGTERM stops the log-prob passes and the first optimizer step's pass between pieces of their
+    # micro-batches (``UpdateStopped``: the step is dropped, the state before it saved). From the first
+    # optimizer step on, the model holds part of the step: the remaining updates and the sync run to the end,
+    # and the checkpoint after the step is saved (with algorithm.ppo_epochs x mini_batches updates a step).
     with timed(timer, "train"):
-        for _ in range(alg.ppo_epochs):
-            for rows_b in parts:
-                mini = exp.select(rows_b)
-                update.actor.append(actors.train(mini, learning_rate(cfg.optim.lr, cfg, step), on_policy))
+        for epoch in range(alg.ppo_epochs):
+            for b, rows_b in enumerate(parts):
+                mini, first = exp.select(rows_b), epoch == 0 and b == 0
+                lr = learning_rate(cfg.optim.lr, cfg, step)
+                update.actor.append(actors.train(mini, lr, on_policy, stoppable=first))
                 if critic is not None:
                     update.critic.append(critic.train(mini, learning_rate(cfg.optim.critic_lr, cfg, step)))
     if sync:

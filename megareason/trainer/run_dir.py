@@ -20,7 +20,8 @@ the holder.
 
 A checkpoint is built in ``checkpoints/.step_N.tmp`` and renamed to ``step_N`` once the model
 checkpoints and ``trainer_state.json`` are all written, so a ``step_N`` folder is always complete; a
-crash mid-save leaves a ``.tmp`` folder that the next save removes. Only the last ``keep_last`` are kept.
+process killed mid-save leaves a ``.tmp`` folder (up to a whole checkpoint's bytes), which the next start
+removes once it holds the run lock (``RunDir.remove_partial_checkpoints``). Only the last ``keep_last`` are kept.
 
 A rerun resumes from the latest checkpoint only with the config of the run (``check_resume``): the fields
 of ``RESUMABLE_CHANGES`` may differ (more steps, a copied run folder, save and log settings), any other
@@ -44,6 +45,7 @@ from megareason.config import Config, ConfigError, saved_config
 from megareason.utils import OccupiedFolder, OutputKind, RunError, atomic_write, replace_directory
 
 _STEP = re.compile(r"^step_(\d+)$")
+_PARTIAL = re.compile(r"^\.step_\d+\.tmp$")  # a checkpoint being written (``begin_checkpoint``)
 # A checkpoints/step_N folder: trainer_state.json, a folder per trained role (trainer/handles.py names
 # them), the batch in flight of a one-step off-policy run (trainer/offpolicy.py's INFLIGHT).
 STEP_CHECKPOINT = OutputKind("step checkpoint", marks=("trainer_state.json",),
@@ -161,6 +163,17 @@ class RunDir:
         """The newest complete checkpoint (None: none yet); half-written ``.tmp`` folders never count."""
         steps = self.steps()
         return self.checkpoint(steps[-1]) if steps else None
+
+    def remove_partial_checkpoints(self) -> list[Path]:
+        """Delete the ``.step_N.tmp`` folders a killed save left (a hard kill during a save, or SIGKILL at the
+        end of a pre-emption's grace time); returns them. Call it only while holding the run lock
+        (``hold_run_lock``): a save in progress in another process writes such a folder."""
+        if not self.checkpoints.is_dir():
+            return []
+        partial = sorted(p for p in self.checkpoints.iterdir() if _PARTIAL.match(p.name))
+        for p in partial:
+            shutil.rmtree(p, ignore_errors=True)
+        return partial
 
     def begin_checkpoint(self, step: int) -> Path:
         """A fresh temporary folder for step ``step``'s checkpoint (model workers write into it)."""

@@ -11,6 +11,7 @@ of the step's rows (``share``), and the first rank of each replica returns that 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ def colocated_rollout(placement: str, rollout_tp: int) -> bool:
 class _Worker:
     """Rendezvous first (``address``), then ``setup`` with rank 0's address: torch.distributed and
     megatron-core's parallel groups for this role."""
+
+    stop_path: str | None = None  # the driver's stop file (``stop_generating_on``)
 
     def __init__(self, settings: WorkerSettings, rank: int, world: int):
         from megareason.logs import name_worker
@@ -156,21 +159,36 @@ class _Worker:
                 micro = pack(count)
         return micro
 
+    def stop_generating_on(self, path: str) -> None:
+        """From now on the log-prob passes, and a training pass the driver marks stoppable (the step's first
+        optimizer step), give up between pieces of their micro-batches (``UpdateStopped``) once the file
+        ``path`` exists on any rank of the role (``schedule.agreed_stop``)."""
+        self.stop_path = path
+
+    def _stop_check(self):
+        """The role's agreed stop check (None: no stop file given)."""
+        from megareason.models.schedule import agreed_stop
+
+        path = self.stop_path
+        return agreed_stop(functools.partial(os.path.exists, path)) if path is not None else None
+
     def _outputs(self, model, head, num: int, exp: Experience, responses_only: bool = False) -> list[torch.Tensor]:
-        """``head``'s outputs over this replica's share, as [B_share, T] rows."""
+        """``head``'s outputs over this replica's share, as [B_share, T] rows (a pass that a stop may end)."""
         mine = self._share(exp)
         micro = self._pack(mine, model, responses_only=responses_only)
-        outs = forward_outputs(model, micro, head, num)
+        with _update_stopped():
+            outs = forward_outputs(model, micro, head, num, self._stop_check())
         # The whole batch's width, not the share's: the driver concatenates the replicas' rows.
         width = exp.tokens_BT.shape[1]
         return [unpack_to_rows([o[k] for o in outs], micro, mine.lengths_B, width) for k in range(num)]
 
     def _train(self, role, exp: Experience, names: list[str], loss_fn, lr: float, record: type[TrainStats],
-               responses_only: bool = False) -> TrainStats:
+               responses_only: bool = False, stoppable: bool = False) -> TrainStats:
         for group in role.optimizer.param_groups:
             group["lr"] = lr
         micro = self._pack(self._share(exp), role.model, names, responses_only=responses_only)
-        result = role.train_step(micro, loss_fn)
+        with _update_stopped():
+            result = role.train_step(micro, loss_fn, self._stop_check() if stoppable else None)
         return record.from_step(result.loss, result.grad_norm, result.metrics, result.moe)
 
     def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
@@ -193,6 +211,19 @@ class _Worker:
         from megareason.models.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+@contextlib.contextmanager
+def _update_stopped():
+    """A pass that a stop ended (``schedule.PassStopped``) leaves the worker as ``UpdateStopped``, which the
+    driver's worker group passes on as a stop, not a failure (a ``GenerationStopped``)."""
+    from megareason.models.schedule import PassStopped
+    from megareason.rollout.records import UpdateStopped
+
+    try:
+        yield
+    except PassStopped as e:
+        raise UpdateStopped(str(e)) from None
 
 
 def _max_over_data_parallel(n: int) -> int:
@@ -290,10 +321,12 @@ class PolicyWorker(_Worker):
         self._write_checkpoint(path, metadata, asynchronous)
 
     def stop_generating_on(self, path: str) -> None:
-        """This rank's whole engine gives up a generate (``GenerationStopped``) once the file ``path``
-        exists (the driver's stop file). Not an SPMD engine spread over ranks (rollout TP > 1 colocated):
-        its ranks would stop at different engine steps and wait on each other in vLLM's collectives."""
-        if self.engine is not None and not self.settings.colocated_engines:
+        """This rank's engine gives up a generate (``GenerationStopped``) once the file ``path`` exists (the
+        driver's stop file), and so do its passes (``_Worker.stop_generating_on``). The ranks of an SPMD engine
+        spread over ranks (rollout TP > 1 colocated) agree on the engine step at which they give up
+        (``ColocatedEngine``), so none waits alone in vLLM's collectives."""
+        super().stop_generating_on(path)
+        if self.engine is not None:
             self.engine.engine.should_stop = functools.partial(os.path.exists, path)
 
     def sleep_engine(self) -> None:
@@ -319,15 +352,18 @@ class PolicyWorker(_Worker):
             return logp
         if torch.cuda.is_available():
             ref.onload()
-        (logp, _) = self._outputs(ref.model, ref.head, 2, exp, responses_only=True)
-        if torch.cuda.is_available():
-            ref.offload()
+        try:
+            (logp, _) = self._outputs(ref.model, ref.head, 2, exp, responses_only=True)
+        finally:  # also when a stop ends the pass: the save that follows needs the room
+            if torch.cuda.is_available():
+                ref.offload()
         return logp
 
-    def train(self, exp: Experience, lr: float, on_policy: bool) -> PolicyStats:
+    def train(self, exp: Experience, lr: float, on_policy: bool, stoppable: bool = False) -> PolicyStats:
         """One optimizer step of the policy loss over this replica's share of ``exp`` (a mini-batch).
         ``on_policy``: ``exp`` has no old log-probs; this forward pass gives them and measures the
-        train/generation mismatch against ``rollout_logp_BT``."""
+        train/generation mismatch against ``rollout_logp_BT``. ``stoppable``: the pass gives up on a stop
+        (``UpdateStopped``) before the optimizer step (the loop says so for the step's first one only)."""
         from megareason.trainer.losses import policy_loss_fn
 
         alg = self.settings.algorithm
@@ -336,7 +372,7 @@ class PolicyWorker(_Worker):
         names += [] if on_policy else ["old_logp_BT"]
         names += ["ref_logp_BT"] if exp.ref_logp_BT is not None else []
         loss_fn = policy_loss_fn(alg, on_policy, self.settings.max_tokens)
-        return self._train(self.actor, exp, names, loss_fn, lr, PolicyStats, responses_only=True)
+        return self._train(self.actor, exp, names, loss_fn, lr, PolicyStats, responses_only=True, stoppable=stoppable)
 
     def sft_train(self, exp: Experience, lr: float) -> SftStats:
         """One supervised step: NLL of the response tokens (``megareason sft``)."""
