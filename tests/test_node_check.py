@@ -202,7 +202,8 @@ def _node(tmp: Path, *, ephemeral: str = "32768\t60999", hcas: tuple[str, ...] =
     return {"proc": proc, "sysfs": sysfs, "dev": dev}
 
 
-def _gate(tmp: Path, gpus: int = 8, memlock: int = resource.RLIM_INFINITY, ports: tuple[int, int] | None = None, **node):
+def _gate(tmp: Path, gpus: int = 8, memlock: int = resource.RLIM_INFINITY, ports: tuple[int, int] | None = None,
+          **node):
     env = {"GLOO_SOCKET_IFNAME": "eth0", "NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA_13}
     return node_check.check(nodes=2, env=env, ifaces=IFACES, gpus=gpus, memlock=memlock, ports=ports,
                             **_node(tmp, **node))
