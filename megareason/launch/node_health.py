@@ -30,10 +30,15 @@ import resource
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from megareason.launch.node_check import Report
+
+class Report(Protocol):
+    """Where a check writes (``node_check.Report``): lines to print, warnings, errors (exit code 1)."""
+
+    lines: list[str]
+    warnings: list[str]
+    errors: list[str]
 
 # XIDs that mean the GPU or its links are faulty (NVIDIA's XID catalog): the GPU needs a reset, or the node a
 # drain, before a job can trust it.
