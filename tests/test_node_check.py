@@ -204,7 +204,7 @@ def _node(tmp: Path, *, ephemeral: str = "32768\t60999", hcas: tuple[str, ...] =
 
 def _gate(tmp: Path, gpus: int = 8, memlock: int = resource.RLIM_INFINITY, ports: tuple[int, int] | None = None,
           **node):
-    env = {"GLOO_SOCKET_IFNAME": "eth0", "NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA_13}
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA_13, "SLURMD_NODENAME": "gpu-017"}
     return node_check.check(nodes=2, env=env, ifaces=IFACES, gpus=gpus, memlock=memlock, ports=ports,
                             **_node(tmp, **node))
 
@@ -234,7 +234,8 @@ def test_a_missing_or_broken_gpu_or_ecc_errors_are_refused_naming_the_gpu(tmp_pa
     _stand_ins(tmp_path, monkeypatch, gpus="".join(gpus), smi_rc=rc)
     r = _gate(tmp_path)
     assert [e for e in r.errors if e.startswith(want)], r.errors
-    assert all("drain the node (scontrol update nodename=NODE state=drain" in e for e in r.errors)
+    assert all(e.endswith("drain the node (scontrol update nodename=gpu-017 state=drain reason=...) and resubmit "
+                          "with --exclude=gpu-017") for e in r.errors)
 
 
 def test_gpus_without_ecc_or_row_remapping_pass_and_a_pending_remap_is_refused(tmp_path, monkeypatch):
@@ -246,15 +247,15 @@ def test_gpus_without_ecc_or_row_remapping_pass_and_a_pending_remap_is_refused(t
     r = _gate(tmp_path / "b")
     assert r.errors == ["GPU 00000000:58:00.0: a row remapping waits for a reset (remapped_rows.pending Yes, "
                         "remapped_rows.failure No): reset the GPU (nvidia-smi -r) or drain the node (scontrol "
-                        "update nodename=NODE state=drain reason=...) and resubmit with --exclude"]
+                        "update nodename=gpu-017 state=drain reason=...) and resubmit with --exclude=gpu-017"]
 
 
 def test_a_hardware_xid_is_refused_an_application_one_is_not_and_an_unreadable_log_warns(tmp_path, monkeypatch):
     _stand_ins(tmp_path / "a", monkeypatch, dmesg=XID_APP + XID_79 + XID_79)
     r = _gate(tmp_path / "a")
     assert r.errors == ["XID 79 (GPU has fallen off the bus) on the GPU at PCI 0000:88:00, 2 time(s) in the kernel "
-                        "log since boot: reset the GPU or drain the node (scontrol update nodename=NODE state=drain "
-                        "reason=...) and resubmit with --exclude (a reboot clears the log)"]
+                        "log since boot: reset the GPU or drain the node (scontrol update nodename=gpu-017 "
+                        "state=drain reason=...) and resubmit with --exclude=gpu-017 (a reboot clears the log)"]
     _stand_ins(tmp_path / "b", monkeypatch, dmesg=None)
     r = _gate(tmp_path / "b")
     assert not r.errors and r.warnings[-1] == ("the kernel log cannot be read here (dmesg: dmesg: read kernel "

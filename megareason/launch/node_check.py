@@ -260,7 +260,7 @@ def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | 
     visible = env.get("CUDA_VISIBLE_DEVICES")
     r.lines.append(f"GPUs: CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'}, "
                    f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '(unset)')}")
-    node_health.check_node_gpus(r, gpus)
+    node_health.check_node_gpus(r, gpus, env.get("SLURMD_NODENAME") or hostname)
     line, error = gpu_driver.check(env, driver_text)
     r.lines.append(line)
     if error:

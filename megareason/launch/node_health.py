@@ -60,7 +60,10 @@ GPU_QUERY = ["nvidia-smi", "--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.
              "--format=csv,noheader,nounits"]
 REMAP_QUERY = ["nvidia-smi", "--query-remapped-rows=gpu_bus_id,remapped_rows.pending,remapped_rows.failure",
                "--format=csv,noheader"]
-DRAIN = "drain the node (scontrol update nodename=NODE state=drain reason=...) and resubmit"
+
+
+def _drain(node: str) -> str:
+    return f"drain the node (scontrol update nodename={node} state=drain reason=...) and resubmit with --exclude={node}"
 
 
 def _count(text: str) -> int | None:
@@ -69,7 +72,7 @@ def _count(text: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def check_gpus(f: Report, query: str | None, remap: str | None, asked: int) -> None:
+def check_gpus(f: Report, query: str | None, remap: str | None, asked: int, node: str = "NODE") -> None:
     """``query``: what ``GPU_QUERY`` printed (None: no nvidia-smi here); ``remap``: what ``REMAP_QUERY`` printed
     (None: not supported by these GPUs or this driver); ``asked``: the GPUs the job asks on this node (0: not
     checked)."""
@@ -77,7 +80,7 @@ def check_gpus(f: Report, query: str | None, remap: str | None, asked: int) -> N
         f.lines.append("GPUs (nvidia-smi): none here")
         if asked:
             f.errors.append(f"the job asks for {asked} GPUs on this node and nvidia-smi is not found (no NVIDIA "
-                            f"driver, or a container started without the GPUs): {DRAIN} with --exclude")
+                            f"driver, or a container started without the GPUs): {_drain(node)}")
         return
     gpus, broken = [], []
     for line in query.splitlines():
@@ -90,15 +93,15 @@ def check_gpus(f: Report, query: str | None, remap: str | None, asked: int) -> N
                    "".join(f"; GPU {i} {bus} uncorrectable ECC {ecc}" for i, bus, ecc in gpus))
     for line in broken:
         f.errors.append(f"nvidia-smi cannot read a GPU: {line!r} (a GPU fell off the bus or its driver state is "
-                        f"broken): reset the GPU or {DRAIN} with --exclude")
+                        f"broken): reset the GPU or {_drain(node)}")
     if asked and len(gpus) < asked:
         f.errors.append(f"{len(gpus)} GPUs work on this node, the job asks for {asked} (SLURM_GPUS_ON_NODE): a "
-                        f"GPU is missing or failed; {DRAIN} with --exclude")
+                        f"GPU is missing or failed; {_drain(node)}")
     for index, bus, ecc in gpus:
         if (_count(ecc) or 0) > 0:
             f.errors.append(f"GPU {index} ({bus}) has {ecc} uncorrectable ECC errors since the driver loaded "
                             f"(ecc.errors.uncorrected.volatile.total): its memory returned bad data; reset the "
-                            f"GPU (nvidia-smi -r) or {DRAIN} with --exclude")
+                            f"GPU (nvidia-smi -r) or {_drain(node)}")
     for line in (remap or "").splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3:
@@ -107,10 +110,10 @@ def check_gpus(f: Report, query: str | None, remap: str | None, asked: int) -> N
         if pending.lower() in ("yes", "1") or failure.lower() in ("yes", "1"):
             what = "a row remapping failed" if failure.lower() in ("yes", "1") else "a row remapping waits for a reset"
             f.errors.append(f"GPU {bus}: {what} (remapped_rows.pending {pending}, remapped_rows.failure {failure}): "
-                            f"reset the GPU (nvidia-smi -r) or {DRAIN} with --exclude")
+                            f"reset the GPU (nvidia-smi -r) or {_drain(node)}")
 
 
-def check_xids(f: Report, kernel_log: str | None, why_unread: str = "") -> None:
+def check_xids(f: Report, kernel_log: str | None, why_unread: str = "", node: str = "NODE") -> None:
     """The hardware-fault XIDs (``FATAL_XIDS``) in ``kernel_log`` (None: it could not be read, ``why_unread``)."""
     if kernel_log is None:
         f.warnings.append(f"the kernel log cannot be read here ({why_unread}): NVIDIA XID errors not checked")
@@ -124,7 +127,7 @@ def check_xids(f: Report, kernel_log: str | None, why_unread: str = "") -> None:
         f"XID {x} on {bus} x{n}" for (bus, x), n in sorted(seen.items())) or "none"))
     for (bus, xid), n in sorted(fatal.items()):
         f.errors.append(f"XID {xid} ({FATAL_XIDS[xid]}) on the GPU at PCI {bus}, {n} time(s) in the kernel log "
-                        f"since boot: reset the GPU or {DRAIN} with --exclude (a reboot clears the log)")
+                        f"since boot: reset the GPU or {_drain(node)} (a reboot clears the log)")
 
 
 def check_memlock(f: Report, limit: int, uses_ib: bool) -> None:
@@ -174,16 +177,16 @@ def run_nvidia_smi(args: list[str]) -> tuple[int, str] | None:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def check_node_gpus(f: Report, asked: int) -> None:
+def check_node_gpus(f: Report, asked: int, node: str = "NODE") -> None:
     """``check_gpus`` and ``check_xids`` with this node's nvidia-smi and kernel log (XIDs only where nvidia-smi
     runs: a node without the driver has none)."""
     query = run_nvidia_smi(GPU_QUERY)
     if query is None:
-        check_gpus(f, None, None, asked)
+        check_gpus(f, None, None, asked, node)
         return
     remap = run_nvidia_smi(REMAP_QUERY)
-    check_gpus(f, query[1], remap[1] if remap and remap[0] == 0 else None, asked)
-    check_xids(f, *read_kernel_log())
+    check_gpus(f, query[1], remap[1] if remap and remap[0] == 0 else None, asked, node)
+    check_xids(f, *read_kernel_log(), node=node)
 
 
 def read_kernel_log() -> tuple[str | None, str]:
