@@ -263,11 +263,17 @@ def test_a_hardware_xid_is_refused_an_application_one_is_not_and_an_unreadable_l
                                                "checked")
 
 
-def test_no_nvidia_smi_fails_only_a_job_that_asks_for_gpus(tmp_path, monkeypatch):
+def test_no_nvidia_smi_or_no_driver_fails_only_a_job_that_asks_for_gpus(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert not _gate(tmp_path / "a", gpus=0).errors  # a CPU job (the loopback test cluster)
     r = _gate(tmp_path / "b", gpus=4)
     assert r.errors[0].startswith("the job asks for 4 GPUs on this node and nvidia-smi is not found")
+    monkeypatch.undo()  # PATH back
+    no_driver = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+    _stand_ins(tmp_path / "c", monkeypatch, gpus=no_driver, smi_rc=9)
+    r = _gate(tmp_path / "c", gpus=0)
+    assert not r.errors and [w for w in r.warnings if w.startswith('nvidia-smi cannot read a GPU: "NVIDIA-SMI has')]
+    assert _gate(tmp_path / "d", gpus=8).errors[0].startswith('nvidia-smi cannot read a GPU: "NVIDIA-SMI has failed')
 
 
 def test_infiniband_needs_unlimited_locked_memory_and_devices_that_open(tmp_path, monkeypatch):

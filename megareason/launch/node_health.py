@@ -91,9 +91,10 @@ def check_gpus(f: Report, query: str | None, remap: str | None, asked: int, node
             broken.append(line.strip())
     f.lines.append(f"GPUs (nvidia-smi): {len(gpus)}" + (f", the job asks for {asked}" if asked else "") +
                    "".join(f"; GPU {i} {bus} uncorrectable ECC {ecc}" for i, bus, ecc in gpus))
-    for line in broken:
-        f.errors.append(f"nvidia-smi cannot read a GPU: {line!r} (a GPU fell off the bus or its driver state is "
-                        f"broken): reset the GPU or {_drain(node)}")
+    for line in broken:  # a job without GPUs on a node without working ones: only said
+        (f.errors if asked or gpus else f.warnings).append(
+            f"nvidia-smi cannot read a GPU: {line!r} (a GPU fell off the bus or its driver state is broken): reset "
+            f"the GPU or {_drain(node)}")
     if asked and len(gpus) < asked:
         f.errors.append(f"{len(gpus)} GPUs work on this node, the job asks for {asked} (SLURM_GPUS_ON_NODE): a "
                         f"GPU is missing or failed; {_drain(node)}")
