@@ -26,11 +26,14 @@ from test_train_e2e import AT_SCALE, _args, _env, _expect_gone, _kill_group, _me
 from megareason.launch.reaper import descendants, process_table
 
 # Every limit here is a bound on a hang, not a speed: each wait ends on an event (a log line, an exit, the
-# processes gone) and the limits are ~3x what a loaded machine took (measured below). PHASES records how long
-# each part took; a failure prints it.
-TEST_LIMIT_S = 2700  # the whole test (pyproject's default for a test: 900 s)
+# processes gone), and each limit is 3x or more what a loaded machine took. Measured on 2 cores beside other
+# tests (load average 11 falling to 3; 2026-11-28): 648 s in all; the uninterrupted run 245 s, each fault's
+# start and resume 77-97 s, the stop after a SIGKILL 0.2-3.6 s, every process gone 0.2-3.7 s, the resumed run
+# 120 s. pyproject's 900 s for a test was overrun under a heavy load. Each phase's time is printed (a failure
+# shows them).
+TEST_LIMIT_S = 2000  # the whole test
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_LIMIT_S)]
-RUN_LIMIT_S = 900  # one `megareason train` of the test
+RUN_LIMIT_S = 900  # one `megareason train` of the test, or a start up to the resume
 STOP_LIMIT_S = 300  # the run stopping by itself after a victim's SIGKILL
 GONE_LIMIT_S = 60  # then every process it started gone
 PHASES: dict[str, float] = {}
