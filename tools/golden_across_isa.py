@@ -48,7 +48,12 @@ def command(name: str, model: Path, tmp: Path, out: Path) -> list[str]:
                      "trainer.micro_batch_tokens=2048", "data.max_prompt_length=512", "data.system_prompt=''",
                      "data.sources=[{kind: synthetic_multihop, size: 8, seed: 1, options: {distractors: 2}}]",
                      "data.val_sources=[{kind: synthetic_multihop, size: 2, seed: 2, options: {distractors: 2}}]")
-    raise SystemExit(f"golden_across_isa: no recipe for {name!r} (ppo, raro, grpo_env)")
+    if name == "async":  # test_async_rollouts.py, the separate engine's run
+        from test_async_rollouts import _COMMON
+
+        return _args(model, tmp, out, *_COMMON, "trainer.steps=2", "trainer.save_every=0",
+                     "rollout.placement=separate")
+    raise SystemExit(f"golden_across_isa: no recipe for {name!r} (ppo, raro, grpo_env, async)")
 
 
 def differences(got: dict[int, dict], want: dict[int, dict]) -> dict[str, tuple[float, float, int]]:
@@ -71,7 +76,7 @@ def differences(got: dict[int, dict], want: dict[int, dict]) -> dict[str, tuple[
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("names", nargs="+", help="golden curves: ppo, raro, grpo_env")
+    p.add_argument("names", nargs="+", help="golden curves: ppo, raro, grpo_env, async")
     p.add_argument("--isa", nargs="+", default=["native", "avx2"], choices=["native", "avx2"])
     p.add_argument("--out", type=Path, default=REPO / "isa_runs")
     args = p.parse_args()
