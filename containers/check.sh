@@ -1,7 +1,8 @@
 #!/bin/bash
 # Check a megareason GPU image from inside: the Python version, the versions of the stack, that torch is
-# still the build vLLM was compiled against (recorded at build time), that vLLM's compiled ops load, that
-# TransformerEngine imports and is within megatron-core's range, `pip check`, that the node's NVIDIA driver
+# still the build vLLM was compiled against (recorded at build time), that vLLM's compiled ops load (through
+# vLLM's own loader, which picks the build this CPU runs), that TransformerEngine imports and is within
+# megatron-core's range, `pip check`, that the node's NVIDIA driver
 # is new enough for the image's CUDA (R580+ for CUDA 13.0; a node without a driver passes, saying so), and
 # megareason's CLI on CPU (plan, config validation, node check). On a GPU (docker run --gpus all, srun
 # --container-image) it also checks CUDA from torch and TE; with --build (the Dockerfile's last step, no GPU
@@ -70,7 +71,19 @@ now = {"version": torch.__version__, "git": torch.version.git_version, "cuda": t
 assert rec == now, f"torch changed after it was installed: {rec} -> {now}"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}, git {torch.version.git_version[:10]}) is what "
       f"{dist} needs ({need[0].specifier})")' "$record"
-check "vllm._C (vLLM's compiled ops) loads" "$py" -c 'import vllm._C, vllm; print("vllm", vllm.__version__, vllm._C.__file__)'
+# vLLM's own loader picks the build this machine runs: on x86 CPUs vllm/platforms/cpu.py loads _C (AVX-512 with
+# bf16), _C_AVX512 or _C_AVX2 by the CPU's flags, and CUDA's loads _C_stable_libtorch; `import vllm._C`
+# itself dies with SIGILL on an AVX2-only CPU. import_kernels only warns when a load fails: the libraries
+# this process then maps decide.
+check "vLLM's compiled ops load as vLLM loads them" "$py" -c '
+import os, torch, vllm
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/vllm/_" in line and ".so" in line})
+platform = type(current_platform).__name__
+assert libs, f"{platform}.import_kernels loaded no compiled vLLM library (its warning is above)"
+print(f"vllm {vllm.__version__} on {platform} (CPU capability {torch.backends.cpu.get_cpu_capability()}):",
+      ", ".join(os.path.basename(p) for p in libs))'
 check "TransformerEngine within megatron-core's range" "$py" -c '
 import importlib.metadata as m, re
 from packaging.requirements import Requirement

@@ -82,11 +82,22 @@ def block_base(env: dict[str, str] | None = None, ephemeral: tuple[int, int] | N
         base = int(text)
     except ValueError:
         raise PortError(f"{PORT_BASE_ENV}={text!r}: expected a port number") from None
-    lo, hi = ephemeral or ephemeral_range()
-    if base < 1024 or base + BLOCK > 65536 or (base <= hi and base + BLOCK > lo):
-        raise PortError(f"{PORT_BASE_ENV}={base}: the block {base}-{base + BLOCK - 1} must lie within "
-                        f"1024-65535 and outside the ephemeral range {lo}-{hi} (net.ipv4.ip_local_port_range)")
+    problem = fixed_ports_problem(base, base + BLOCK - 1, ephemeral)
+    if problem:
+        raise PortError(f"{PORT_BASE_ENV}={base}: {problem}")
     return base
+
+
+def fixed_ports_problem(first: int, last: int, ephemeral: tuple[int, int] | None = None) -> str | None:
+    """Why ports ``first``..``last`` (inclusive) cannot be taken by number, or None: they must lie within
+    1024-65535 and outside the ephemeral range. The one rule for this module's blocks and for the job's Ray
+    ports that ``megareason node-check`` checks on every node before Ray starts."""
+    lo, hi = ephemeral or ephemeral_range()
+    if first < 1024 or last > 65535 or (first <= hi and last >= lo):
+        return (f"the ports {first}-{last} must lie within 1024-65535 and outside the ephemeral range {lo}-{hi} "
+                f"(net.ipv4.ip_local_port_range), from which the kernel takes the source port of every outgoing "
+                f"connection")
+    return None
 
 
 def engine_port(index: int, base: int | None = None) -> int:

@@ -33,6 +33,7 @@ def engine_settings(cfg: Config) -> EngineSettings:
         gpu_memory_utilization=r.gpu_memory_utilization,
         tensor_parallel_size=r.tensor_parallel_size,
         enforce_eager=r.enforce_eager,
+        model_runner=r.model_runner,
         seed=r.seed,
         extra={},
     )

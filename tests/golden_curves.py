@@ -29,17 +29,29 @@ TOLERANCE = {
     "actor/kl": (1e-8, 0.0),
 }
 # Added for a golden curve, recorded on one kind of CPU and checked on whichever CI runs on: the trainer's
-# float sums take other kernels (another vector width, another order) on another CPU kind. Measured on an
-# AMD EPYC (AVX-512, bf16) against curves recorded on another kind, fp32 runs: RARO after two steps, losses
-# 1.8e-6 relative, grad norms 3.9e-7; PPO (a critic, whitened GAE advantages, two mini-batches) after six
-# steps, grad norms up to 8.5e-5 relative, the critic's sums up to 2.6e-4, the policy loss (a mean of terms
-# that nearly cancel) up to 1.3e-3 relative, 7.6e-6 absolute, and one token of 128 crossing the value clip
-# at step 6. Everything a sampled token decides (rewards, lengths, accuracies) stayed exact there and stays
-# exact here; bf16 runs differ by percents between CPU kinds, so they are compared with a run of the same
-# session instead (test_faults.py).
+# float sums take other kernels (another vector width, another order) on another CPU kind. Measured against
+# the recorded curves, fp32 runs (tools/golden_across_isa.py; DEVELOPERS.md, "Golden curves", has the table):
+# - an AMD EPYC (AVX-512, bf16): RARO after two steps, losses 1.8e-6 relative, grad norms 3.9e-7; PPO (a
+#   critic, whitened GAE advantages, two mini-batches) after six steps, grad norms up to 8.5e-5 relative, the
+#   critic's sums up to 2.6e-4, the policy loss (a mean of terms that nearly cancel) up to 1.3e-3 relative,
+#   7.6e-6 absolute, and one token of 128 crossing the value clip at step 6;
+# - an Intel Xeon (AVX-512, bf16) with its own kernels: PPO's policy loss 1.6e-4 relative, grad norms 2.6e-5,
+#   the critic's 4.1e-5; and with PyTorch, oneDNN, MKL and vLLM restricted to AVX2: PPO's policy loss 1.3e-3
+#   relative (8.3e-6 absolute), grad norms 1.6e-4 (the actor's) and 2.1e-4 (the critic's), one value-clip
+#   token of 128; RARO within 2e-6; and at PPO's step 6 a greedy validation answer of another token
+#   (val/reward 0.1515 against 0.1485): past some steps the run is chaotic, see HORIZON_ACROSS_CPU_KINDS.
+# Everything a sampled token decides (rewards, lengths, accuracies) stays exact within the horizon; bf16 runs
+# differ by percents between CPU kinds, so they are compared with a run of the same session instead
+# (test_faults.py).
 ACROSS_CPU_KINDS = {"actor/": (2e-5, 2e-3), "critic/": (2e-5, 2e-3), "sft/": (2e-5, 2e-3), "val/loss": (2e-5, 2e-3),
                     "actor/kl": (2e-5, 2e-3),  # (replaces TOLERANCE's: RARO's KL differed by 2e-6 relative)
                     "actor/clipfrac": (1 / 64, 0.0), "critic/vf_clipfrac": (1 / 64, 0.0)}
+# Steps of a golden curve compared across CPU kinds where the run is chaotic further on: a difference in the
+# last bits moves a sampled or greedy token a few steps later, and every metric after it differs. PPO: an
+# AVX2-only AMD EPYC had the actor's grad norm at step 5 0.58% from the curve (9.816 against 9.759), this
+# machine restricted to AVX2 a validation answer at step 6; steps 1-4 agree within ACROSS_CPU_KINDS on both.
+# Later steps must still be there with the same metrics; the test's own assertions check what they show.
+HORIZON_ACROSS_CPU_KINDS = {"ppo": 4}
 
 
 def curve(metrics: dict[int, dict]) -> list[dict]:
@@ -61,13 +73,21 @@ def golden(name: str) -> dict[int, dict]:
 
 def check_golden(name: str, metrics: dict[int, dict]) -> None:
     """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` (``TOLERANCE`` and
-    ``ACROSS_CPU_KINDS`` apart), or record it."""
+    ``ACROSS_CPU_KINDS`` apart) up to the curve's ``HORIZON_ACROSS_CPU_KINDS``, and has its steps and metric
+    names after it; or record it."""
     path = GOLDEN / f"{name}.jsonl"
     if recording():
         GOLDEN.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in curve(metrics)))
         return
-    _check(metrics, golden(name), path.name, {**TOLERANCE, **ACROSS_CPU_KINDS})
+    want = golden(name)
+    horizon = HORIZON_ACROSS_CPU_KINDS.get(name, max(want))
+    assert sorted(metrics) == sorted(want), f"{path.name}: steps {sorted(metrics)}, recorded {sorted(want)}"
+    for step in [s for s in sorted(want) if s > horizon]:
+        assert set(curve({0: metrics[step]})[0]) == set(curve({0: want[step]})[0]), f"{path.name} step {step}: " \
+            f"other metrics"
+    _check({s: metrics[s] for s in metrics if s <= horizon}, {s: want[s] for s in want if s <= horizon}, path.name,
+           {**TOLERANCE, **ACROSS_CPU_KINDS})
 
 
 def check_same(metrics: dict[int, dict], reference: dict[int, dict], what: str) -> None:

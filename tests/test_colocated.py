@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megareason.config import ConfigError, load_config, validate_training
 from megareason.rollout.colocated import STOP_AGREE_STEPS, colocated_engine_args, rollout_layout
+from megareason.settings import engine_settings
 
 
 def test_rollout_layout_takes_consecutive_ranks_and_a_bad_size_names_the_field():
@@ -54,11 +55,25 @@ def test_custom_all_reduce_cannot_map_a_peer_in_a_one_gpu_rank(monkeypatch):
 
 
 def test_the_colocated_engine_turns_off_the_all_reduces_that_need_every_gpu_visible():
-    """The engine arguments a colocated rank builds for vLLM (on GPU as on CPU)."""
-    extra, env = colocated_engine_args({"worker_extension_cls": "x.Y"})
+    """The engine arguments a colocated rank builds for vLLM (on GPU as on CPU): FlashInfer's all-reduce off
+    unless the site set VLLM_ALLREDUCE_USE_FLASHINFER, and then as the site set it."""
+    extra, env = colocated_engine_args({"worker_extension_cls": "x.Y"}, environ={})
     assert extra == {"worker_extension_cls": "x.Y", "distributed_executor_backend": "external_launcher",
                      "disable_custom_all_reduce": True}
-    assert env == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    assert env == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_ALLREDUCE_USE_FLASHINFER": "0"}
+    for site in ("1", "0"):
+        _, env = colocated_engine_args({}, environ={"VLLM_ALLREDUCE_USE_FLASHINFER": site})
+        assert env == {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}  # the site's value stays in the environment
+    # what vLLM then reads (envs.py): off by default here, on when the site says 1
+    import vllm.envs as envs
+
+    for environ, want in (({}, False), ({"VLLM_ALLREDUCE_USE_FLASHINFER": "1"}, True)):
+        _, env = colocated_engine_args({}, environ=environ)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("VLLM_ALLREDUCE_USE_FLASHINFER", raising=False)
+            for k, v in {**environ, **env}.items():
+                mp.setenv(k, v)
+            assert envs.VLLM_ALLREDUCE_USE_FLASHINFER is want
 
 
 def _worker(model_dir: str, out_dir: str, prompts: list[list[int]]):
@@ -160,3 +175,35 @@ def test_two_tp2_engines_in_a_tp2_pp2_trainer_take_the_sync_exactly(tiny_qwen2, 
     with torch.inference_mode():
         want = torch.log_softmax(perturbed(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
     assert (results[0]["logp"][0, 1:] - want).abs().max() < 1e-4
+
+
+def test_the_engine_pins_vllms_model_runner_to_the_configured_one():
+    """rollout.model_runner reaches vLLM as VLLM_USE_V2_MODEL_RUNNER, and vLLM's own choice
+    (``VllmConfig.use_v2_model_runner``, config/vllm.py) then follows it: unpinned, vLLM 0.32 takes Model
+    Runner V2 wherever Triton is installed (a GPU image), V1 here (no Triton)."""
+    from types import SimpleNamespace
+
+    import vllm.config.vllm as vllm_config
+
+    from megareason.rollout.engine import engine_arguments
+
+    cfg = load_config("grpo_smollm2_cpu", [])
+    assert cfg.rollout.model_runner == "v1"
+    gpu_kwargs, env = engine_arguments(engine_settings(cfg), on_cpu=False)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert gpu_kwargs["enable_sleep_mode"] is True and "enable_chunked_prefill" not in gpu_kwargs
+    cpu_kwargs, _ = engine_arguments(engine_settings(cfg), on_cpu=True)
+    assert cpu_kwargs["enable_chunked_prefill"] is False and "enable_sleep_mode" not in cpu_kwargs
+    _, v2 = engine_arguments(engine_settings(load_config("grpo_smollm2_cpu", ["rollout.model_runner=v2"])), False)
+    assert v2 == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+
+    # vLLM's decision on a GPU image: Triton present, no feature V2 lacks
+    plain = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None), watermark_config=None,
+                            _get_v2_model_runner_unsupported_features=lambda: [])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm_config, "HAS_TRITON", True)
+        for pinned, want in ((None, True), (env, False), (v2, True)):
+            mp.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+            for k, v in (pinned or {}).items():
+                mp.setenv(k, v)
+            assert vllm_config.VllmConfig.use_v2_model_runner.fget(plain) is want, pinned

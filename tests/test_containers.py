@@ -20,6 +20,8 @@ from packaging.specifiers import SpecifierSet
 
 REPO = Path(__file__).resolve().parents[1]
 CONTAINERS = REPO / "containers"
+# PyTorch's, oneDNN's and MKL's kernels restricted to AVX2 (tools/golden_across_isa.py)
+AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def _lock() -> dict[str, str]:
@@ -75,22 +77,39 @@ def test_check_sh_passes_what_this_cpu_environment_has_and_fails_the_rest_by_nam
                           timeout=300)
     out = proc.stdout
     assert proc.returncode == 1 and out.rstrip().endswith("containers/check.sh: FAILED (see FAIL above)"), out
-    for ok in ("python (pyproject's requires-python)", "torch is the build vLLM needs", "vllm._C (vLLM's compiled ops)",
-               "megareason CLI: a config loads", "megareason CLI: the 70B plan and its pre-emption lead"):
+    for ok in ("python (pyproject's requires-python)", "torch is the build vLLM needs",
+               "vLLM's compiled ops load as vLLM loads them", "megareason CLI: a config loads",
+               "megareason CLI: the 70B plan and its pre-emption lead"):
         assert f"ok    {ok}" in out, (ok, out)
+    # the build vLLM's CPU platform picks for this CPU's flags (vllm/platforms/cpu.py import_kernels)
+    flags = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    here = "_C.abi3.so" if flags.get("avx512_bf16") else "_C_AVX512.abi3.so" if flags.get("avx512_f") else \
+        "_C_AVX2.abi3.so"
+    assert re.search(rf"ok    vLLM's compiled ops load as vLLM loads them: .*CpuPlatform .*: {re.escape(here)}$", out,
+                     re.M), out
     assert "FAIL  TransformerEngine within megatron-core's range" in out  # not installed on CPU
     assert "#SBATCH --signal=B:USR1@" in out
     assert "ok    NVIDIA driver new enough for the image's CUDA: NVIDIA driver: none on this node" in out
     # a torch replaced after the record (what installing vLLM with its dependencies onto another torch does),
-    # on a node whose driver (an nvidia-smi stand-in) is older than the CUDA 13.0 image needs
+    # on a node whose driver (an nvidia-smi stand-in) is older than the CUDA 13.0 image needs, and whose CPU
+    # has AVX2 but not AVX-512 (an AMD EPYC of the Zen 2/3 kind; tools/avx2_only makes this CPU look so)
     record.write_text(json.dumps({"version": torch.__version__, "git": "0" * 40, "cuda": "13.0"}))
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text('#!/bin/sh\ncase "$*" in *driver_version*) echo 550.127.05;; esac\n')
     smi.chmod(0o755)
-    env = {**env, "PATH": f"{smi.parent}:{env['PATH']}", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0 brand=tesla,driver>=535"}
+    env = {**env, "PATH": f"{smi.parent}:{env['PATH']}", "NVIDIA_REQUIRE_CUDA": "cuda>=13.0 brand=tesla,driver>=535",
+           **AVX2_ONLY, "PYTHONPATH": os.pathsep.join([str(REPO / "tools" / "avx2_only"), os.environ.get("PYTHONPATH",
+                                                                                                        "")])}
     proc = subprocess.run(["bash", str(CONTAINERS / "check.sh")], capture_output=True, text=True, env=env,
                           timeout=300)
+    assert re.search(r"ok    vLLM's compiled ops load as vLLM loads them: .*CPU capability AVX2\): _C_AVX2\.abi3\.so$",
+                     proc.stdout, re.M), proc.stdout
+    # what `import vllm._C` loads there instead: the AVX-512 build, SIGILL on such a CPU
+    direct = subprocess.run([sys.executable, "-c", "import vllm._C\nprint(*[line.split()[-1] for line in "
+                             "open('/proc/self/maps') if '/vllm/_C' in line][:1])"], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert direct.stdout.strip().endswith("vllm/_C.abi3.so"), direct.stdout + direct.stderr
     assert "FAIL  torch is the build vLLM needs" in proc.stdout
     assert "torch changed after it was installed" in proc.stdout
     assert "FAIL  NVIDIA driver new enough for the image's CUDA" in proc.stdout

@@ -5,12 +5,14 @@ print of the NVIDIA driver. No GPU, no network, no cluster."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megareason import ports
 from megareason.launch import gpu_driver, node_check
 from megareason.launch.gpu_driver import MIN_DRIVER, decide, parse_cuda_requirement, parse_driver_version
 from megareason.launch.node_check import Interface
@@ -143,3 +145,192 @@ def test_the_driver_check_command_asks_nvidia_smi(tmp_path, version, rc):
     assert proc.returncode == rc, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"NVIDIA driver {version}, CUDA 13.0 (NVIDIA_REQUIRE_CUDA=cuda>=13.0)")
     assert ("error: the NVIDIA driver 535.183.01 is too old" in proc.stderr) == (rc == 1)
+
+
+# ----------------------------------------------------------------------------------------- hardware gates
+# A stand-in nvidia-smi (and dmesg) on PATH that prints what a node with the fault prints, stand-in /proc,
+# /dev and /sys folders: the verdict of each gate as the job's node-check step gives it.
+
+HEALTHY = "".join(f"{i}, 00000000:{0x18 + 0x10 * i:02X}:00.0, 0\n" for i in range(8))
+H100_REMAP = "".join(f"00000000:{0x18 + 0x10 * i:02X}:00.0, No, No\n" for i in range(8))
+# what the kernel log of a node holds: a user's crashed kernel (13, 43: not the GPU's fault) and the fault
+XID_APP = ("[ 812.52] NVRM: Xid (PCI:0000:38:00): 13, pid=4242, name=python, Graphics SM Warp Exception\n"
+           "[ 812.60] NVRM: Xid (PCI:0000:38:00): 43, pid=4242, name=python, Ch 00000008\n")
+XID_79 = "[90210.1] NVRM: Xid (PCI:0000:88:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n"
+
+
+def _stand_ins(tmp: Path, monkeypatch, gpus: str = HEALTHY, remap: str | None = H100_REMAP, smi_rc: int = 0,
+               dmesg: str | None = XID_APP) -> None:
+    """nvidia-smi answering the GPU and remapped-rows queries (remap None: "not a valid field", exit code 2, as
+    on a V100's driver), and dmesg printing ``dmesg`` (None: refused, as under kernel.dmesg_restrict), first on
+    PATH."""
+    bin_ = tmp / "bin"
+    bin_.mkdir(parents=True)
+    (bin_ / "gpus.csv").write_text(gpus)
+    (bin_ / "remap.csv").write_text(remap or "")
+    (bin_ / "dmesg.txt").write_text(dmesg or "")
+    here = '"$(dirname "$0")"'
+    remap_answer = f"cat {here}/remap.csv" if remap is not None else \
+        'echo "Field \\"remapped_rows.pending\\" is not a valid field to query."; exit 2'
+    (bin_ / "nvidia-smi").write_text(f'#!/bin/sh\ncase "$*" in\n'
+                                     f'  *--query-gpu=index*) cat {here}/gpus.csv; exit {smi_rc};;\n'
+                                     f'  *--query-remapped-rows*) {remap_answer};;\n'
+                                     f'  *driver_version*) echo 580.95.05;;\nesac\n')
+    (bin_ / "dmesg").write_text(f"#!/bin/sh\ncat {here}/dmesg.txt\n" if dmesg is not None else
+                                '#!/bin/sh\necho "dmesg: read kernel buffer failed: Operation not permitted" >&2\n'
+                                'exit 1\n')
+    for name in ("nvidia-smi", "dmesg"):
+        (bin_ / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+
+
+def _node(tmp: Path, *, ephemeral: str = "32768\t60999", hcas: tuple[str, ...] = (),
+          uverbs: tuple[str, ...] = ()) -> dict:
+    """Stand-in /proc (the ephemeral port range), /sys (InfiniBand HCAs, port 1 active) and /dev (``uverbs``:
+    character devices stood in by files; a name ending in "/" is one that does not open: a folder)."""
+    proc, sysfs, dev = tmp / "proc", tmp / "sys", tmp / "dev"
+    (proc / "sys/net/ipv4").mkdir(parents=True, exist_ok=True)
+    (proc / "sys/net/ipv4/ip_local_port_range").write_text(ephemeral + "\n")
+    for hca in hcas:
+        port = sysfs / "class/infiniband" / hca / "ports/1"
+        port.mkdir(parents=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        (port / "link_layer").write_text("InfiniBand\n")
+    (dev / "infiniband").mkdir(parents=True) if uverbs else dev.mkdir(parents=True)
+    for name in uverbs:
+        (dev / "infiniband" / name).mkdir() if name.endswith("/") else (dev / "infiniband" / name).write_text("")
+    return {"proc": proc, "sysfs": sysfs, "dev": dev}
+
+
+def _gate(tmp: Path, gpus: int = 8, memlock: int = resource.RLIM_INFINITY, ports: tuple[int, int] | None = None,
+          **node):
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NVIDIA_REQUIRE_CUDA": REQUIRE_CUDA_13, "SLURMD_NODENAME": "gpu-017"}
+    return node_check.check(nodes=2, env=env, ifaces=IFACES, gpus=gpus, memlock=memlock, ports=ports,
+                            **_node(tmp, **node))
+
+
+def test_a_healthy_eight_gpu_node_passes_every_gate(tmp_path, monkeypatch):
+    _stand_ins(tmp_path, monkeypatch)
+    r = _gate(tmp_path, hcas=("mlx5_0", "mlx5_1"), uverbs=("uverbs0", "uverbs1"), ports=(2000, 2799))
+    assert r.errors == [], r.errors
+    assert any(line.startswith("GPUs (nvidia-smi): 8, the job asks for 8; GPU 0 00000000:18:00.0") for line in r.lines)
+    assert "InfiniBand devices: 2 of 2 open (" in " ".join(r.lines)
+    assert "locked memory (ulimit -l): unlimited" in r.lines
+    # the application XIDs are shown, not refused
+    assert "NVIDIA XID errors in the kernel log: XID 13 on 0000:38:00 x1, XID 43 on 0000:38:00 x1" in r.lines
+
+
+@pytest.mark.parametrize("gpus, rc, want", [
+    # a GPU lost: Slurm's gres count still says 8
+    (HEALTHY.splitlines(keepends=True)[:7], 0, "7 GPUs work on this node, the job asks for 8 (SLURM_GPUS_ON_NODE)"),
+    # nvidia-smi cannot reach one of them (it prints the others and fails)
+    (HEALTHY.splitlines(keepends=True)[:7] + ["Unable to determine the device handle for GPU0000:88:00.0: "
+                                              "Unknown Error\n"], 15,
+     "nvidia-smi cannot read a GPU: 'Unable to determine the device handle for GPU0000:88:00.0: Unknown Error'"),
+    (HEALTHY.replace("3, 00000000:48:00.0, 0", "3, 00000000:48:00.0, 2").splitlines(keepends=True), 0,
+     "GPU 3 (00000000:48:00.0) has 2 uncorrectable ECC errors since the driver loaded"),
+])
+def test_a_missing_or_broken_gpu_or_ecc_errors_are_refused_naming_the_gpu(tmp_path, monkeypatch, gpus, rc, want):
+    _stand_ins(tmp_path, monkeypatch, gpus="".join(gpus), smi_rc=rc)
+    r = _gate(tmp_path)
+    assert [e for e in r.errors if e.startswith(want)], r.errors
+    assert all(e.endswith("drain the node (scontrol update nodename=gpu-017 state=drain reason=...) and resubmit "
+                          "with --exclude=gpu-017") for e in r.errors)
+
+
+def test_gpus_without_ecc_or_row_remapping_pass_and_a_pending_remap_is_refused(tmp_path, monkeypatch):
+    # a GPU without ECC prints [N/A]; a V100's driver knows no remapped rows (not checked, no error)
+    _stand_ins(tmp_path / "a", monkeypatch, gpus="0, 00000000:18:00.0, [N/A]\n", remap=None)
+    assert _gate(tmp_path / "a", gpus=1).errors == []
+    _stand_ins(tmp_path / "b", monkeypatch, remap=H100_REMAP.replace("00000000:58:00.0, No, No",
+                                                                     "00000000:58:00.0, Yes, No"))
+    r = _gate(tmp_path / "b")
+    assert r.errors == ["GPU 00000000:58:00.0: a row remapping waits for a reset (remapped_rows.pending Yes, "
+                        "remapped_rows.failure No): reset the GPU (nvidia-smi -r) or drain the node (scontrol "
+                        "update nodename=gpu-017 state=drain reason=...) and resubmit with --exclude=gpu-017"]
+
+
+def test_a_hardware_xid_is_refused_an_application_one_is_not_and_an_unreadable_log_warns(tmp_path, monkeypatch):
+    _stand_ins(tmp_path / "a", monkeypatch, dmesg=XID_APP + XID_79 + XID_79)
+    r = _gate(tmp_path / "a")
+    assert r.errors == ["XID 79 (GPU has fallen off the bus) on the GPU at PCI 0000:88:00, 2 time(s) in the kernel "
+                        "log since boot: reset the GPU or drain the node (scontrol update nodename=gpu-017 "
+                        "state=drain reason=...) and resubmit with --exclude=gpu-017 (a reboot clears the log)"]
+    _stand_ins(tmp_path / "b", monkeypatch, dmesg=None)
+    r = _gate(tmp_path / "b")
+    assert not r.errors and r.warnings[-1] == ("the kernel log cannot be read here (dmesg: dmesg: read kernel "
+                                               "buffer failed: Operation not permitted): NVIDIA XID errors not "
+                                               "checked")
+
+
+def test_no_nvidia_smi_or_no_driver_fails_only_a_job_that_asks_for_gpus(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert not _gate(tmp_path / "a", gpus=0).errors  # a CPU job (the loopback test cluster)
+    r = _gate(tmp_path / "b", gpus=4)
+    assert r.errors[0].startswith("the job asks for 4 GPUs on this node and nvidia-smi is not found")
+    monkeypatch.undo()  # PATH back
+    no_driver = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+    _stand_ins(tmp_path / "c", monkeypatch, gpus=no_driver, smi_rc=9)
+    r = _gate(tmp_path / "c", gpus=0)
+    assert not r.errors and [w for w in r.warnings if w.startswith('nvidia-smi cannot read a GPU: "NVIDIA-SMI has')]
+    assert _gate(tmp_path / "d", gpus=8).errors[0].startswith('nvidia-smi cannot read a GPU: "NVIDIA-SMI has failed')
+
+
+def test_infiniband_needs_unlimited_locked_memory_and_devices_that_open(tmp_path, monkeypatch):
+    _stand_ins(tmp_path, monkeypatch)
+    ib = {"hcas": ("mlx5_0",), "uverbs": ("uverbs0",)}
+    r = _gate(tmp_path / "a", memlock=64 * 1024, **ib)  # the login node's 64 KiB, carried by Slurm
+    assert len(r.errors) == 1 and r.errors[0].startswith("locked memory limited to 64 KiB (ulimit -l): NCCL over "
+                                                         "InfiniBand pins its buffers")
+    assert "PropagateResourceLimitsExcept=MEMLOCK" in r.errors[0]
+    assert not _gate(tmp_path / "b", memlock=64 * 1024).errors  # no InfiniBand: only shown
+    r = _gate(tmp_path / "c", hcas=("mlx5_0", "mlx5_1"))  # sysfs has them, the container passed no devices
+    assert r.errors == [f"InfiniBand HCAs mlx5_0, mlx5_1 are in sysfs but {tmp_path}/c/dev/infiniband has no uverbs "
+                        "devices: the container or cgroup does not pass them in (enroot/pyxis: the NVIDIA and MOFED "
+                        "hooks); NCCL would fall back to sockets"]
+    r = _gate(tmp_path / "d", hcas=("mlx5_0", "mlx5_1"), uverbs=("uverbs0", "uverbs1/"))
+    assert len(r.errors) == 1 and r.errors[0].startswith(f"InfiniBand devices do not open: {tmp_path}/d/dev/"
+                                                         "infiniband/uverbs1 (EISDIR: Is a directory)")
+    # NCCL_IB_HCA selecting only the HCA whose device opens, or IB off: no error
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_DISABLE": "1"}
+    r = node_check.check(env=env, ifaces=IFACES, memlock=64 * 1024, **_node(tmp_path / "e", hcas=("mlx5_0",),
+                                                                            uverbs=("uverbs0",)))
+    assert not r.errors
+
+
+@pytest.mark.parametrize("ephemeral, ray_ports", [
+    ((32768, 60999), (2000, 2799)), ((32768, 60999), (32000, 32767)),  # Linux's default range: fine
+    ((32768, 60999), (32000, 32768)), ((1024, 65535), (2000, 2799)),  # into the range; a site's wide range
+    ((32768, 60999), (800, 1599)),  # below 1024
+])
+def test_ray_ports_in_the_ephemeral_range_are_refused_by_the_rule_ports_py_applies(tmp_path, monkeypatch,
+                                                                                   ephemeral, ray_ports):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    r = _gate(tmp_path, gpus=0, ports=ray_ports, ephemeral=f"{ephemeral[0]}\t{ephemeral[1]}")
+    # megareason/ports.py, once Ray is up, refuses a services' block inside these ports for the same reason
+    base = ray_ports[1] + 1 - ports.BLOCK
+    try:
+        ports.block_base({ports.PORT_BASE_ENV: str(base)}, ephemeral)
+        later = None
+    except ports.PortError as e:
+        later = str(e)
+    overlap = ray_ports[0] <= ephemeral[1] and ray_ports[1] >= ephemeral[0] or ray_ports[0] < 1024
+    assert bool(r.errors) == overlap == (later is not None or ray_ports[0] < 1024), (r.errors, later)
+    if overlap:
+        assert r.errors == [f"the job's Ray ports: the ports {ray_ports[0]}-{ray_ports[1]} must lie within 1024-65535 "
+                            f"and outside the ephemeral range {ephemeral[0]}-{ephemeral[1]} (net.ipv4.ip_local_port_"
+                            f"range), from which the kernel takes the source port of every outgoing connection; an "
+                            f"outgoing connection may take one before Ray or a service binds it. Set MEGAREASON_RAY_"
+                            f"PORT_BASE so that the job's ports lie below {ephemeral[0]}, or move the range on the "
+                            f"nodes (sysctl net.ipv4.ip_local_port_range)"]
+
+
+def test_the_job_step_names_the_node_and_fails_on_a_lost_gpu(tmp_path, monkeypatch, capsys):
+    _stand_ins(tmp_path, monkeypatch, gpus="".join(HEALTHY.splitlines(keepends=True)[:7]))
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "8")  # srun sets it in each task of a job with GPUs
+    monkeypatch.setenv("SLURMD_NODENAME", "gpu-017")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert node_check.main(["--nodes", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "node-check gpu-017: error: 7 GPUs work on this node, the job asks for 8 (SLURM_GPUS_ON_NODE)" in out
+    assert node_check.main(["--nodes", "1", "--gpus", "7"]) == 0

@@ -72,27 +72,46 @@ def test_pool_matches_in_process_scoring_in_order():
     assert score_all(requests, workers=2, timeout=30.0) == want
 
 
+class HangClock:
+    """A stand-in for the pool's clock: time stands still while any worker scores a sample that is not a
+    "hang", and jumps to the earliest deadline once every busy worker holds one. So only the hangs time out,
+    however long the machine takes to score the others (a loaded machine took > 1 s for one math sample)."""
+
+    def __init__(self, requests: list[ScoreRequest]):
+        self.requests, self.pool, self.now = requests, None, 0.0
+
+    def __call__(self) -> float:
+        busy = [w for w in (self.pool._workers if self.pool else []) if w.task is not None]
+        if busy and all(self.requests[w.task].response == "hang" for w in busy):
+            self.now = max(self.now, min(w.deadline for w in busy))
+        return self.now
+
+
 def test_hang_raise_and_death_cost_only_their_own_sample(caplog):
     good = _requests(SAMPLES[:6])
     bad = [ScoreRequest("math", text, "1", sample_id=f"bad-{text}") for text in ("hang", "raise", "die", "hang")]
     requests = good[:2] + bad[:2] + good[2:4] + bad[2:] + good[4:]
     want_good = score_all(good, workers=0)
 
-    with ScorePool(faulty_scorer, workers=2, timeout=1.0) as pool:
-        t0 = time.monotonic()
+    clock = HangClock(requests)
+    with ScorePool(faulty_scorer, workers=2, timeout=1.0, clock=clock) as pool:
+        clock.pool = pool
         with caplog.at_level(logging.WARNING, logger="megareason.rewards.pool"):
             out = pool.score(requests)
-        elapsed = time.monotonic() - t0
+        elapsed = clock.now
+        clock.requests = good
         again = pool.score(good)  # the replaced workers still serve later calls
 
     assert [out[i] for i in (0, 1, 4, 5, 8, 9)] == want_good == again
     hang, raised, died, hang2 = out[2], out[3], out[6], out[7]
     for o in (hang, hang2):
         assert (o.score, o.correct, o.timed_out) == (0.0, False, True)
-        assert o.error.startswith("TimeoutError")
+        assert o.error.startswith("TimeoutError: not scored within 1s")
     assert raised == ScoreOutcome(score=0.0, correct=False, error="KeyError: 'boom'")
     assert (died.score, died.timed_out) == (0.0, False) and died.error == "WorkerDied: reward worker exited with code 3"
-    assert elapsed < 20  # the two hangs ran ~1 s each, not an hour
+    # each hang was cut at its 1 s deadline, not an hour; the second hang started while the first waited,
+    # so the clock passed one or two timeouts in all
+    assert elapsed in (1.0, 2.0)
     assert "sample bad-hang" in caplog.text and "4 of 10 samples failed (2 timed out" in caplog.text
     assert len(caplog.records) == 4  # 3 sample lines at most, then the counts
 

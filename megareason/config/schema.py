@@ -90,8 +90,8 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0  # CPU only: VLLM_CPU_KVCACHE_SPACE
     gpu_memory_utilization: float = 0.5  # GPU only
     tensor_parallel_size: int = 1
-    # true: no CUDA graphs / compilation. Unset (null): resolve_enforce_eager's per-device default.
-    enforce_eager: bool | None = None
+    enforce_eager: bool | None = None  # true: no CUDA graphs / compilation; null: resolve_enforce_eager's default
+    model_runner: Literal["v1", "v2"] = "v1"  # vLLM's, pinned (VLLM_USE_V2_MODEL_RUNNER): architecture.md, GPU path
     # colocated: the engines share the trainer's devices (each replica's first rank holds one, or with
     # tensor_parallel_size > 1 SPMD engines over consecutive ranks) and sleep while Megatron trains.
     # separate: num_engines engines of tensor_parallel_size devices each, on resources of their own (a

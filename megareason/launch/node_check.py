@@ -9,16 +9,22 @@ is also the step that creates each node's pyxis container, one task per node), a
   syntax, else NCCL's default order: ``ib*`` interfaces, then any but ``docker*`` and ``lo``);
 * the InfiniBand HCAs and their ports (``/sys/class/infiniband``) and which ``NCCL_IB_HCA`` selects;
 * the address Ray registers (the source address of the route to the head, as ``ray start`` finds it);
-* the open-files limit, the job's memory limit (cgroup) against the node's RAM, the kernel's ephemeral
-  port range against the job's Ray ports, and the file system and free space of Ray's temp dir;
-* the NVIDIA driver against the CUDA version the image or torch was built for (``launch/gpu_driver.py``).
+* the open-files and locked-memory limits, the job's memory limit (cgroup) against the node's RAM, the kernel's
+  ephemeral port range against the job's Ray ports, and the file system and free space of Ray's temp dir;
+* the NVIDIA driver against the CUDA version the image or torch was built for (``launch/gpu_driver.py``);
+* the GPUs' health: their number against the job's, uncorrectable ECC errors, pending or failed row
+  remappings, hardware-fault XIDs in the kernel log, and the InfiniBand devices opened
+  (``launch/node_health.py``).
 
-Errors exit with code 1 so the job fails before Ray starts: an interface variable that names nothing on this
-node; gloo or NCCL's sockets on a loopback interface when the job's nodes are on more than one host (other
-hosts cannot reach it: "Gloo connectFullMesh failed", NCCL's bootstrap hangs); an NVIDIA driver too old for
-the CUDA build. Warnings are printed and pass: loopback when the job's several Slurm nodes share one host (a
-test cluster: it works there, and would not across hosts), ports inside the ephemeral range, a RAM-backed temp
-dir, a memory limit below the node's RAM.
+Errors exit with code 1 so the job fails before Ray starts, each naming the fix (the output names the node):
+an interface variable that names nothing on this node; gloo or NCCL's sockets on a loopback interface when the
+job's nodes are on more than one host (other hosts cannot reach it: "Gloo connectFullMesh failed", NCCL's
+bootstrap hangs); an NVIDIA driver too old for the CUDA build; fewer working GPUs than the job asks, ECC or
+XID faults; InfiniBand in use with a locked-memory limit below unlimited, or with devices that do not open;
+Ray ports inside the ephemeral range (``megareason/ports.py``'s rule, which the services' ports meet later).
+Warnings are printed and pass: loopback when the job's several Slurm nodes share one host (a test cluster: it
+works there, and would not across hosts), a RAM-backed temp dir, a memory limit below the node's RAM, a kernel
+log this user cannot read.
 
 ``--hosts`` is the number of distinct hosts among the job's nodes: ``slurm/ray_cluster.sh`` counts the nodes'
 addresses (``NodeAddr``, resolved; every loopback address is one host), so two Slurm nodes on one machine
@@ -33,11 +39,11 @@ import os
 import resource
 import shutil
 import socket
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megareason.launch import gpu_driver
+from megareason import ports as job_ports
+from megareason.launch import gpu_driver, node_health
 
 HELP = """\
 Print what NCCL, gloo and Ray will use on this node: network interfaces, the interface gloo binds
@@ -45,7 +51,9 @@ Print what NCCL, gloo and Ray will use on this node: network interfaces, the int
 NCCL's default order), InfiniBand HCAs (NCCL_IB_HCA), Ray's node address, open-files and memory limits,
 the ephemeral port range against the Ray ports, Ray's temp dir, the NVIDIA driver against the CUDA build.
 Exit code 1 when an interface variable names nothing here, when gloo or NCCL would use loopback on a job
-across hosts, or when the driver is too old. Run it on every node of an allocation:
+across hosts, when the driver is too old, when fewer GPUs work than --gpus, a GPU has ECC or XID faults,
+InfiniBand devices do not open or locked memory is limited, or the Ray ports lie in the ephemeral range.
+Run it on every node of an allocation:
 
   srun --ntasks-per-node=1 megareason node-check
   srun --ntasks-per-node=1 --container-image=IMAGE python -m megareason.launch.node_check --ports 2000-2799
@@ -147,10 +155,6 @@ def route_source(head_ip: str) -> str | None:
         return None
 
 
-def ranges_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] <= b[1] and b[0] <= a[1]
-
-
 def loopback_problem(r: Report, what: str, nodes: int, hosts: int) -> None:
     """``what`` (gloo's or NCCL's sockets, on a loopback address) on a job of ``nodes`` Slurm nodes on
     ``hosts`` distinct hosts: an error across hosts, a warning for several nodes on one host, nothing for
@@ -165,10 +169,13 @@ def loopback_problem(r: Report, what: str, nodes: int, hosts: int) -> None:
 
 def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | None = None, ray_tmpdir: str = "",
           head_ip: str = "", env: dict[str, str] | None = None, ifaces: list[Interface] | None = None,
-          driver_text: str | None = None) -> Report:
+          driver_text: str | None = None, gpus: int = 0, memlock: int | None = None, proc: Path = Path("/proc"),
+          dev: Path = Path("/dev"), sysfs: Path = Path("/sys")) -> Report:
     """The node's report (see the module docstring) for a job of ``nodes`` Slurm nodes on ``hosts`` distinct
-    hosts (default: ``nodes``); ``env``, ``ifaces`` and ``driver_text`` (what nvidia-smi or the kernel module
-    says of the NVIDIA driver) default to this machine's."""
+    hosts (default: ``nodes``) that asks for ``gpus`` GPUs on this node (0: not checked); ``env``, ``ifaces``,
+    ``driver_text`` (what nvidia-smi or the kernel module says of the NVIDIA driver), ``memlock`` (the soft
+    locked-memory limit in bytes) and the ``proc``, ``dev`` and ``sysfs`` folders default to this machine's;
+    nvidia-smi and dmesg are the ones on PATH (``launch/node_health.py``)."""
     env = dict(os.environ) if env is None else env
     ifaces = local_interfaces() if ifaces is None else ifaces
     hosts = nodes if hosts is None else hosts
@@ -200,7 +207,8 @@ def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | 
         if all(ipaddress.ip_address(a).is_loopback for a in lead.ipv4):
             loopback_problem(r, f"NCCL's bootstrap uses loopback {nccl[0]} {lead.ipv4[0]} ({why})", nodes, hosts)
 
-    hcas = infiniband_ports()
+    hcas = infiniband_ports(sysfs / "class" / "infiniband")
+    chosen = []
     if hcas:
         chosen = match_nccl_spec(list(hcas), env["NCCL_IB_HCA"]) if env.get("NCCL_IB_HCA") else list(hcas)
         r.lines.append("InfiniBand HCAs: " + "; ".join(f"{h} [{', '.join(p)}]" for h, p in hcas.items()))
@@ -210,6 +218,9 @@ def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | 
             r.errors.append(f"NCCL_IB_HCA={env['NCCL_IB_HCA']} selects none of the HCAs {', '.join(hcas)}")
     else:
         r.lines.append("InfiniBand HCAs: none (NCCL uses its socket transport between nodes)")
+    node_health.check_ib_devices(r, chosen, dev)
+    node_health.check_memlock(r, resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] if memlock is None else memlock,
+                              uses_ib=bool(chosen) and env.get("NCCL_IB_DISABLE", "0") != "1")
 
     if head_ip:
         r.lines.append(f"Ray node address: {route_source(head_ip) or '?'} (the route to the head {head_ip})")
@@ -227,13 +238,13 @@ def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | 
             r.warnings.append(f"the job may use {limit / 2**30:.1f} GiB of the node's {mem_total / 2**30:.1f} GiB "
                               f"(sbatch --mem=0 asks for all of it)")
 
-    eph = _read_ints(Path("/proc/sys/net/ipv4/ip_local_port_range"))
-    if len(eph) == 2:
-        r.lines.append(f"ephemeral ports: {eph[0]}-{eph[1]}" + (f"; Ray ports {ports[0]}-{ports[1]}" if ports else ""))
-        if ports and ranges_overlap(ports, (eph[0], eph[1])):
-            r.warnings.append(f"Ray ports {ports[0]}-{ports[1]} overlap the ephemeral range {eph[0]}-{eph[1]} "
-                              f"(net.ipv4.ip_local_port_range): an outgoing connection may take one; set "
-                              f"MEGAREASON_RAY_PORT_BASE below {eph[0]}")
+    eph = job_ports.ephemeral_range(proc / "sys" / "net" / "ipv4" / "ip_local_port_range")
+    r.lines.append(f"ephemeral ports: {eph[0]}-{eph[1]}" + (f"; Ray ports {ports[0]}-{ports[1]}" if ports else ""))
+    problem = ports and job_ports.fixed_ports_problem(ports[0], ports[1], eph)
+    if problem:  # the rule megareason/ports.py applies to the services' block once Ray is up
+        r.errors.append(f"the job's Ray ports: {problem}; an outgoing connection may take one before Ray or a "
+                        f"service binds it. Set MEGAREASON_RAY_PORT_BASE so that the job's ports lie below "
+                        f"{eph[0]}, or move the range on the nodes (sysctl net.ipv4.ip_local_port_range)")
 
     if ray_tmpdir:
         probe = Path(ray_tmpdir)
@@ -246,11 +257,10 @@ def check(*, nodes: int = 1, hosts: int | None = None, ports: tuple[int, int] | 
             r.warnings.append(f"Ray's temp dir {ray_tmpdir} is on {fs} (memory or the container's root): set "
                               f"MEGAREASON_RAY_TMPDIR to node-local disk for Ray's logs and object spilling")
 
-    gpus = env.get("CUDA_VISIBLE_DEVICES")
-    smi = _nvidia_smi_count()
-    r.lines.append(f"GPUs: CUDA_VISIBLE_DEVICES={gpus if gpus is not None else '(unset)'}, "
-                   f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '(unset)')}, nvidia-smi: "
-                   f"{'not found' if smi is None else smi}")
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    r.lines.append(f"GPUs: CUDA_VISIBLE_DEVICES={visible if visible is not None else '(unset)'}, "
+                   f"SLURM_GPUS_ON_NODE={env.get('SLURM_GPUS_ON_NODE', '(unset)')}")
+    node_health.check_node_gpus(r, gpus, env.get("SLURMD_NODENAME") or hostname)
     line, error = gpu_driver.check(env, driver_text)
     r.lines.append(line)
     if error:
@@ -263,10 +273,6 @@ def _read(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
-
-
-def _read_ints(path: Path) -> list[int]:
-    return [int(x) for x in _read(path).split()]
 
 
 def _mem_total() -> int:
@@ -303,16 +309,6 @@ def _filesystem(path: Path) -> str:
     return kind
 
 
-def _nvidia_smi_count() -> int | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
 def _port_range(text: str) -> tuple[int, int]:
     low, _, high = text.partition("-")
     try:
@@ -329,12 +325,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="distinct hosts among the job's nodes (default: --nodes); > 1 makes gloo or NCCL on "
                    "loopback an error")
     p.add_argument("--ports", type=_port_range, default=None, help="the job's Ray ports, LOW-HIGH")
+    p.add_argument("--gpus", type=int, default=int(os.environ.get("SLURM_GPUS_ON_NODE") or "0"),
+                   help="GPUs the job asks for on this node (default: $SLURM_GPUS_ON_NODE or 0: not checked)")
     p.add_argument("--ray-tmpdir", default="", help="Ray's temp dir on this node")
     p.add_argument("--head-ip", default="", help="the Ray head's address (prints the route's source address)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    r = check(nodes=args.nodes, hosts=args.hosts, ports=args.ports, ray_tmpdir=args.ray_tmpdir, head_ip=args.head_ip)
+    r = check(nodes=args.nodes, hosts=args.hosts, ports=args.ports, ray_tmpdir=args.ray_tmpdir, head_ip=args.head_ip,
+              gpus=args.gpus)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     for line in r.lines:
         print(f"node-check {node}: {line}")

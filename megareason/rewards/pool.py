@@ -36,7 +36,7 @@ import multiprocessing as mp
 import signal
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -108,18 +108,19 @@ def _worker_main(conn: Connection, scorer: Scorer) -> None:
 class _Worker:
     """One worker process, its pipe, and the request index it is scoring (None when idle)."""
 
-    def __init__(self, ctx: mp.context.BaseContext, scorer: Scorer):
+    def __init__(self, ctx: mp.context.BaseContext, scorer: Scorer, clock: Callable[[], float]):
+        self.clock = clock
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child_conn, scorer), name="reward-worker", daemon=True)
         self.proc.start()
         child_conn.close()
         self.ready = False
         self.task: int | None = None
-        self.deadline = time.monotonic() + _START_TIMEOUT_S  # until ready; then per request
+        self.deadline = clock() + _START_TIMEOUT_S  # until ready; then per request
 
     def start_task(self, index: int, request: ScoreRequest, timeout: float) -> None:
         self.conn.send(request)
-        self.task, self.deadline = index, time.monotonic() + timeout
+        self.task, self.deadline = index, self.clock() + timeout
 
     def kill(self) -> None:
         if self.proc.is_alive():
@@ -134,13 +135,17 @@ class ScorePool:
     Use as a context manager, or call ``close``; ``score_all`` wraps one pool per call.
     """
 
-    def __init__(self, scorer: Scorer = compute_score, workers: int = 1, timeout: float = 10.0):
+    def __init__(self, scorer: Scorer = compute_score, workers: int = 1, timeout: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """``clock``: the seconds deadlines are stamped and checked in (a test passes a stand-in that
+        advances only while every busy worker is one it knows hangs, so that no other sample's timing
+        depends on how busy the machine is)."""
         _check_args(workers, timeout)
         if workers < 1:
             raise ValueError(f"ScorePool needs workers >= 1, got {workers}; use score_all(workers=0) in-process")
-        self.scorer, self.timeout = scorer, float(timeout)
+        self.scorer, self.timeout, self.clock = scorer, float(timeout), clock
         self._ctx = mp.get_context("spawn")
-        self._workers = [_Worker(self._ctx, scorer) for _ in range(workers)]
+        self._workers = [_Worker(self._ctx, scorer, clock) for _ in range(workers)]
 
     def __enter__(self) -> ScorePool:
         return self
@@ -187,9 +192,9 @@ class ScorePool:
                         self._replace(w)
             waiting = [w for w in self._workers if not w.ready or w.task is not None]
             next_deadline = min(w.deadline for w in waiting)
-            wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - time.monotonic())
+            wait_s = None if math.isinf(next_deadline) else max(0.0, next_deadline - self.clock())
             readable = wait([w.conn for w in waiting], wait_s)
-            now = time.monotonic()
+            now = self.clock()
             for w in waiting:
                 if w.conn in readable:
                     self._receive(w, outcomes)
@@ -226,7 +231,7 @@ class ScorePool:
     def _replace(self, w: _Worker) -> None:
         """Kill ``w`` and start a fresh worker in its slot."""
         w.kill()
-        self._workers[self._workers.index(w)] = _Worker(self._ctx, self.scorer)
+        self._workers[self._workers.index(w)] = _Worker(self._ctx, self.scorer, self.clock)
 
 
 def _check_args(workers: int, timeout: float) -> None:

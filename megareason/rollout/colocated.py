@@ -59,9 +59,10 @@ def rollout_layout(world: int, rank: int, tp: int) -> RolloutLayout:
     return RolloutLayout(tp=tp, engines=world // tp, engine=rank // tp, engine_rank=rank % tp)
 
 
-def colocated_engine_args(extra: dict) -> tuple[dict, dict[str, str]]:
+def colocated_engine_args(extra: dict, environ: dict[str, str] | None = None) -> tuple[dict, dict[str, str]]:
     """What an SPMD rank's ``vllm.LLM`` gets beyond ``VLLMEngine``'s arguments: (``extra`` with the engine
-    arguments added, environment variables to set before it starts). The same on CPU, where vLLM turns
+    arguments added, environment variables to set before it starts; a variable the site set in ``environ``,
+    default this process's, is left as the site set it). The same on CPU, where vLLM turns
     custom all-reduce off itself (``ParallelConfig``: the platform does not support it) and the
     environment variables name CUDA-only paths.
 
@@ -80,16 +81,21 @@ def colocated_engine_args(extra: dict) -> tuple[dict, dict[str, str]]:
       ``envs.py``). ``SymmMemCommunicator`` (``symm_mem.py``) allocates its buffer, then torch's rendezvous
       refuses ranks that all allocate on CUDA device 0 ("detected allocations from overlapping devices");
       vLLM catches that and falls back, so turning it off saves the buffer and the warning.
-    * FlashInfer all-reduce (``VLLM_ALLREDUCE_USE_FLASHINFER``, and the compiled all-reduce + RMSNorm
-      fusion on Hopper/Blackwell): kept. It takes this process's device (``torch.cuda.current_device()``),
-      maps the peers' buffers from exported handles (no visible-device lookup), and when its workspace
-      cannot be built vLLM falls back to NCCL (``flashinfer_all_reduce.py`` ``_create_workspace``).
+    * FlashInfer all-reduce (``VLLM_ALLREDUCE_USE_FLASHINFER``, on by default in ``envs.py``, with the
+      compiled all-reduce + RMSNorm fusion on Hopper/Blackwell): off unless the site sets the variable.
+      ``CudaCommunicator`` builds it for every TP group of more than one rank (``cuda_communicator.py``);
+      its workspace (``flashinfer_all_reduce.py`` ``_create_workspace``) is built collectively over the
+      group (``TorchDistBackend``), and a rank whose build raises logs a warning and goes on with NCCL
+      while its peers may still wait in the build's collectives: nothing makes the ranks agree. It has
+      never run with one visible GPU per process; NCCL has, in every trainer rank.
     * NCCL symmetric memory (``VLLM_USE_NCCL_SYMM_MEM``) and FlashInfer's PCIe IPC all-reduce: off by
       default (``envs.py``), left so.
     * NCCL (pynccl): what remains; NCCL finds peers by PCI bus id, not by visible ordinal.
     """
-    return dict(extra, distributed_executor_backend="external_launcher", disable_custom_all_reduce=True), {
-        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    env = {"VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+    if "VLLM_ALLREDUCE_USE_FLASHINFER" not in (os.environ if environ is None else environ):  # the site's stands
+        env["VLLM_ALLREDUCE_USE_FLASHINFER"] = "0"
+    return dict(extra, distributed_executor_backend="external_launcher", disable_custom_all_reduce=True), env
 
 
 @contextlib.contextmanager

@@ -50,6 +50,40 @@ def _configure_cpu_env(kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
+def engine_arguments(settings: EngineSettings, on_cpu: bool) -> tuple[dict, dict[str, str]]:
+    """(``vllm.LLM``'s keyword arguments, environment variables to set before it starts) for ``settings``.
+    The model runner is pinned (``VLLM_USE_V2_MODEL_RUNNER`` from ``rollout.model_runner``): vLLM 0.32 takes
+    Model Runner V2 on GPU whenever Triton is installed and none of its unsupported features is on
+    (``config/vllm.py`` ``use_v2_model_runner``), and V1 on this CPU stack (no Triton): unpinned, the GPU
+    would run a runner the CPU tests never ran."""
+    from megareason.config.schema import resolve_enforce_eager
+
+    kwargs = dict(
+        model=str(settings.model_path),
+        tokenizer=settings.tokenizer or str(settings.model_path),
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enforce_eager=resolve_enforce_eager(settings.enforce_eager, on_gpu=not on_cpu),
+        seed=settings.seed,
+        # Log-probs of the sampled tokens under the sampling distribution actually used
+        # (temperature / top-p applied), which is what importance ratios need.
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="megareason.rollout.vllm_worker.WeightUpdateExtension",
+        **settings.extra,
+    )
+    if on_cpu:
+        # vllm-cpu 0.32's seeded per-request generators crash when a chunked prefill is
+        # discarded ("CPU Generator does not use offset"); without chunking they work.
+        kwargs.setdefault("enable_chunked_prefill", False)
+    else:
+        kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True  # colocated: vLLM sleeps while Megatron trains
+    if settings.model_runner not in ("v1", "v2"):
+        raise ValueError(f"rollout.model_runner={settings.model_runner!r}: expected v1 or v2")
+    return kwargs, {"VLLM_USE_V2_MODEL_RUNNER": "1" if settings.model_runner == "v2" else "0"}
+
+
 def _exits_if_the_core_died(method):
     """vLLM can see its engine core die before the watch's next poll and raise ``EngineDeadError`` from
     the call: the worker then exits as the watch would, with the same message (one behaviour, no race)."""
@@ -74,7 +108,6 @@ class VLLMEngine:
         """``index``: which of the run's engines on this node this is; it picks the engine's ports."""
         if not (Path(settings.model_path) / "config.json").is_file():
             raise FileNotFoundError(f"no HF checkpoint (config.json) in {settings.model_path}")
-        from megareason.config.schema import resolve_enforce_eager
         from megareason.ports import engine_port
 
         # vLLM scans upward from VLLM_PORT for its ports (vllm/utils/network_utils.py); without it, it
@@ -82,28 +115,10 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_PORT", str(engine_port(index)))
 
         self.on_cpu = _on_cpu()
-        kwargs = dict(
-            model=str(settings.model_path),
-            tokenizer=settings.tokenizer or str(settings.model_path),
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            enforce_eager=resolve_enforce_eager(settings.enforce_eager, on_gpu=not self.on_cpu),
-            seed=settings.seed,
-            # Log-probs of the sampled tokens under the sampling distribution actually used
-            # (temperature / top-p applied), which is what importance ratios need.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="megareason.rollout.vllm_worker.WeightUpdateExtension",
-            **settings.extra,
-        )
+        kwargs, env = engine_arguments(settings, self.on_cpu)
         if self.on_cpu:
             _configure_cpu_env(settings.kv_cache_gib)
-            # vllm-cpu 0.32's seeded per-request generators crash when a chunked prefill is
-            # discarded ("CPU Generator does not use offset"); without chunking they work.
-            kwargs.setdefault("enable_chunked_prefill", False)
-        else:
-            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True  # colocated: vLLM sleeps while Megatron trains
+        os.environ.update(env)  # before vLLM reads them: the engine core process inherits them
         from vllm import LLM
 
         log.info("starting vLLM engine for %s", settings.model_path)

@@ -69,6 +69,7 @@ class EngineSettings:
     gpu_memory_utilization: float
     tensor_parallel_size: int
     enforce_eager: bool | None  # None: rollout.enforce_eager's per-device default (config.schema)
+    model_runner: str  # "v1" or "v2": vLLM's model runner (rollout.model_runner)
     seed: int
     tokenizer: str
     extra: dict  # passed to vllm.LLM as is (e.g. worker_extension_cls)

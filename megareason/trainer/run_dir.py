@@ -15,7 +15,8 @@ A run writes only into a folder of its own: ``hold_run_lock`` refuses a folder t
 a run folder (``check_run_folder``), so a user's files named config.json or metrics.jsonl are never
 overwritten. One process writes a run folder at a time: ``hold_run_lock`` takes an exclusive ``flock`` on its
 ``.lock`` file for the rest of the process's life (the kernel drops it when the process dies, however it
-dies, so a stale lock never blocks), and a second ``train`` / ``sft`` on the folder stops at once naming
+dies), or where the file system has no ``flock`` an exclusive-create ``.lock.held`` file, taken over once its
+holder is provably gone (``run_lock.py``); a second ``train`` / ``sft`` on the folder stops at once naming
 the holder.
 
 A checkpoint is built in ``checkpoints/.step_N.tmp`` and renamed to ``step_N`` once the model
@@ -30,18 +31,16 @@ difference is refused before anything is loaded, unless ``trainer.resume_mode=fo
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import shutil
-import socket
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megareason.config import Config, ConfigError, saved_config
+from megareason.trainer import run_lock
+from megareason.trainer.run_lock import RunFolderBusy  # noqa: F401 (callers catch it from here)
 from megareason.utils import OccupiedFolder, OutputKind, RunError, atomic_write, replace_directory
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -60,10 +59,6 @@ def first_line(error: BaseException) -> str:
 
 class CheckpointError(RunError):
     """A checkpoint could not be written (e.g. the disk is full); the previous complete one is intact."""
-
-
-class RunFolderBusy(ConfigError):
-    """Another live process holds the run folder's lock (``hold_run_lock``)."""
 
 
 def check_run_folder(root: str | Path, key: str = "trainer.output_dir") -> None:
@@ -85,30 +80,20 @@ def check_run_folder(root: str | Path, key: str = "trainer.output_dir") -> None:
 
 
 def hold_run_lock(root: str | Path) -> None:
-    """Take ``root/.lock`` (exclusive, non-blocking ``flock``) and keep it until this process exits; write
-    the holder's PID, host and start time into it. Taking it again in the same process is a no-op. Raises
-    ``RunFolderBusy`` naming the holder when another live process has it, ``OccupiedFolder`` when ``root``
-    is a folder of someone else's (``check_run_folder``). The descriptor is not inherited
-    by programs this process execs (Python opens files non-inheritable); the reward pool spawns."""
-    # fcntl.flock on a file of ours, not filelock: the holder's PID, host and start time live in the locked
-    # file itself, for a second run to name who holds it.
+    """Lock ``root`` for this process until it exits (``run_lock.take``: ``flock`` on ``root/.lock``, or where
+    the file system has none an exclusive-create ``root/.lock.held``) and write the holder's PID, host, Slurm
+    job and start time into it. Taking it again in the same process is a no-op. Raises ``RunFolderBusy``
+    naming the holder when another live process has it, ``OccupiedFolder`` when ``root`` is a folder of
+    someone else's (``check_run_folder``). The descriptor is not inherited by programs this process execs
+    (Python opens files non-inheritable); the reward pool spawns."""
+    # fcntl.flock on a file of ours, not filelock: the holder's PID, host and job live in the locked file
+    # itself, for a second run to name who holds it and to tell a stale holder (run_lock.stale).
     root = Path(root).resolve()
     if root in _LOCKS:
         return
     check_run_folder(root)
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RunFolderBusy(f"{root} is in use by another run ({holder}); wait for it to end or set another "
-                            "trainer.output_dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-             .encode())
-    _LOCKS[root] = fd
+    _LOCKS[root] = run_lock.take(root)
 
 
 @dataclass
