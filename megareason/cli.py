@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -34,16 +35,21 @@ examples:
 """
 
 TRAIN_HELP = """\
-Train a policy with GRPO or PPO: vLLM generates rollout.n samples per prompt, rewards come from the
-registry by data_source, megatron-core updates the actor (and the critic for PPO), and the new weights
-are streamed into vLLM in place. Workers run as Ray actors (a private local cluster unless
-trainer.ray_address is set). Metrics go to the console, tensorboard and metrics.jsonl in
-trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun continues from the latest
-checkpoint there, if its config is the run's but for trainer.steps and the save and log settings (any
-other change is refused, naming it; trainer.resume_mode=force accepts it).
+Train a policy with GRPO, PPO (a critic), REINFORCE++-baseline or RARO (algorithm.name): vLLM generates
+rollout.n samples per prompt, each scored by the reward of its data_source (a built-in family, or a
+function of your own: reward.custom, reward.funcs, reward.by_source), megatron-core updates the actor
+(and the critic for PPO), and the new weights are streamed into vLLM in place. Before any worker starts,
+a table shows each data source (rows, origin, reward, validation rows), any system message added and the
+first prompt as the model sees it (also written to trainer.output_dir/data.txt). Workers run as Ray
+actors (a private local cluster unless trainer.ray_address is set). Metrics go to the console,
+tensorboard and metrics.jsonl in trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun
+continues from the latest checkpoint there, if its config is the run's but for trainer.steps and the
+save and log settings (any other change is refused, naming it; trainer.resume_mode=force accepts it).
 
 examples:
   megareason train                                      # GRPO, SmolLM2-135M-Instruct on CPU
+  megareason train 'data.sources=[{kind: file, path: train.parquet}]' reward.custom=my_reward.py \\
+      data.val_size=16                                  # your data: docs/from_verl.md, docs/from_trl.md
   megareason train trainer.steps=5 trainer.output_dir=outputs/try
   megareason train --config-name ppo_smollm2_cpu        # PPO with a critic
   megareason train --use-lora lora.rank=16               # LoRA adapters (= lora.enabled=true)
@@ -298,13 +304,24 @@ def _train(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
     check_run(cfg, "train")
+    from megareason.config import ConfigError
+    from megareason.data import DataError
+    from megareason.launch.preflight import PreflightError
+    from megareason.models.arch import ArchError
     from megareason.trainer.loop import train
     from megareason.trainer.report import render
     from megareason.trainer.run_dir import hold_run_lock
 
-    hold_run_lock(cfg.trainer.output_dir)  # before the log: a busy run folder is left as it is
-    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
-        run = train(cfg)
+    out = Path(cfg.trainer.output_dir)
+    fresh = not out.exists()
+    hold_run_lock(out)  # before the log: a busy run folder is left as it is
+    try:
+        with logs.captured(out / "logs" / "driver.log"):
+            run = train(cfg)
+    except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
+        if fresh:  # refused before anything ran: no folder left behind with a lock and a log of one line
+            shutil.rmtree(out, ignore_errors=True)
+        raise e from None
     print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
 

@@ -28,11 +28,11 @@ def data_table(data: LoadedData, scorer: Scorer, first_prompt: str) -> str:
     val_counts = Counter(r.data_source for r in data.val)
     rows = []
     for src in data.sources:
-        counts = Counter(r.data_source for r in src.records)
-        chat = {r.data_source: r.chat for r in src.records}
+        # one line per data_source, and per prompt format where a TRL function gets them differently
+        counts = Counter((r.data_source, r.chat) for r in src.records)
         system = repr(_short(src.system_prompt)) if src.system_prompt else "none"
-        for name, n in counts.items():
-            rows.append((src.where, src.origin, str(n), name, describe_reward(scorer, name, chat[name]),
+        for (name, chat), n in counts.items():
+            rows.append((src.where, src.origin, str(n), name, describe_reward(scorer, name, chat),
                          str(val_counts.get(name, 0)), system))
     for name in sorted(set(val_counts) - {r[3] for r in rows}):  # validation rows of a source not trained on
         rows.append(("data.val_sources", "", "0", name, describe_reward(scorer, name, False), str(val_counts[name]),
