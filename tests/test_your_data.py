@@ -134,7 +134,8 @@ def test_a_reward_that_fails_on_a_whole_batch_stops_at_once_naming_it(files):
 def test_a_misspelled_by_source_key_is_refused_naming_the_sources(files):
     cfg = Config()
     cfg.reward.by_source = {"open_ai/gsm8k": f"{files / 'verl_reward.py'}:vowels"}
-    cfg.data.sources = load_config("grpo_quickstart", [f"data.sources=[{{kind: file, path: {files / 'gsm8k.parquet'}}}, "
+    gsm8k = files / "gsm8k.parquet"
+    cfg.data.sources = load_config("grpo_quickstart", [f"data.sources=[{{kind: file, path: {gsm8k}}}, "
                                                        "{kind: reasoning_gym, name: basic_arithmetic, size: 1}]"]
                                    ).data.sources
     data = load_data(cfg.data)
@@ -240,7 +241,7 @@ def test_the_table_is_shown_and_written_before_ray_and_a_bad_reward_fails_in_one
     lines = table.splitlines()
     assert lines[0] == "data: 4 training rows from 2 source(s)"
     assert "accuracy (TRL signature, conversational)" in table and "accuracy (TRL signature, standard)" in table
-    assert f"validation: 1 of the 5 rows of data.sources held out (data.val_size)" in table
+    assert "validation: 1 of the 5 rows of data.sources held out (data.val_size)" in table
     assert f"system message added to rows without one: {REASONING_GYM_SYSTEM_PROMPT!r}" in table
     assert "first prompt as the model sees it:" in table and "Capital of France?" in table
     # A reward with a wrong signature: one line, exit 2, before the model loads; no run folder left behind.
