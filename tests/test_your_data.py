@@ -144,21 +144,21 @@ def test_a_misspelled_by_source_key_is_refused_naming_the_sources(files):
         scorer_from(cfg.reward, data.train)
 
 
-def test_replaced_data_is_validated_on_its_own_held_out_slice(files, tmp_path, caplog):
+def test_replaced_data_is_validated_on_its_own_held_out_slice(files, tmp_path):
     rows = files / "rows.jsonl"
     rows.write_text("".join(json.dumps({"question": f"{a} + 1?", "answer": str(a + 1), "data_source": "math"}) + "\n"
                             for a in range(10)))
     mine = f"data.sources=[{{kind: file, path: {rows}}}]"
-    with caplog.at_level(logging.WARNING):
-        cfg = load_config("grpo_quickstart", [mine, "data.val_size=3"])
-    assert cfg.data.val_sources == [] and "its data.val_sources (1 source(s)) are not used" in caplog.text
+    cfg = load_config("grpo_quickstart", [mine, "data.val_size=3"])
+    assert cfg.data.val_sources == []
     data = load_data(cfg.data)
     assert len(data.val) == 3 and len(data.train) == 7 and {r.data_source for r in data.val} == {"math"}
     questions = [r.extra_info["question"] for r in data.train + data.val]
     assert sorted(questions) == sorted(f"{a} + 1?" for a in range(10))  # disjoint, together every row
     assert data.val_note == "3 of the 10 rows of data.sources held out (data.val_size)"
     assert load_data(cfg.data).val == data.val  # the same slice on every start (a resume validates on it too)
-    assert load_data(load_config("grpo_quickstart", [mine]).data).val == []  # none rather than the recipe's
+    none = load_data(load_config("grpo_quickstart", [mine]).data)  # none rather than the recipe's, and said so
+    assert none.val == [] and none.val_note.startswith("none: data.val_sources is empty (a recipe's are dropped")
     # a YAML of one's own that inherits the recipe and brings its data: the same
     (tmp_path / "mine.yaml").write_text(f"defaults: [grpo_quickstart, _self_]\ndata:\n  sources:\n"
                                         f"    - {{kind: file, path: {rows}}}\n")
@@ -255,3 +255,25 @@ def test_the_table_is_shown_and_written_before_ray_and_a_bad_reward_fails_in_one
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: reward.custom: ") and "bad.py:compute_score takes" in err[0]
     assert not bad.exists()
+
+
+def test_convert_on_a_step_or_run_folder_names_the_checkpoint_and_plan_says_fetch(tmp_path, capsys, monkeypatch):
+    from megareason.cli import main
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    (step / "actor").mkdir(parents=True)
+    (step / "actor" / "megareason.json").write_text('{"arch": {}}')
+    out = tmp_path / "hf"
+    assert main(["convert", "megatron-to-hf", str(step), str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint {step} is a step folder, not a model's checkpoint: did "
+                                       f"you mean {step / 'actor'}?\n")
+    assert main(["convert", "megatron-to-hf", str(tmp_path / "run"), str(out)]) == 2
+    assert f"is a run folder, not a model's checkpoint: did you mean {step / 'actor'}?" in capsys.readouterr().err
+    assert main(["convert", "hf-to-megatron", str(step), str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: {step} holds a megareason checkpoint, not a Hugging Face model; to "
+                                       f"export it: megareason convert megatron-to-hf {step / 'actor'} OUT_DIR\n")
+    assert main(["plan", "grpo_qwen3_8b", "model.path=tiny-org/not-cached"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.path 'tiny-org/not-cached': this Hugging Face Hub model is not in the cache")
+    assert "hf download tiny-org/not-cached; or pass --model-shape" in err and "config.json" not in err

@@ -242,10 +242,9 @@ def _validation_follows_the_data(raw: dict[str, Any], overrides: list[str], own_
             named = named or "val_sources" in data
     data = raw.get("data")
     if replaced and not named and isinstance(data, dict) and data.get("val_sources"):
-        size = data.get("val_size") or 0
-        log.warning("data.sources replaces the recipe's data, so its data.val_sources (%d source(s)) are not used; "
-                    "validation: %s", len(data["val_sources"]), f"{size} rows held out of your data (data.val_size)"
-                    if size else "none (data.val_size=N holds out N of your rows; or name data.val_sources)")
+        # the start-up table (rewards/data_table.py) says what validation is, before any worker starts
+        log.debug("data.sources replaces the recipe's data: its data.val_sources (%d source(s)) are dropped",
+                  len(data["val_sources"]))
         data["val_sources"] = []
 
 

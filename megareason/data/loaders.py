@@ -154,7 +154,8 @@ def load_data(cfg: DataConfig, any_source: bool = False) -> LoadedData:
         train = [r for i, r in enumerate(train) if i not in held]
         note = f"{len(val)} of the {len(train) + len(val)} rows of data.sources held out (data.val_size)"
     else:
-        val, note = [], "none (data.val_sources empty, data.val_size 0)"
+        val, note = [], ("none: data.val_sources is empty (a recipe's are dropped when data.sources replaces its "
+                         "data) and data.val_size is 0 (data.val_size=N holds out N of these rows)")
     return LoadedData(sources, val_sources, train, val, note)
 
 
