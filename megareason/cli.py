@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
-    _config_command(sub, "train", "RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray", TRAIN_HELP,
+    _config_command(sub, "train", "RL training (GRPO, PPO, REINFORCE++, RARO): Megatron actor, vLLM rollouts, over Ray",
+                    TRAIN_HELP,
                     "grpo_smollm2_cpu", lora=True)
     _config_command(sub, "sft", "supervised fine-tuning on demonstrations (Megatron actor, over Ray)", SFT_HELP,
                     "sft_smollm2_cpu", lora=True)

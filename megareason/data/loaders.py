@@ -10,8 +10,8 @@ error messages):
   "content": ...}], "data_source": ..., "ability": ..., "reward_model": {"style": "rule", "ground_truth":
   ...}, "extra_info": {...}}``; ``ability`` and ``reward_model.style`` are not used.
 * TRL prompt-only, standard (``"prompt": "text"``, given to the chat template as one user message) or
-  conversational (``"prompt": [messages]``), with the reference answer in an ``answer`` or ``solution``
-  column (``answer`` wins; a ``solution`` beside it is kept as ``extra_info["solution"]``).
+  conversational (``"prompt": [messages]``), with the reference answer in an ``answer``, ``solution`` or
+  ``ground_truth`` column (``answer`` wins; a ``solution`` beside it is kept as ``extra_info["solution"]``).
 * question/answer: ``{"question": ..., "answer": ..., "solution": ... (optional), "data_source": ...}``.
 
 A row's ``data_source`` may be omitted when the source config sets one for the whole file; an ``hf``
@@ -359,9 +359,12 @@ def _reference_answer(row: dict[str, Any], where: str, extra: dict[str, Any]) ->
         return _text(row, "answer", where)
     if "solution" in row:
         return _text(row, "solution", where)
+    if "ground_truth" in row:  # TRL's reward-function docs name the reference column so
+        return _text(row, "ground_truth", where)
     fields = ", ".join(sorted(row))
     raise DataError(f"{where}: missing the reference answer: expected 'reward_model.ground_truth' (verl's "
-                    f"format) or an 'answer' or 'solution' field (TRL's prompt-only format); found: {fields}")
+                    f"format) or an 'answer', 'solution' or 'ground_truth' field (TRL's prompt-only format); "
+                    f"found: {fields}")
 
 
 def _text(row: dict[str, Any], name: str, where: str) -> str:

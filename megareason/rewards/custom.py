@@ -274,7 +274,7 @@ class WeightedRewards:
         return " + ".join(f"{w:g} x {p.label}" for p, w in zip(self.parts, self.weights, strict=True))
 
     def mode(self, chat: bool) -> str:
-        return "weighted sum: " + "; ".join(p.mode(chat) for p in self.parts)
+        return "weighted sum; " + "; ".join(dict.fromkeys(p.mode(chat) for p in self.parts))
 
     def __call__(self, data_source: str, response: str, ground_truth: str, extra_info: dict,
                  prompt: list[dict] | None = None) -> RewardOutput:

@@ -27,9 +27,10 @@ def data_table(data: LoadedData, scorer: Scorer, first_prompt: str) -> str:
     prompt after the chat template."""
     val_counts = Counter(r.data_source for r in data.val)
     rows = []
+    trained = {id(r) for r in data.train}  # without the rows held out for validation (data.val_size)
     for src in data.sources:
         # one line per data_source, and per prompt format where a TRL function gets them differently
-        counts = Counter((r.data_source, r.chat) for r in src.records)
+        counts = Counter((r.data_source, r.chat) for r in src.records if id(r) in trained)
         system = repr(_short(src.system_prompt)) if src.system_prompt else "none"
         for (name, chat), n in counts.items():
             rows.append((src.where, src.origin, str(n), name, describe_reward(scorer, name, chat),
