@@ -143,8 +143,8 @@ def test_a_row_without_a_reference_answer_names_file_row_and_what_was_expected(t
     path = tmp_path / "trl.jsonl"
     path.write_text(json.dumps({"prompt": "q", "solution": "1"}) + "\n" + json.dumps({"prompt": "q", "hint": "h"}))
     with pytest.raises(DataError, match=rf"^{path} row 2: missing the reference answer: expected "
-                                        r"'reward_model.ground_truth' \(verl's format\) or an 'answer' or "
-                                        r"'solution' field .*; found: hint, prompt$"):
+                                        r"'reward_model.ground_truth' \(verl's format\) or an 'answer', "
+                                        r"'solution' or 'ground_truth' field .*; found: hint, prompt$"):
         load_file(path, data_source="math")
 
 

@@ -57,25 +57,17 @@ class DataSourceConfig:
     # Keys added to every row's extra_info (a row's own value wins): e.g. a reward family's settings for
     # the whole source, {reward_type: correct} for the arithmetic reward (docs/rewards.md).
     extra_info: dict[str, int | float | str | bool] = field(default_factory=dict)
-    # The system message put before this source's rows that have none. null: data.system_prompt, else the
-    # kind's own (reasoning_gym's items ask for the final answer inside \boxed{}, which the built-in rewards
-    # read; the rows of every other kind go in as written); "": none.
+    # System message for its rows without one; null: data.system_prompt, else the kind's own (docs/data.md)
     system_prompt: str | None = None
 
 
 @dataclass
 class DataConfig:
     sources: list[DataSourceConfig] = field(default_factory=list)
-    # Held-out prompts for validation during training (greedy accuracy); empty: data.val_size rows of
-    # data.sources, else none. Replacing a recipe's data.sources without naming data.val_sources drops the
-    # recipe's (its questions are not your data's).
+    # Validation prompts (greedy accuracy); empty: val_size rows held out of sources (0: none). docs/data.md
     val_sources: list[DataSourceConfig] = field(default_factory=list)
-    # With data.val_sources empty: this many rows of data.sources held out for validation (a seeded draw,
-    # left out of training); 0: no validation.
     val_size: int = 0
-    # System message put before every row that has none, of every source whose own system_prompt is null;
-    # empty: none (each row goes in as written, reasoning_gym items with their own instruction).
-    system_prompt: str = ""
+    system_prompt: str = ""  # put before every row without one (sources[].system_prompt wins); "": none
     # Prompts longer than this (in tokens, after the chat template) are filtered or rejected.
     max_prompt_length: int = 512
     truncation: Literal["filter", "error"] = "filter"
@@ -163,21 +155,13 @@ class RewardConfig:
     # compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) or TRL's batch
     # signature fn(prompts, completions, **kwargs) -> list[float] (see rewards/custom.py).
     custom: str = ""
-    # data_source -> path/to/file.py[:function]: a function of one's own for those data sources, beside
-    # the built-in rewards (and reward.custom) for the others.
+    # data_source -> path/to/file.py[:function] for those sources, beside the built-ins (and reward.custom)
     by_source: dict[str, str] = field(default_factory=dict)
-    # TRL's reward_funcs and reward_weights: functions (path/to/file.py[:function], either signature) that
-    # each score every sample, their weighted sum the reward, each logged as reward/<function>; instead of
-    # reward.custom. weights: one per function; empty: 1 each.
-    funcs: list[str] = field(default_factory=list)
-    weights: list[float] = field(default_factory=list)
-    # How a TRL batch function gets prompts and completions: auto (as TRL does, from each row: a prompt
-    # given as chat messages is conversational, one given as text standard), standard (strings: the
-    # prompt's last user message and the response) or conversational (message lists).
+    funcs: list[str] = field(default_factory=list)  # TRL's reward_funcs, summed per sample (not with custom)
+    weights: list[float] = field(default_factory=list)  # TRL's reward_weights, one per func (empty: 1 each)
+    # TRL functions' prompts/completions: auto (per row, as TRL: chat prompt -> conversational), or forced
     trl_format: Literal["auto", "standard", "conversational"] = "auto"
-    # A reward (a function of one's own or a built-in family) that fails (raises, returns None) on more than
-    # this share of a step's samples it scores stops the run at that step, naming it and its error; 1: never.
-    max_error_rate: float = 0.5
+    max_error_rate: float = 0.5  # a reward failing on more of a step's samples stops the run; 1: never
     # Scoring processes (0: score in the driver, without the timeout) and the per-sample timeout in
     # seconds: a sample past it (sympy can hang) gets reward 0 and is counted in reward/timeouts.
     workers: int = 2
