@@ -305,26 +305,32 @@ def _train(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(cfg), indent=2))
         return 0
     check_run(cfg, "train")
+    from megareason.trainer.loop import train
+    from megareason.trainer.report import render
+
+    run = _run_in(Path(cfg.trainer.output_dir), train, cfg)
+    print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
+    return 0
+
+
+def _run_in(out: Path, command, cfg):
+    """``command(cfg)`` holding the run folder ``out``'s lock, its log in ``out/logs``. A start refused
+    (exit code 2: nothing ran) in a folder it made leaves no folder behind with a lock and a one-line log."""
     from megareason.config import ConfigError
     from megareason.data import DataError
     from megareason.launch.preflight import PreflightError
     from megareason.models.arch import ArchError
-    from megareason.trainer.loop import train
-    from megareason.trainer.report import render
     from megareason.trainer.run_dir import hold_run_lock
 
-    out = Path(cfg.trainer.output_dir)
     fresh = not out.exists()
     hold_run_lock(out)  # before the log: a busy run folder is left as it is
     try:
         with logs.captured(out / "logs" / "driver.log"):
-            run = train(cfg)
+            return command(cfg)
     except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
-        if fresh:  # refused before anything ran: no folder left behind with a lock and a log of one line
+        if fresh:
             shutil.rmtree(out, ignore_errors=True)
         raise e from None
-    print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
-    return 0
 
 
 def _plots(render, run) -> str:
@@ -347,12 +353,9 @@ def _sft(args: argparse.Namespace) -> int:
         return 0
     check_run(cfg, "sft")
     from megareason.trainer.report import render
-    from megareason.trainer.run_dir import hold_run_lock
     from megareason.trainer.sft import sft
 
-    hold_run_lock(cfg.trainer.output_dir)
-    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
-        run = sft(cfg)
+    run = _run_in(Path(cfg.trainer.output_dir), sft, cfg)
     print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
 
