@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict
@@ -414,14 +415,21 @@ def _convert(args: argparse.Namespace) -> int:
     hf_source = args.convert_command == "hf-to-megatron"
     check_convert(args.hf_dir if hf_source else args.ckpt_dir, args.out_dir, hf_source,
                   peft=not hf_source and args.peft)
-    if hf_source:
-        out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
-    else:
-        try:
-            out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft, dtype=args.dtype)
-        except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    # megatron-core's and transformers' lines (Apex/TransformerEngine fallbacks, deprecations) go to a log
+    # file, kept and named only if the conversion fails
+    log = Path(tempfile.gettempdir()) / f"megareason_convert_{os.getpid()}.log"
+    with logs.captured(log):
+        if hf_source:
+            out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
+        else:
+            try:
+                out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft, dtype=args.dtype)
+            except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
+                print(f"error: {e}", file=sys.stderr)
+                out = None
+    log.unlink(missing_ok=True)
+    if out is None:
+        return 2
     print(out)
     return 0
 
