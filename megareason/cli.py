@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict
@@ -34,16 +36,21 @@ examples:
 """
 
 TRAIN_HELP = """\
-Train a policy with GRPO or PPO: vLLM generates rollout.n samples per prompt, rewards come from the
-registry by data_source, megatron-core updates the actor (and the critic for PPO), and the new weights
-are streamed into vLLM in place. Workers run as Ray actors (a private local cluster unless
-trainer.ray_address is set). Metrics go to the console, tensorboard and metrics.jsonl in
-trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun continues from the latest
-checkpoint there, if its config is the run's but for trainer.steps and the save and log settings (any
-other change is refused, naming it; trainer.resume_mode=force accepts it).
+Train a policy with GRPO, PPO (a critic), REINFORCE++-baseline or RARO (algorithm.name): vLLM generates
+rollout.n samples per prompt, each scored by the reward of its data_source (a built-in family, or a
+function of your own: reward.custom, reward.funcs, reward.by_source), megatron-core updates the actor
+(and the critic for PPO), and the new weights are streamed into vLLM in place. Before any worker starts,
+a table shows each data source (rows, origin, reward, validation rows), any system message added and the
+first prompt as the model sees it (also written to trainer.output_dir/data.txt). Workers run as Ray
+actors (a private local cluster unless trainer.ray_address is set). Metrics go to the console,
+tensorboard and metrics.jsonl in trainer.output_dir; with trainer.resume_mode=auto (the default) a rerun
+continues from the latest checkpoint there, if its config is the run's but for trainer.steps and the
+save and log settings (any other change is refused, naming it; trainer.resume_mode=force accepts it).
 
 examples:
   megareason train                                      # GRPO, SmolLM2-135M-Instruct on CPU
+  megareason train 'data.sources=[{kind: file, path: train.parquet}]' reward.custom=my_reward.py \\
+      data.val_size=16                                  # your data: docs/from_verl.md, docs/from_trl.md
   megareason train trainer.steps=5 trainer.output_dir=outputs/try
   megareason train --config-name ppo_smollm2_cpu        # PPO with a critic
   megareason train --use-lora lora.rank=16               # LoRA adapters (= lora.enabled=true)
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     _config_command(sub, "eval", "evaluate a model on reasoning prompts with vLLM", EVAL_HELP, "eval")
-    _config_command(sub, "train", "RL training (GRPO, PPO): Megatron actor, vLLM rollouts, over Ray", TRAIN_HELP,
+    _config_command(sub, "train", "RL training (GRPO, PPO, REINFORCE++, RARO): Megatron actor, vLLM rollouts, over Ray",
+                    TRAIN_HELP,
                     "grpo_smollm2_cpu", lora=True)
     _config_command(sub, "sft", "supervised fine-tuning on demonstrations (Megatron actor, over Ray)", SFT_HELP,
                     "sft_smollm2_cpu", lora=True)
@@ -301,13 +309,30 @@ def _train(args: argparse.Namespace) -> int:
     check_run(cfg, "train")
     from megareason.trainer.loop import train
     from megareason.trainer.report import render
-    from megareason.trainer.run_dir import hold_run_lock
 
-    hold_run_lock(cfg.trainer.output_dir)  # before the log: a busy run folder is left as it is
-    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
-        run = train(cfg)
+    run = _run_in(Path(cfg.trainer.output_dir), train, cfg)
     print(f"\ntraining done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
+
+
+def _run_in(out: Path, command, cfg):
+    """``command(cfg)`` holding the run folder ``out``'s lock, its log in ``out/logs``. A start refused
+    (exit code 2: nothing ran) in a folder it made leaves no folder behind with a lock and a one-line log."""
+    from megareason.config import ConfigError
+    from megareason.data import DataError
+    from megareason.launch.preflight import PreflightError
+    from megareason.models.arch import ArchError
+    from megareason.trainer.run_dir import hold_run_lock
+
+    fresh = not out.exists()
+    hold_run_lock(out)  # before the log: a busy run folder is left as it is
+    try:
+        with logs.captured(out / "logs" / "driver.log"):
+            return command(cfg)
+    except (ConfigError, DataError, ArchError, PreflightError, FileNotFoundError) as e:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise e from None
 
 
 def _plots(render, run) -> str:
@@ -330,12 +355,9 @@ def _sft(args: argparse.Namespace) -> int:
         return 0
     check_run(cfg, "sft")
     from megareason.trainer.report import render
-    from megareason.trainer.run_dir import hold_run_lock
     from megareason.trainer.sft import sft
 
-    hold_run_lock(cfg.trainer.output_dir)
-    with logs.captured(Path(cfg.trainer.output_dir) / "logs" / "driver.log"):
-        run = sft(cfg)
+    run = _run_in(Path(cfg.trainer.output_dir), sft, cfg)
     print(f"\nsft done: {run} (metrics.jsonl, tensorboard/, checkpoints/; {_plots(render, run)})")
     return 0
 
@@ -394,14 +416,21 @@ def _convert(args: argparse.Namespace) -> int:
     hf_source = args.convert_command == "hf-to-megatron"
     check_convert(args.hf_dir if hf_source else args.ckpt_dir, args.out_dir, hf_source,
                   peft=not hf_source and args.peft)
-    if hf_source:
-        out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
-    else:
-        try:
-            out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft, dtype=args.dtype)
-        except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    # megatron-core's and transformers' lines (Apex/TransformerEngine fallbacks, deprecations) go to a log
+    # file, kept and named only if the conversion fails
+    log = Path(tempfile.gettempdir()) / f"megareason_convert_{os.getpid()}.log"
+    with logs.captured(log):
+        if hf_source:
+            out = convert.hf_to_megatron(resolve_model_path(args.hf_dir), args.out_dir)
+        else:
+            try:
+                out = convert.megatron_to_hf(args.ckpt_dir, args.out_dir, peft=args.peft, dtype=args.dtype)
+            except ValueError as e:  # a checkpoint that cannot be exported as asked (--peft without adapters)
+                print(f"error: {e}", file=sys.stderr)
+                out = None
+    log.unlink(missing_ok=True)
+    if out is None:
+        return 2
     print(out)
     return 0
 

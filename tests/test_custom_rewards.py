@@ -187,7 +187,8 @@ def test_custom_for_every_sample_and_by_source_before_it(files):
     cfg = Config()
     cfg.reward.custom = f"{verl}:no_prompt"
     cfg.reward.by_source = {"openai/gsm8k": f"{trl}:length_ratio"}
-    scorer = scorer_from(cfg.reward, [PromptRecord([], "anything", "")])  # custom covers every data_source
+    # custom covers every data_source
+    scorer = scorer_from(cfg.reward, [PromptRecord([], "anything", ""), PromptRecord([], "openai/gsm8k", "")])
     assert scorer("anything", "r", "g", {}) == R(2.0, True)
     assert scorer("openai/gsm8k", "abcd", "ab", {}) == R(2.0, True)
     assert scorer("openai/gsm8k_tinyv", "a", "ab", {}) == R(0.5, False)  # the name before _tinyv

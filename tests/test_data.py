@@ -29,7 +29,7 @@ def _jsonl(path: Path, rows) -> Path:
 def test_verl_jsonl(tmp_path):
     (rec,) = load_file(_jsonl(tmp_path / "d.jsonl", [VERL_ROW]))
     assert rec == PromptRecord(prompt=VERL_ROW["prompt"], data_source="math", ground_truth="4",
-                               extra_info={"split": "test"})
+                               extra_info={"split": "test"}, chat=True)
 
 
 def test_seed_json_list_and_number_answers(tmp_path):
@@ -93,8 +93,8 @@ def test_unsupported_extension_and_missing_file(tmp_path):
 def test_reasoning_gym_countdown_carries_numbers_and_target():
     import reasoning_gym
 
-    cfg = DataConfig(system_prompt="", sources=[DataSourceConfig(kind="reasoning_gym", name="countdown", size=3,
-                                                                 seed=5, options={"min_numbers": 3, "max_numbers": 3})])
+    cfg = DataConfig(sources=[DataSourceConfig(kind="reasoning_gym", name="countdown", size=3, seed=5,
+                                               options={"min_numbers": 3, "max_numbers": 3}, system_prompt="")])
     recs = load_records(cfg)
     expected = reasoning_gym.create_dataset("countdown", size=3, seed=5, min_numbers=3, max_numbers=3)
     assert len(recs) == 3
@@ -150,9 +150,9 @@ def test_basic_arithmetic_keeps_only_items_whose_answer_is_their_question(caplog
     bad = len(raw) - len(good)
     assert 20 < bad < 100  # the generator's '/' answers: about a quarter of the items
     with caplog.at_level(logging.WARNING):
-        recs = load_records(DataConfig(system_prompt="", sources=[
+        recs = load_records(DataConfig(sources=[
             DataSourceConfig(kind="reasoning_gym", name="basic_arithmetic", size=len(good), seed=1,
-                             options=_TWO_TERMS)]))
+                             options=_TWO_TERMS, system_prompt="")]))
     assert [(r.prompt[0]["content"], r.ground_truth) for r in recs] == [
         (item["question"], item["answer"]) for item in good]
     assert f"skipped {bad} items" in caplog.text

@@ -107,9 +107,9 @@ def test_verl_gsm8k_and_math_parquet_rows_load_as_written(tmp_path):
     pd.DataFrame([VERL_GSM8K, VERL_MATH]).to_parquet(path)
     gsm8k, math = load_file(path)
     assert gsm8k == PromptRecord(prompt=VERL_GSM8K["prompt"], data_source="openai/gsm8k", ground_truth="72",
-                                 extra_info=VERL_GSM8K["extra_info"])
+                                 extra_info=VERL_GSM8K["extra_info"], chat=True)
     assert math == PromptRecord(prompt=VERL_MATH["prompt"], data_source="DigitalLearningGmbH/MATH-lighteval",
-                                ground_truth="\\frac{1}{2}", extra_info={"split": "test", "index": 7})
+                                ground_truth="\\frac{1}{2}", extra_info={"split": "test", "index": 7}, chat=True)
     # Parquet gives every row every struct field; the MATH row keeps only its own extra_info.
     assert "answer" not in math.extra_info
     # Scored with the families those sets use (data_source overridden to the built-in names).
@@ -135,7 +135,7 @@ def test_trl_conversational_prompt_only_rows_with_an_answer(tmp_path):
                   {"prompt": prompt, "answer": "3"}]).to_parquet(path)
     first, second = load_file(path, data_source="math")
     assert first == PromptRecord(prompt=prompt, data_source="math", ground_truth="\\frac{5}{6}",
-                                 extra_info={"solution": "3/6 + 2/6 = 5/6"})
+                                 extra_info={"solution": "3/6 + 2/6 = 5/6"}, chat=True)
     assert (second.ground_truth, second.extra_info) == ("3", {})
 
 
@@ -143,8 +143,8 @@ def test_a_row_without_a_reference_answer_names_file_row_and_what_was_expected(t
     path = tmp_path / "trl.jsonl"
     path.write_text(json.dumps({"prompt": "q", "solution": "1"}) + "\n" + json.dumps({"prompt": "q", "hint": "h"}))
     with pytest.raises(DataError, match=rf"^{path} row 2: missing the reference answer: expected "
-                                        r"'reward_model.ground_truth' \(verl's format\) or an 'answer' or "
-                                        r"'solution' field .*; found: hint, prompt$"):
+                                        r"'reward_model.ground_truth' \(verl's format\) or an 'answer', "
+                                        r"'solution' or 'ground_truth' field .*; found: hint, prompt$"):
         load_file(path, data_source="math")
 
 
@@ -240,7 +240,7 @@ def test_train_inputs_from_a_hub_model_and_a_hub_data_set(hub_cache, tiny_llama,
                  "columns: {problem: prompt}}]"]
     cfg = load_config("grpo_smollm2_cpu", ["model.path=tiny-org/tiny-llama", *overrides])
     check_run(cfg, "train")
-    prompts, val, _ = _load_prompts(cfg)
+    prompts, val, _, _ = _load_prompts(cfg)
     assert [(p.record.prompt[-1]["content"], p.record.ground_truth) for p in prompts + val] == [
         ("What is 6 * 7?", "42"), ("What is 9 - 4?", "5"), ("What is 1 + 1?", "2")]
     with pytest.raises(PreflightError) as e:

@@ -144,7 +144,7 @@ def _nothing_starts(monkeypatch) -> None:
         raise AssertionError("something started before the config was checked")
 
     for module in (loop, sft):
-        for name in ("ray_session", "scoring_pool", "load_records"):
+        for name in ("ray_session", "scoring_pool", "load_data"):
             monkeypatch.setattr(module, name, started)
     monkeypatch.setattr(handles, "WorkerGroup", started)
 

@@ -125,15 +125,23 @@ def test_a_bad_setup_exits_2_before_any_worker_starts(tiny_qwen2, tmp_path):
     assert "PolicyWorker" not in proc.stderr  # no worker was started
 
 
-VERL_REWARD = """\
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    return sum(ch in "aeiou" for ch in solution_str) / max(len(solution_str), 1)
-"""
+# TRL's conversational form, which the rows' chat prompts select without a switch (reward.trl_format=auto)
 TRL_REWARD = """\
 def consonants(prompts, completions, solution, **kwargs):
-    assert len(prompts) == len(completions) == len(solution) and all(isinstance(p, str) for p in prompts)
-    return [sum(ch in "bcdfg" for ch in c) / max(len(c), 1) for c in completions]
+    assert len(prompts) == len(completions) == len(solution) and all(isinstance(p, list) for p in prompts)
+    return [sum(ch in "bcdfg" for ch in c[0]["content"]) / max(len(c[0]["content"]), 1) for c in completions]
 """
+
+
+def _tutorial_files(page: str, where: Path) -> None:
+    """The ```python title=FILE blocks of docs/``page`` written into ``where``, and its make_*.py run there."""
+    from test_tutorials import _blocks
+
+    for lang, title, text in _blocks(f"docs/{page}"):
+        if lang == "python" and title:
+            (where / title).write_text(text)
+            if title.startswith("make_"):
+                subprocess.run([sys.executable, title], cwd=where, check=True, timeout=120)
 
 
 def _hub_snapshot(cache: Path, repo_type: str, repo_id: str, files: Path) -> None:
@@ -160,20 +168,20 @@ def test_reinforce_pp_on_a_hub_model_and_hub_data_with_verl_and_trl_rewards_besi
         "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * a)},
         "extra_info": {"split": "train", "index": a}}) + "\n" for a in range(4)))
     _hub_snapshot(cache, "dataset", "tiny-org/tiny-gsm8k", tmp_path / "gsm8k")
-    trl = tmp_path / "trl.jsonl"
-    trl.write_text("".join(json.dumps({"prompt": f"Spell {w}.", "solution": w}) + "\n"
-                           for w in ("cab", "dog", "fig", "bed")))
-    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    # the tutorials' files: docs/from_verl.md's reward function, docs/from_trl.md's conversational math rows
+    _tutorial_files("from_verl.md", tmp_path)
+    _tutorial_files("from_trl.md", tmp_path)
+    trl = tmp_path / "math.jsonl"
     (tmp_path / "trl_reward.py").write_text(TRL_REWARD)
     out = tmp_path / "alg"
     args = [a for a in _args(tiny_qwen2, tmp_path, out) if not a.startswith(("reward.custom=", "model.path="))]
     block = run_block(os.getpid() + 1)  # not the block this test process's own stores use
     proc = _run([*args, "model.path=tiny-org/tiny-qwen2", "trainer.steps=2", "trainer.prompts_per_step=6",
-          "trainer.save_every=0", "trainer.val_every=0", "data.val_sources=[]", "data.system_prompt=''",
+          "trainer.save_every=0", "trainer.val_every=0", "data.val_sources=[]",
           "data.sources=[{kind: hf, name: tiny-org/tiny-gsm8k}, "
-          f"{{kind: file, path: {trl}, data_source: trl_consonants}}, "
+          f"{{kind: file, path: {trl}, size: 4, data_source: trl_consonants}}, "
           "{kind: reasoning_gym, name: basic_arithmetic, size: 4, data_source: vowels_verl}]",
-          f"reward.by_source={{vowels_verl: {tmp_path / 'verl_reward.py'}, "
+          f"reward.by_source={{vowels_verl: {tmp_path / 'my_reward.py'}:my_reward_fn, "
           f"trl_consonants: {tmp_path / 'trl_reward.py'}:consonants}}",
           "algorithm.name=reinforce_pp_baseline", "algorithm.kl_coef=0.01",
           "algorithm.kl_in_reward=true", "algorithm.kl_loss_coef=0.01",
@@ -201,9 +209,14 @@ def test_reinforce_pp_on_a_hub_model_and_hub_data_with_verl_and_trl_rewards_besi
 
     for r in rows:
         text, source = r["response"], r["data_source"]
-        expected = (share(text, "aeiou") if source == "vowels_verl" else share(text, "bcdfg")
+        expected = (len(text) / 100 if source == "vowels_verl" else share(text, "bcdfg")
                     if source == "trl_consonants" else compute_score("gsm8k", text, r["ground_truth"], {}).score)
         assert r["reward"] == pytest.approx(expected, abs=1e-9), r
+    # the start-up table, in the run folder: which reward scores which rows, and how
+    table = (out / "data.txt").read_text()
+    assert "trl_reward.py:consonants (TRL signature, conversational)" in table, table
+    assert "my_reward.py:my_reward_fn (verl signature, per sample)" in table and "built-in gsm8k" in table
+    assert "reward_errors" not in proc.stdout + proc.stderr
 
 
 def _raro_args(model: Path, tmp: Path, out: Path, *extra: str) -> list[str]:

@@ -71,6 +71,14 @@ def value_problems(cfg: Config) -> list[str]:
     _check(e.max_doc_chars >= 1, "env.max_doc_chars", "must be >= 1", e.max_doc_chars)
     for k in cfg.eval.pass_k:
         _check(k >= 1, "eval.pass_k", "entries must be >= 1", cfg.eval.pass_k)
+    _check(d.val_size >= 0, "data.val_size", "must be >= 0 (0: no rows held out)", d.val_size)
+    _check(0 <= cfg.reward.max_error_rate <= 1, "reward.max_error_rate", "must be in [0, 1] (1: never stop)",
+           cfg.reward.max_error_rate)
+    _check(not cfg.reward.weights or len(cfg.reward.weights) == len(cfg.reward.funcs), "reward.weights",
+           f"must give one weight per reward.funcs entry ({len(cfg.reward.funcs)}), or none (1 each)",
+           cfg.reward.weights)
+    _check(not (cfg.reward.funcs and cfg.reward.custom), "reward.custom", "and reward.funcs are exclusive: one "
+           "function in reward.custom, or several in reward.funcs (summed with reward.weights)", cfg.reward.custom)
     _check(cfg.reward.workers >= 0, "reward.workers", "must be >= 0", cfg.reward.workers)
     _check(cfg.reward.timeout > 0, "reward.timeout", "must be > 0", cfg.reward.timeout)
     v = cfg.reward.tinyv

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 import types
 import typing
@@ -24,6 +25,7 @@ from megareason.config.checks import training_problems, value_problems
 from megareason.config.schema import Config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+log = logging.getLogger(__name__)
 
 
 DEFAULTS_NODE = "megareason_defaults"
@@ -34,6 +36,56 @@ REPLACED_KEYS = {
     "algorithm.kl_kind": "algorithm.kl_reward_kind (the KL subtracted from the reward, kl_in_reward) and "
                          "algorithm.kl_loss_kind (the KL loss term)",
 }
+
+# Other projects' keys (verl's Hydra config, TRL's GRPOConfig) a user brings, with the keys that do their
+# work here: a config or override that sets one is refused naming ours. Looked up by the whole key, then
+# by its leading parts (``actor_rollout_ref.anything``).
+FOREIGN_KEYS = {
+    "custom_reward_function": ("verl", "reward.custom=path/to/file.py:function"),
+    "custom_reward_function.path": ("verl", "reward.custom=path/to/file.py:function (path and name in one)"),
+    "custom_reward_function.name": ("verl", "reward.custom=path/to/file.py:function (path and name in one)"),
+    "data.train_files": ("verl", "data.sources=[{kind: file, path: train.parquet}] (or {kind: hf, name: a/b})"),
+    "data.val_files": ("verl", "data.val_sources=[{kind: file, path: test.parquet}]"),
+    "data.prompt_key": ("verl", "data.sources[].columns={your_column: prompt}"),
+    "data.train_batch_size": ("verl", "trainer.prompts_per_step"),
+    "data.max_response_length": ("verl", "rollout.max_tokens"),
+    "actor_rollout_ref": ("verl", "model.*, rollout.*, optim.*, algorithm.* (docs/from_verl.md maps them)"),
+    "actor_rollout_ref.model.path": ("verl", "model.path"),
+    "actor_rollout_ref.rollout.n": ("verl", "rollout.n"),
+    "actor_rollout_ref.rollout.temperature": ("verl", "rollout.temperature"),
+    "actor_rollout_ref.actor.optim.lr": ("verl", "optim.lr"),
+    "actor_rollout_ref.actor.kl_loss_coef": ("verl", "algorithm.kl_coef"),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": ("verl", "algorithm.mini_batches (how many, not their size)"),
+    "algorithm.adv_estimator": ("verl", "algorithm.name (grpo, ppo, reinforce_pp_baseline, raro)"),
+    "trainer.total_training_steps": ("verl", "trainer.steps"),
+    "trainer.total_epochs": ("verl", "trainer.steps"),
+    "trainer.default_local_dir": ("verl", "trainer.output_dir"),
+    "trainer.logger": ("verl", "trainer.loggers"),
+    "reward_funcs": ("TRL", "reward.funcs=[a.py:f, b.py:g] (or reward.custom=a.py:f for one)"),
+    "reward_weights": ("TRL", "reward.weights=[1.0, 0.5]"),
+    "num_generations": ("TRL", "rollout.n"),
+    "max_completion_length": ("TRL", "rollout.max_tokens"),
+    "max_prompt_length": ("TRL", "data.max_prompt_length"),
+    "learning_rate": ("TRL", "optim.lr"),
+    "beta": ("TRL", "algorithm.kl_coef"),
+    "max_steps": ("TRL", "trainer.steps"),
+    "model_name_or_path": ("TRL", "model.path"),
+    "dataset_name": ("TRL", "data.sources=[{kind: hf, name: a/b}]"),
+    "output_dir": ("TRL", "trainer.output_dir"),
+    "temperature": ("TRL", "rollout.temperature"),
+    "per_device_train_batch_size": ("TRL", "trainer.prompts_per_step (prompts; x rollout.n samples per step)"),
+}
+
+
+def _foreign(key: str) -> str | None:
+    """The message for another project's key (``FOREIGN_KEYS``), or None."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        found = FOREIGN_KEYS.get(".".join(parts[:n]))
+        if found:
+            return f"unknown key '{key}': that is {found[0]}'s; here set {found[1]}"
+    return None
+
 
 class ConfigError(ValueError):
     """A user error in a config file or override: one problem or several (``problems``), each naming its
@@ -64,6 +116,8 @@ def _override_problems(override: str) -> list[str]:
     key = override.split("=", 1)[0].lstrip("+~")
     if key in REPLACED_KEYS:
         return [_replaced(key)]
+    if (foreign := _foreign(key)) and not _is_field(key):
+        return [foreign]
     cls: Any = Config
     parts = key.split(".")
     for depth, part in enumerate(parts):
@@ -75,6 +129,19 @@ def _override_problems(override: str) -> list[str]:
         if not dataclasses.is_dataclass(cls):
             break  # lists and mappings: their items are checked after composition
     return []
+
+
+def _is_field(key: str) -> bool:
+    """Whether dotted ``key`` names a field of the schema (or lies inside a list or mapping field)."""
+    cls: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return True
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls = hints[part]
+    return True
 
 
 def _in_mapping(override: str) -> bool:
@@ -152,7 +219,33 @@ def load_config(
                                       f"list names {DEFAULTS_NODE} or one of: {', '.join(available)}"]) from e
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(problems + [f"config '{name}' with overrides {kept}: {e}"]) from e
+    own_yaml = config_dir / f"{name}.yaml" if config_dir != CONFIG_DIR.resolve() else None
+    _validation_follows_the_data(raw, overrides or [], own_yaml)
     return from_dict(raw, training, problems)
+
+
+def _validation_follows_the_data(raw: dict[str, Any], overrides: list[str], own_yaml: Path | None) -> None:
+    """A recipe's ``data.val_sources`` are its data's held-out questions: when the user replaces
+    ``data.sources`` (an override, or a YAML of their own that inherits the recipe) without naming
+    ``data.val_sources``, they are dropped: validation is then ``data.val_size`` rows held out of the
+    user's data, or none; never the recipe's questions scored as the user's."""
+    from omegaconf import OmegaConf
+
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    replaced = "data.sources" in keys
+    named = any(k.startswith("data.val_sources") for k in keys)
+    if own_yaml is not None and own_yaml.is_file():
+        mine = OmegaConf.to_container(OmegaConf.load(own_yaml)) or {}
+        data = mine.get("data") if isinstance(mine, dict) else None
+        if isinstance(data, dict):
+            replaced = replaced or "sources" in data
+            named = named or "val_sources" in data
+    data = raw.get("data")
+    if replaced and not named and isinstance(data, dict) and data.get("val_sources"):
+        # the start-up table (rewards/data_table.py) says what validation is, before any worker starts
+        log.debug("data.sources replaces the recipe's data: its data.val_sources (%d source(s)) are dropped",
+                  len(data["val_sources"]))
+        data["val_sources"] = []
 
 
 def from_dict(raw: dict[str, Any], training: bool = False, problems: list[str] | None = None) -> Config:
@@ -204,7 +297,7 @@ def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
         if key not in hints:
             full = f"{where}{key}"
             problems.append(_replaced(full) if full in REPLACED_KEYS
-                            else _unknown_key(full, key, fields, path or "the config"))
+                            else _foreign(full) or _unknown_key(full, key, fields, path or "the config"))
             continue
         try:
             kwargs[key] = _coerce(hints[key], value, f"{where}{key}", problems)

@@ -57,18 +57,17 @@ class DataSourceConfig:
     # Keys added to every row's extra_info (a row's own value wins): e.g. a reward family's settings for
     # the whole source, {reward_type: correct} for the arithmetic reward (docs/rewards.md).
     extra_info: dict[str, int | float | str | bool] = field(default_factory=dict)
+    # System message for its rows without one; null: data.system_prompt, else the kind's own (docs/data.md)
+    system_prompt: str | None = None
 
 
 @dataclass
 class DataConfig:
     sources: list[DataSourceConfig] = field(default_factory=list)
-    # Held-out prompts for validation during training (greedy accuracy); empty means none.
+    # Validation prompts (greedy accuracy); empty: val_size rows held out of sources (0: none). docs/data.md
     val_sources: list[DataSourceConfig] = field(default_factory=list)
-    # System prompt put before every question; empty means none.
-    system_prompt: str = (
-        "You are a helpful assistant. Think step by step, then give the final answer "
-        "inside \\boxed{}."
-    )
+    val_size: int = 0
+    system_prompt: str = ""  # put before every row without one (sources[].system_prompt wins); "": none
     # Prompts longer than this (in tokens, after the chat template) are filtered or rejected.
     max_prompt_length: int = 512
     truncation: Literal["filter", "error"] = "filter"
@@ -92,16 +91,12 @@ class RolloutConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool | None = None  # true: no CUDA graphs / compilation; null: resolve_enforce_eager's default
     model_runner: Literal["v1", "v2"] = "v1"  # vLLM's, pinned (VLLM_USE_V2_MODEL_RUNNER): architecture.md, GPU path
-    # colocated: the engines share the trainer's devices (each replica's first rank holds one, or with
-    # tensor_parallel_size > 1 SPMD engines over consecutive ranks) and sleep while Megatron trains.
-    # separate: num_engines engines of tensor_parallel_size devices each, on resources of their own (a
-    # Ray placement group beside the trainer's), fed by the trainer after each update; what
-    # trainer.max_staleness > 0 needs to generate while the trainer trains.
+    # colocated: the engines share the trainer's devices (SPMD over consecutive ranks) and sleep while Megatron
+    # trains. separate: num_engines engines of tensor_parallel_size devices each (one node each) beside the
+    # trainer, fed after each update; what trainer.max_staleness > 0 needs to overlap generation and training.
     placement: Literal["colocated", "separate"] = "colocated"
     num_engines: int = 1  # placement: separate only
-    # placement: separate: how the weights reach the engines. shm: a tmpfs bucket the engines on the
-    # trainer's node map; broadcast: a collective broadcast to engines on any node (NCCL on GPU, gloo on CPU).
-    weight_transfer: Literal["shm", "broadcast"] = "shm"
+    weight_transfer: Literal["shm", "broadcast"] = "shm"  # separate: tmpfs (one node) | broadcast (any node)
 
 
 def resolve_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:
@@ -159,12 +154,13 @@ class RewardConfig:
     # compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) or TRL's batch
     # signature fn(prompts, completions, **kwargs) -> list[float] (see rewards/custom.py).
     custom: str = ""
-    # data_source -> path/to/file.py[:function]: a function of one's own for those data sources, beside
-    # the built-in rewards (and reward.custom) for the others.
+    # data_source -> path/to/file.py[:function] for those sources, beside the built-ins (and reward.custom)
     by_source: dict[str, str] = field(default_factory=dict)
-    # How a TRL batch function gets prompts and completions: standard (strings: the prompt's last user
-    # message and the response) or conversational (message lists, as TRL passes them for chat datasets).
-    trl_format: Literal["standard", "conversational"] = "standard"
+    funcs: list[str] = field(default_factory=list)  # TRL's reward_funcs, summed per sample (not with custom)
+    weights: list[float] = field(default_factory=list)  # TRL's reward_weights, one per func (empty: 1 each)
+    # TRL functions' prompts/completions: auto (per row, as TRL: chat prompt -> conversational), or forced
+    trl_format: Literal["auto", "standard", "conversational"] = "auto"
+    max_error_rate: float = 0.5  # a reward failing on more of a step's samples stops the run; 1: never
     # Scoring processes (0: score in the driver, without the timeout) and the per-sample timeout in
     # seconds: a sample past it (sympy can hang) gets reward 0 and is counted in reward/timeouts.
     workers: int = 2

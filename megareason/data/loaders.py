@@ -10,12 +10,16 @@ error messages):
   "content": ...}], "data_source": ..., "ability": ..., "reward_model": {"style": "rule", "ground_truth":
   ...}, "extra_info": {...}}``; ``ability`` and ``reward_model.style`` are not used.
 * TRL prompt-only, standard (``"prompt": "text"``, given to the chat template as one user message) or
-  conversational (``"prompt": [messages]``), with the reference answer in an ``answer`` or ``solution``
-  column (``answer`` wins; a ``solution`` beside it is kept as ``extra_info["solution"]``).
+  conversational (``"prompt": [messages]``), with the reference answer in an ``answer``, ``solution`` or
+  ``ground_truth`` column (``answer`` wins; a ``solution`` beside it is kept as ``extra_info["solution"]``).
 * question/answer: ``{"question": ..., "answer": ..., "solution": ... (optional), "data_source": ...}``.
 
 A row's ``data_source`` may be omitted when the source config sets one for the whole file; an ``hf``
-source read from the Hub gives its rows without one the data set's id (verl's convention). A source's
+source read from the Hub gives its rows without one the data set's id (verl's convention), and with
+``reward.custom`` (a function of one's own scores every row) a file's rows without one take the file's
+stem. Rows go in as written: a system message is added only where the config names one
+(``data.system_prompt``, ``data.sources[].system_prompt``) or the kind brings its own (reasoning-gym's
+instruction to box the final answer); ``source_system_prompt`` says which. A source's
 ``columns`` renames the data's columns to these fields first.
 """
 
@@ -23,8 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,26 +48,122 @@ _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _ROLES = ("system", "user", "assistant", "tool")
 
 
-def load_records(cfg: DataConfig) -> list[PromptRecord]:
-    """All records of all sources in ``cfg``, in order; each gets ``extra_info["index"]``."""
-    records: list[PromptRecord] = []
-    for source in cfg.sources:
-        rows = LOADERS[source.kind](source)
+# The instruction reasoning-gym's items come with (their questions say nothing of the answer's form; the
+# built-in math and arithmetic rewards read a \boxed{} answer).
+REASONING_GYM_SYSTEM_PROMPT = ("You are a helpful assistant. Think step by step, then give the final answer "
+                               "inside \\boxed{}.")
+
+
+@dataclass
+class LoadedSource:
+    """One configured source as loaded: ``where`` (``data.sources[0]``), ``origin`` (what it reads),
+    ``system_prompt`` (the system message added to its rows that had none; "" none) and its records."""
+
+    where: str
+    origin: str
+    system_prompt: str
+    records: list[PromptRecord]
+
+
+@dataclass
+class LoadedData:
+    """The training and validation records and how validation was chosen (``val_note``)."""
+
+    sources: list[LoadedSource]
+    val_sources: list[LoadedSource]
+    train: list[PromptRecord]
+    val: list[PromptRecord]
+    val_note: str
+
+
+def source_system_prompt(source: DataSourceConfig, cfg: DataConfig) -> str:
+    """The system message for ``source``'s rows without one: its own ``system_prompt``, else
+    ``data.system_prompt``, else the kind's own (reasoning-gym's instruction; none for the others)."""
+    if source.system_prompt is not None:
+        return source.system_prompt
+    if cfg.system_prompt:
+        return cfg.system_prompt
+    return REASONING_GYM_SYSTEM_PROMPT if source.kind == "reasoning_gym" else ""
+
+
+def origin(source: DataSourceConfig) -> str:
+    """What ``source`` reads, as the start-up table shows it."""
+    if source.kind in ("file", "musique"):
+        return f"{source.kind} {source.path}"
+    if source.kind == "hf":
+        return f"hf {source.name}" + (f" ({source.config_name})" if source.config_name else "") + f" {source.split}"
+    if source.kind == "reasoning_gym":
+        return f"reasoning_gym {source.name} (seed {source.seed})"
+    return f"{source.kind} (seed {source.seed})"
+
+
+def load_sources(cfg: DataConfig, field_name: str = "sources", any_source: bool = False) -> list[LoadedSource]:
+    """Every source of ``cfg.<field_name>`` loaded (``size`` rows kept), its rows given its ``extra_info``
+    and its system prompt. ``any_source`` (a function of one's own scores every row): a row without a
+    ``data_source`` takes its source's name (the file's stem, the data set's name) instead of an error."""
+    out = []
+    for i, source in enumerate(getattr(cfg, field_name)):
+        if any_source and not source.data_source and source.kind in ("file", "hf"):
+            default = Path(source.path).stem if source.kind == "file" else source.name
+            rows = _LOADERS_WITH_DEFAULT[source.kind](source, default)
+        else:
+            rows = LOADERS[source.kind](source)
         for rec in rows:
             rec.extra_info = {**source.extra_info, **rec.extra_info}
-        records.extend(rows[: source.size] if source.size else rows)
-    for i, rec in enumerate(records):
+        rows = rows[: source.size] if source.size else rows
+        system = source_system_prompt(source, cfg)
+        if system:
+            for rec in rows:
+                if rec.prompt[0]["role"] != "system":
+                    rec.prompt.insert(0, {"role": "system", "content": system})
+        out.append(LoadedSource(f"data.{field_name}[{i}]", origin(source), system, rows))
+    return out
+
+
+def _numbered(sources: list[LoadedSource], start: int = 0) -> list[PromptRecord]:
+    records = [rec for s in sources for rec in s.records]
+    for i, rec in enumerate(records, start=start):
         rec.extra_info.setdefault("index", i)
-        if cfg.system_prompt and rec.prompt[0]["role"] != "system":
-            rec.prompt.insert(0, {"role": "system", "content": cfg.system_prompt})
     return records
 
 
-def _load_file_source(source: DataSourceConfig) -> list[PromptRecord]:
-    return load_file(source.path, source.data_source, source.columns)
+def load_records(cfg: DataConfig, any_source: bool = False) -> list[PromptRecord]:
+    """All records of all sources in ``cfg``, in order; each gets ``extra_info["index"]``."""
+    return _numbered(load_sources(cfg, any_source=any_source))
 
 
-def load_hf_source(source: DataSourceConfig) -> list[PromptRecord]:
+VAL_SEED = 0  # the draw of data.val_size held-out rows
+
+
+def load_data(cfg: DataConfig, any_source: bool = False) -> LoadedData:
+    """The training records and the validation records: ``data.val_sources``, else ``data.val_size`` rows
+    of the training data held out (drawn with ``VAL_SEED``, not trained on), else none."""
+    sources = load_sources(cfg, any_source=any_source)
+    train = _numbered(sources)
+    val_sources: list[LoadedSource] = []
+    if cfg.val_sources:
+        val_sources = load_sources(cfg, "val_sources", any_source)
+        val = _numbered(val_sources)
+        note = f"{len(val)} rows of data.val_sources"
+    elif cfg.val_size:
+        if cfg.val_size >= len(train):
+            raise DataError(f"data.val_size={cfg.val_size} holds out every row of the training data ({len(train)} "
+                            "rows); it must be smaller")
+        held = set(random.Random(VAL_SEED).sample(range(len(train)), cfg.val_size))
+        val = [r for i, r in enumerate(train) if i in held]
+        train = [r for i, r in enumerate(train) if i not in held]
+        note = f"{len(val)} of the {len(train) + len(val)} rows of data.sources held out (data.val_size)"
+    else:
+        val, note = [], ("none: data.val_sources is empty (a recipe's are dropped when data.sources replaces its "
+                         "data) and data.val_size is 0 (data.val_size=N holds out N of these rows)")
+    return LoadedData(sources, val_sources, train, val, note)
+
+
+def _load_file_source(source: DataSourceConfig, default_source: str = "") -> list[PromptRecord]:
+    return load_file(source.path, source.data_source, source.columns, default_source)
+
+
+def load_hf_source(source: DataSourceConfig, default_source: str = "") -> list[PromptRecord]:
     """The rows of ``source.name`` (config ``source.config_name``, split ``source.split``) as
     ``datasets.load_dataset`` reads them, each validated as a file's rows are. Offline
     (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``) a Hub data set comes from the datasets cache, or
@@ -71,7 +173,7 @@ def load_hf_source(source: DataSourceConfig) -> list[PromptRecord]:
     rows = _renamed(_read_hf_rows(source, where), source.columns, where)
     if not rows:
         raise DataError(f"{where}: no rows")
-    default = source.name if is_hub_id(source.name) else ""
+    default = source.name if is_hub_id(source.name) else default_source
     return [parse_row(row, f"{where} row {i}", source.data_source, default) for i, row in enumerate(rows, start=1)]
 
 
@@ -145,8 +247,10 @@ def _multihop_options(source: DataSourceConfig) -> dict[str, Any]:
     return opts
 
 
-def load_file(path: str | Path, data_source: str = "", columns: dict[str, str] | None = None) -> list[PromptRecord]:
-    """Read one local file and validate every row (``columns``: renamed first, {column: field})."""
+def load_file(path: str | Path, data_source: str = "", columns: dict[str, str] | None = None,
+              default_source: str = "") -> list[PromptRecord]:
+    """Read one local file and validate every row (``columns``: renamed first, {column: field});
+    ``default_source``: the data_source of rows without one (empty: such a row is an error)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -156,7 +260,7 @@ def load_file(path: str | Path, data_source: str = "", columns: dict[str, str] |
     rows = _renamed(_read_rows(path, fmt), columns or {}, str(path))
     if not rows:
         raise DataError(f"{path}: no rows")
-    return [parse_row(row, f"{path} row {i}", data_source) for i, row in enumerate(rows, start=1)]
+    return [parse_row(row, f"{path} row {i}", data_source, default_source) for i, row in enumerate(rows, start=1)]
 
 
 def _read_rows(path: Path, fmt: str) -> list[dict[str, Any]]:
@@ -221,8 +325,8 @@ def parse_row(row: dict[str, Any], where: str, data_source: str = "", default_so
     error. ``data_source`` replaces the row's; ``default_source`` is used when the row has none."""
     row = {k: v for k, v in row.items() if v is not None}  # datasets fills the fields a row lacks with None
     if not data_source and not default_source and "data_source" not in row:
-        raise DataError(f"{where}: missing field 'data_source' (set it in the row, or "
-                        f"data.sources[].data_source for the whole file)")
+        raise DataError(f"{where}: missing field 'data_source' (set it in the row, data.sources[].data_source for "
+                        f"the whole file, or reward.custom to score every row with a function of your own)")
     source = data_source or (field(row, "data_source", where, "non-empty text") if "data_source" in row
                              else default_source)
     extra = check(row.get("extra_info") or {}, "extra_info", where, "an object")
@@ -230,7 +334,8 @@ def parse_row(row: dict[str, Any], where: str, data_source: str = "", default_so
     if "prompt" in row:
         messages = _prompt(row["prompt"], where)
         truth = _reference_answer(row, where, extra)
-        return PromptRecord(prompt=messages, data_source=source, ground_truth=truth, extra_info=extra)
+        return PromptRecord(prompt=messages, data_source=source, ground_truth=truth, extra_info=extra,
+                            chat=isinstance(row["prompt"], list))
     if "question" in row:
         question = _text(row, "question", where)
         truth = _text(row, "answer", where)
@@ -254,9 +359,12 @@ def _reference_answer(row: dict[str, Any], where: str, extra: dict[str, Any]) ->
         return _text(row, "answer", where)
     if "solution" in row:
         return _text(row, "solution", where)
+    if "ground_truth" in row:  # TRL's reward-function docs name the reference column so
+        return _text(row, "ground_truth", where)
     fields = ", ".join(sorted(row))
     raise DataError(f"{where}: missing the reference answer: expected 'reward_model.ground_truth' (verl's "
-                    f"format) or an 'answer' or 'solution' field (TRL's prompt-only format); found: {fields}")
+                    f"format) or an 'answer', 'solution' or 'ground_truth' field (TRL's prompt-only format); "
+                    f"found: {fields}")
 
 
 def _text(row: dict[str, Any], name: str, where: str) -> str:
@@ -344,6 +452,7 @@ def load_reasoning_gym(source: DataSourceConfig) -> list[PromptRecord]:
 
 
 # data.sources[].kind -> the loader of one source.
+_LOADERS_WITH_DEFAULT = {"file": _load_file_source, "hf": load_hf_source}
 LOADERS: dict[str, Callable[[DataSourceConfig], list[PromptRecord]]] = {
     "file": _load_file_source,
     "hf": load_hf_source,

@@ -22,12 +22,17 @@ class PromptRecord:
                   reasoning, when known), ``expert_answer`` (the expert's final answer for RARO when
                   it is not ``ground_truth``, e.g. countdown's expression) and whatever a reward needs
                   (e.g. countdown's ``numbers``).
+    chat:         the row gave its prompt as chat messages (verl's rows, TRL's conversational format);
+                  False: as text (TRL's standard format, question/answer rows, generated items). A TRL
+                  reward function gets the row in that format (``reward.trl_format=auto``), as TRL
+                  decides it from the data (``trl.data_utils.is_conversational``).
     """
 
     prompt: list[dict[str, str]]
     data_source: str
     ground_truth: str
     extra_info: dict[str, Any] = field(default_factory=dict)
+    chat: bool = False
 
 
 @dataclass

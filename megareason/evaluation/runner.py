@@ -40,7 +40,8 @@ def run_eval(cfg: Config, engine: RolloutEngine | None = None, write: bool = Tru
     """Evaluate ``cfg.model`` on ``cfg.data``; starts (and stops) a vLLM engine unless one is given.
     With an environment (``env.name``) each sample is a multi-turn episode the environment scores."""
     t0 = time.perf_counter()
-    records = load_records(policy_data(cfg))  # data and reward errors surface before the engine starts
+    # data and reward errors surface before the engine starts
+    records = load_records(policy_data(cfg), any_source=bool(cfg.reward.custom or cfg.reward.funcs))
     scorer = scorer_from(cfg.reward, records)
     if env_enabled(cfg):
         check_env_data(cfg, records)

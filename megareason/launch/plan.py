@@ -408,8 +408,8 @@ def resolve_arch(cfg: Config, model_shape: str) -> tuple[ModelArch, str]:
     try:
         path = resolve_model_config(cfg.model.path)
     except FileNotFoundError as e:
-        raise PlanError(f"model.path={cfg.model.path!r}: no config.json here ({e}); pass --model-shape "
-                        f"({', '.join(MODEL_SHAPES)}) to plan without the weights") from e
+        raise PlanError(f"{e}; or pass --model-shape ({', '.join(MODEL_SHAPES)}) to plan without the "
+                        "weights") from e
     return ModelArch.from_pretrained(path), str(path)
 
 

@@ -128,8 +128,17 @@ def check_convert(source: str, out_dir: str, hf_source: bool, peft: bool = False
     from megareason.models.convert import HF_MODEL, PEFT_ADAPTER
 
     problems: list[str] = []
-    if hf_source:
-        _collect(problems, lambda: check_hf_dir(resolve_model_path(source), megatron=True))
+    inside = _checkpoint_inside(Path(source))
+    if hf_source and inside is not None:
+        problems.append(f"{source} holds a megareason checkpoint, not a Hugging Face model; to export it: megareason "
+                        f"convert megatron-to-hf {inside} OUT_DIR")
+    elif hf_source:
+        found: list[str] = []
+        _collect(found, lambda: check_hf_dir(resolve_model_path(source), megatron=True))
+        problems += [m.replace("model.path '", "the source '", 1) for m in found]  # not a config key here
+    elif inside is not None and inside != Path(source):
+        problems.append(f"checkpoint {source} is a {'run' if (Path(source) / 'checkpoints').is_dir() else 'step'} "
+                        f"folder, not a model's checkpoint: did you mean {inside}?")
     else:
         _collect(problems, lambda: _check_megareason_checkpoint(Path(source)))
     _collect(problems, lambda: check_writable(Path(out_dir).absolute().parent, f"the parent of {out_dir}"))
@@ -137,6 +146,19 @@ def check_convert(source: str, out_dir: str, hf_source: bool, peft: bool = False
     _collect(problems, lambda: check_replaceable(Path(out_dir), kind))
     if problems:
         raise PreflightError(problems)
+
+
+def _checkpoint_inside(path: Path) -> Path | None:
+    """The policy's checkpoint at ``path`` itself, in the step folder ``path`` (its ``actor``) or in the run
+    folder ``path`` (its newest step's ``actor``); None when there is none."""
+    from megareason.models.checkpoint import META
+
+    if (path / META).is_file():
+        return path
+    if (path / "actor" / META).is_file():
+        return path / "actor"
+    steps = sorted((path / "checkpoints").glob(f"step_*/actor/{META}")) if path.is_dir() else []
+    return steps[-1].parent if steps else None
 
 
 def _check_megareason_checkpoint(path: Path) -> None:

@@ -64,6 +64,7 @@ class ScoreRequest:
     extra_info: dict = field(default_factory=dict)
     sample_id: str = ""
     prompt: list[dict] | None = None
+    chat: bool = False  # the row gave its prompt as chat messages (``PromptRecord.chat``)
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,15 @@ class ScoreOutcome:
 
     ``score``/``correct`` as in ``RewardOutput`` (0.0/False on any failure); ``error`` is
     ``"ExcType: message"`` when scoring failed (empty otherwise, also set on a timeout);
-    ``timed_out`` says the sample was not scored within the timeout and its worker was killed.
+    ``timed_out`` says the sample was not scored within the timeout and its worker was killed;
+    ``parts`` as in ``RewardOutput``.
     """
 
     score: float
     correct: bool
     error: str = ""
     timed_out: bool = False
+    parts: tuple[tuple[str, float], ...] = ()
 
 
 def score_one(scorer: Scorer, request: ScoreRequest) -> ScoreOutcome:
@@ -86,7 +89,7 @@ def score_one(scorer: Scorer, request: ScoreRequest) -> ScoreOutcome:
     try:
         kwargs = {"prompt": request.prompt} if request.prompt is not None else {}
         out = scorer(request.data_source, request.response, request.ground_truth, request.extra_info, **kwargs)
-        return ScoreOutcome(score=float(out.score), correct=bool(out.correct))
+        return ScoreOutcome(score=float(out.score), correct=bool(out.correct), parts=tuple(out.parts))
     except Exception as e:  # a broken scorer must not lose the batch; the error is reported instead
         return ScoreOutcome(score=0.0, correct=False, error=f"{type(e).__name__}: {e}")
 

@@ -28,11 +28,13 @@ class RewardOutput:
 
     ``score`` is the scalar used as the training reward; ``correct`` says
     whether the final answer is right (used for accuracy and pass@k), which
-    is independent of any format credit folded into ``score``.
+    is independent of any format credit folded into ``score``. ``parts``: (name, score) of each function
+    a weighted sum of several (``reward.funcs``) added up, logged as ``reward/<name>``.
     """
 
     score: float
     correct: bool
+    parts: tuple[tuple[str, float], ...] = ()
 
 
 RewardFn = Callable[[str, str, dict], RewardOutput]

@@ -18,9 +18,9 @@ from math import comb
 
 from megareason.config.schema import RewardConfig, TinyVConfig
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
-from megareason.rewards.custom import CustomRewards, CustomScorer, Scorer, load_rewards
+from megareason.rewards.custom import Custom, CustomRewards, CustomScorer, Scorer, WeightedRewards, load_rewards
 from megareason.rewards.pool import ScoreOutcome, ScorePool, ScoreRequest, score_one
-from megareason.rewards.registry import compute_score, get_reward_fn
+from megareason.rewards.registry import base_source, compute_score, get_reward_fn, resolve_source
 from megareason.rewards.tinyv import apply_tinyv, is_tinyv, rubric_criteria
 from megareason.rollout.records import Completion
 
@@ -42,6 +42,7 @@ class SampleResult:
     score_error: str = ""
     timed_out: bool = False
     env: dict = field(default_factory=dict)  # a multi-turn episode's details (turns, retrieval, citations)
+    parts: dict = field(default_factory=dict)  # reward.funcs: each function's own score, by its name
 
 
 @dataclass
@@ -60,11 +61,24 @@ class SourceSummary:
     rerank_accuracy: float | None = None
 
 
-def scorer_from(reward: RewardConfig, records: Iterable[PromptRecord] = ()) -> Scorer:
-    """The configured custom rewards (``reward.custom``, ``reward.by_source``) routed beside the built-in
-    ones, else the built-in rewards alone (by data_source). Every data_source of ``records`` must have
-    a reward, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv`` row its rubric
-    (``extra_info.criteria``): checked here, at start-up, not mid-run."""
+class RewardError(ValueError):
+    """A reward failed on too many of a step's samples (``reward.max_error_rate``): the run stops."""
+
+
+def reward_scorer(reward: RewardConfig) -> Scorer:
+    """The configured custom rewards (``reward.custom`` or ``reward.funcs``, ``reward.by_source``) routed
+    beside the built-in ones, else the built-in rewards alone (by data_source). The files are imported
+    now: a missing file or a wrong signature is a one-line ``ConfigError``."""
+    r = reward
+    if r.custom or r.funcs or r.weights or r.by_source:
+        return load_rewards(r.custom, r.by_source, r.trl_format, r.funcs, r.weights)
+    return compute_score
+
+
+def check_rewards(reward: RewardConfig, scorer: Scorer, records: Iterable[PromptRecord]) -> None:
+    """At start-up, not mid-run: every data_source of ``records`` has a reward, every ``reward.by_source``
+    key names one of them, and under ``reward.tinyv.verifier=rrm`` every ``_tinyv`` row has its rubric
+    (``extra_info.criteria``)."""
     records = list(records)
     if reward.tinyv.verifier == "rrm":
         for rec in records:
@@ -75,16 +89,38 @@ def scorer_from(reward: RewardConfig, records: Iterable[PromptRecord] = ()) -> S
                 except ValueError as e:
                     raise DataError(f"{e} (set it in the row, or data.sources[].extra_info.criteria for the "
                                     "whole source)") from None
-    r = reward
-    custom = load_rewards(r.custom, r.by_source, r.trl_format) if r.custom or r.by_source else None
-    for source in sorted({rec.data_source for rec in records}):
-        if custom is not None and custom.route(source) is not None:
+    sources = sorted({rec.data_source for rec in records})
+    names = set(sources) | {base_source(s) for s in sources}
+    unmatched = sorted(k for k in reward.by_source if k not in names)
+    if records and unmatched:
+        raise DataError(f"reward.by_source names {', '.join(map(repr, unmatched))}, which no row has as its "
+                        f"data_source; the data's sources: {', '.join(sources)}")
+    for source in sources:
+        if _route(scorer, source) is not None:
             continue
         try:
             get_reward_fn(source)
         except ValueError as e:
             raise DataError(f"no reward for the data: {e}") from None
-    return custom if custom is not None else compute_score
+
+
+def scorer_from(reward: RewardConfig, records: Iterable[PromptRecord] = ()) -> Scorer:
+    """``reward_scorer``, its data checked by ``check_rewards``."""
+    records = list(records)
+    scorer = reward_scorer(reward)
+    check_rewards(reward, scorer, records)
+    return scorer
+
+
+def describe_reward(scorer: Scorer, data_source: str, chat: bool) -> str:
+    """Which reward scores ``data_source`` and how (its rows' prompts chat messages or not: ``chat``), as
+    the start-up table shows it."""
+    target = _route(scorer, data_source)
+    if target is not None:
+        return f"{target.label} ({target.mode(chat)})"
+    found = resolve_source(data_source)
+    family = found[0] if found else "?"
+    return f"built-in {family}" + (" then the TinyV verifier" if is_tinyv(data_source) else "")
 
 
 def scoring_pool(reward: RewardConfig, scorer: Scorer) -> contextlib.AbstractContextManager[ScorePool | None]:
@@ -95,7 +131,8 @@ def scoring_pool(reward: RewardConfig, scorer: Scorer) -> contextlib.AbstractCon
 
 
 def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer: Scorer = compute_score,
-          pool: ScorePool | None = None, tinyv: TinyVConfig | None = None) -> list[SampleResult]:
+          pool: ScorePool | None = None, tinyv: TinyVConfig | None = None,
+          max_error_rate: float = 1.0) -> list[SampleResult]:
     """Score every completion with the reward of its prompt's data_source (or ``scorer``), in ``pool``
     (worker processes, a per-sample timeout) when given, else in this process; the samples routed to a
     TRL batch function (``rewards.custom``) by one call of it, in this process. Then the samples whose
@@ -105,26 +142,46 @@ def score(prompts: list[TokenizedPrompt], groups: list[list[Completion]], scorer
     A scorer that raises or times out gives reward 0 and is counted (``score_error``, ``timed_out``),
     never silently; the pool logs the first few with their sample ids. So is a TinyV sample the
     verifier gave no verdict (``score_error`` "TinyVFallback: ...", "TinyVFallback (timeout): ...").
+    A reward that fails (not a timeout) on more than ``max_error_rate`` of the samples it scores raises
+    ``RewardError`` naming it and its first error (``reward.max_error_rate``; 1: never).
     """
     pairs = [(p, j, c) for p, group in zip(prompts, groups, strict=True) for j, c in enumerate(group)]
     requests = [ScoreRequest(p.record.data_source, c.text, p.record.ground_truth, p.record.extra_info,
-                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}", prompt=p.record.prompt)
+                             sample_id=f"{p.record.extra_info.get('index', '?')}/{j}", prompt=p.record.prompt,
+                             chat=p.record.chat)
                 for p, j, c in pairs]
     outcomes = _score_requests(requests, scorer, pool)
+    _check_error_rate(requests, outcomes, scorer, max_error_rate)
     outcomes = _verify_tinyv(requests, outcomes, [p.record.prompt[-1]["content"] for p, _, _ in pairs],
                              tinyv if tinyv is not None else TinyVConfig())
     return [SampleResult(
         index=p.record.extra_info.get("index", -1), sample=j, data_source=p.record.data_source,
         question=p.record.prompt[-1]["content"], ground_truth=p.record.ground_truth, response=c.text,
         reward=o.score, correct=o.correct, response_tokens=len(c.token_ids), truncated=c.truncated,
-        score_error=o.error, timed_out=o.timed_out,
+        score_error=o.error, timed_out=o.timed_out, parts=dict(o.parts),
     ) for (p, j, c), o in zip(pairs, outcomes, strict=True)]
+
+
+def _check_error_rate(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], scorer: Scorer,
+                      max_rate: float) -> None:
+    """``RewardError`` when a reward (a function of one's own, or a built-in family) failed on more than
+    ``max_rate`` of its samples; timeouts do not count (``reward.timeout`` is their limit)."""
+    by_reward: dict[str, list[ScoreOutcome]] = defaultdict(list)
+    for r, o in zip(requests, outcomes, strict=True):
+        target = _route(scorer, r.data_source)
+        found = resolve_source(r.data_source) if target is None else None
+        by_reward[target.label if target is not None else f"built-in {found[0] if found else r.data_source}"].append(o)
+    for label, outs in by_reward.items():
+        failed = [o for o in outs if o.error and not o.timed_out]
+        if failed and len(failed) / len(outs) > max_rate:
+            raise RewardError(f"reward {label} failed on {len(failed)} of its {len(outs)} samples (more than "
+                              f"reward.max_error_rate={max_rate:g}): {failed[0].error}")
 
 
 def _score_requests(requests: list[ScoreRequest], scorer: Scorer, pool: ScorePool | None) -> list[ScoreOutcome]:
     """One outcome per request, in order. Samples routed to a TRL batch function are scored by one call
     of it per function, in this process (``_score_batch``); the others one by one in ``pool`` (or here)."""
-    batches: dict[int, tuple[CustomScorer, list[int]]] = {}
+    batches: dict[int, tuple[Custom, list[int]]] = {}
     for i, r in enumerate(requests):
         target = _route(scorer, r.data_source)
         if target is not None and target.batch:
@@ -139,24 +196,53 @@ def _score_requests(requests: list[ScoreRequest], scorer: Scorer, pool: ScorePoo
     return out
 
 
-def _route(scorer: Scorer, data_source: str) -> CustomScorer | None:
+def _route(scorer: Scorer, data_source: str) -> Custom | None:
     if isinstance(scorer, CustomRewards):
         return scorer.route(data_source)
     return scorer if isinstance(scorer, CustomScorer) else None
 
 
-def _score_batch(scorer: CustomScorer, requests: list[ScoreRequest]) -> list[ScoreOutcome]:
-    """A TRL batch function on ``requests`` in one call. Its exception is every sample's error; a None
-    for a sample is that sample's error. Either way counted (``score_error``), never a silent 0."""
+def _score_batch(scorer: Custom, requests: list[ScoreRequest]) -> list[ScoreOutcome]:
+    """A TRL batch function on ``requests``, one call per prompt format (TRL's conversational rows, its
+    standard ones), or each function of a ``WeightedRewards`` in turn, summed with its weights. An
+    exception is every sample's error; a None for a sample is that sample's error. Either way counted
+    (``score_error``), never a silent 0."""
+    if isinstance(scorer, WeightedRewards):
+        return _score_weighted(scorer, requests)
+    out: list[ScoreOutcome | None] = [None] * len(requests)
+    for conversational in (False, True):
+        idx = [i for i, r in enumerate(requests) if scorer.conversational(r.chat) == conversational]
+        if idx:
+            for i, o in zip(idx, _score_one_format(scorer, [requests[i] for i in idx], conversational), strict=True):
+                out[i] = o
+    return out
+
+
+def _score_one_format(scorer: CustomScorer, requests: list[ScoreRequest], conversational: bool) -> list[ScoreOutcome]:
     rows = [(r.data_source, r.response, r.ground_truth, r.extra_info, r.prompt) for r in requests]
     try:
-        scores = scorer.score_batch(rows)
+        scores = scorer.score_batch(rows, conversational)
     except Exception as e:  # a broken reward must not lose the step; the error is counted instead
         log.warning("reward %s failed on a batch of %d samples: %s: %s", scorer, len(rows), type(e).__name__, e)
         return [ScoreOutcome(score=0.0, correct=False, error=f"{type(e).__name__}: {e}") for _ in rows]
     where = f"{scorer.path}:{scorer.name}"
     return [ScoreOutcome(score=0.0, correct=False, error=f"ValueError: {where} returned None for the sample")
             if v is None else ScoreOutcome(score=v, correct=v >= 1.0) for v in scores]
+
+
+def _score_weighted(scorer: WeightedRewards, requests: list[ScoreRequest]) -> list[ScoreOutcome]:
+    """Each function of ``scorer`` on every request (TRL's ``reward_funcs``): the reward is the weighted sum,
+    each function's score kept in ``parts``; a function's failure on a sample is that sample's error (its
+    term 0)."""
+    per_fn = [_score_batch(p, requests) if p.batch else [score_one(p, r) for r in requests] for p in scorer.parts]
+    out = []
+    for i in range(len(requests)):
+        outs = [fn_out[i] for fn_out in per_fn]
+        total = sum(w * o.score for w, o in zip(scorer.weights, outs, strict=True))
+        error = next((f"{p.label}: {o.error}" for p, o in zip(scorer.parts, outs, strict=True) if o.error), "")
+        out.append(ScoreOutcome(score=total, correct=total >= 1.0, error=error,
+                                parts=tuple((n, o.score) for n, o in zip(scorer.names, outs, strict=True))))
+    return out
 
 
 def _verify_tinyv(requests: list[ScoreRequest], outcomes: list[ScoreOutcome], questions: list[str],

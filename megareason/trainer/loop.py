@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -22,10 +22,11 @@ import torch
 from megareason.algorithms.estimate import compute_advantages
 from megareason.algorithms.raro import role_mini_batches
 from megareason.config import Config, ConfigError, validate_training
-from megareason.data.loaders import load_records
+from megareason.data.loaders import LoadedData, load_data
 from megareason.data.prompts import tokenize_prompts
 from megareason.data.records import TokenizedPrompt
-from megareason.rewards.scoring import score, scorer_from, scoring_pool, summarize
+from megareason.rewards.data_table import TABLE_FILE, data_table
+from megareason.rewards.scoring import check_rewards, reward_scorer, score, scoring_pool, summarize
 from megareason.rollout.records import GenerationStopped, UpdateStopped
 from megareason.settings import policy_data
 from megareason.trainer.driver import Driver, StopRequest, dump_validation, greedy, learning_rate, stop_signals, timed
@@ -49,16 +50,22 @@ def train(cfg: Config) -> Path:
     hold_run_lock(cfg.trainer.output_dir)
     run = RunDir(cfg.trainer.output_dir)
     run.check_resume(cfg)  # a resume with a changed config is refused here, before anything is loaded
-    # Bad data, an unknown data_source or a missing model fail here, before Ray starts.
-    prompts, val_prompts, tokenizer = _load_prompts(cfg)
-    scorer = scorer_from(cfg.reward, [p.record for p in prompts + val_prompts])
+    # A bad reward file, bad data, an unknown data_source or a missing model fail here, before Ray starts;
+    # the data's table (which reward scores which source, the validation set, the first prompt) is shown.
+    scorer = reward_scorer(cfg.reward)
+    prompts, val_prompts, tokenizer, data = _load_prompts(cfg)
+    check_rewards(cfg.reward, scorer, [p.record for p in prompts + val_prompts])
+    table = data_table(data, scorer, prompts[0].text)
+    log.info("%s", table)
+    atomic_write(run.root / TABLE_FILE, table + "\n")
     if env_enabled(cfg):
         check_env_data(cfg, [p.record for p in prompts + val_prompts])
     with scoring_pool(cfg.reward, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
         groups, engines = start_workers(cfg, with_critic=cfg.algorithm.name == "ppo"), None
         try:
             engines = start_rollouts(cfg)
-            score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv)
+            score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv,
+                               max_error_rate=cfg.reward.max_error_rate)
             _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer, stop, engines)
         finally:
             for g in groups + ([engines] if engines else []):
@@ -196,7 +203,7 @@ def _dump_rollouts(root: Path, step: int, rows: StepRows) -> None:
         atomic_write(folder / f"step_{step:08d}_critic.jsonl", "".join(json.dumps(r) + "\n" for r in rows.judgements))
 
 
-def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt], object]:
+def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPrompt], object, LoadedData]:
     from transformers import AutoTokenizer
 
     from megareason.models.build import HFCheckpoint
@@ -211,12 +218,10 @@ def _load_prompts(cfg: Config) -> tuple[list[TokenizedPrompt], list[TokenizedPro
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
     d = policy_data(cfg)
-    prompts = tokenize_prompts(load_records(d), tokenizer, d.max_prompt_length, d.truncation)
+    data = load_data(d, any_source=bool(cfg.reward.custom or cfg.reward.funcs))
+    prompts = tokenize_prompts(data.train, tokenizer, d.max_prompt_length, d.truncation)
     if len(prompts) < cfg.trainer.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={cfg.trainer.prompts_per_step} but the training data has "
                           f"only {len(prompts)} prompts")
-    val = []
-    if d.val_sources:
-        val = tokenize_prompts(load_records(replace(d, sources=d.val_sources)), tokenizer, d.max_prompt_length,
-                               d.truncation)
-    return prompts, val, tokenizer
+    val = tokenize_prompts(data.val, tokenizer, d.max_prompt_length, d.truncation) if data.val else []
+    return prompts, val, tokenizer, data

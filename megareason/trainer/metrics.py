@@ -35,7 +35,8 @@ def step_metrics(cfg: Config, step: int, exp: Experience, rows: StepRows, update
 
     * samples (``rows.scored``, the policy's): ``reward/mean``, ``reward/std``, ``accuracy``,
       ``reward/errors`` (scorer exceptions), ``reward/timeouts``, ``response_length/{mean,max,clip_ratio}``
-      (clip: cut by rollout.max_tokens), ``by_source/<data_source>/{reward,accuracy}``;
+      (clip: cut by rollout.max_tokens), ``by_source/<data_source>/{reward,accuracy}``, and with
+      ``reward.funcs`` each function's mean score ``rewards/<function>/mean`` (TRL's names);
     * ``rollout/token_mult_prob_error`` (mean exp|Δlogp| between trainer and vLLM, 1 = equal) and
       ``rollout/max_abs_logp_diff``: from the old log-probs, or measured by the on-policy update itself;
     * ``actor/{loss,pg_loss,grad_norm,clipfrac,ppo_kl,entropy,kl}`` (``kl``: the KL loss term's) averaged
@@ -94,6 +95,9 @@ def _sample_metrics(scored) -> dict[str, float]:
          "reward/timeouts": sum(s.timed_out for s in scored)}
     if len(rewards):
         m |= {"reward/mean": rewards.mean(), "reward/std": rewards.std() if len(rewards) > 1 else 0.0}
+    for name in sorted({k for s in scored for k in s.parts}):  # reward.funcs: each function's own score (TRL's)
+        values = [s.parts[name] for s in scored if name in s.parts]
+        m[f"rewards/{name}/mean"] = sum(values) / len(values)
     if any(is_tinyv(s.data_source) for s in scored):  # LLM-verified samples given no verdict, and timeouts
         m["reward/verifier_fallbacks"] = sum(FALLBACK_ERROR in s.score_error for s in scored)
         m["reward/verifier_timeouts"] = sum(TIMEOUT_ERROR in s.score_error for s in scored)

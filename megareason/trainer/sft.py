@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from megareason.config import Config, ConfigError
-from megareason.data.loaders import load_records
+from megareason.data.loaders import load_data
 from megareason.data.prompts import demonstration
 from megareason.data.records import DataError, PromptRecord, TokenizedPrompt
 from megareason.rewards.scoring import score, scorer_from, scoring_pool
@@ -84,11 +84,11 @@ def sft(cfg: Config) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer
                                                   else path))
     template, max_len = cfg.sft.response_template, cfg.rollout.max_model_len
-    train_set = tokenize_demonstrations(load_records(cfg.data), tokenizer, template, max_len, "training data")
+    data = load_data(cfg.data, any_source=bool(cfg.reward.custom or cfg.reward.funcs))
+    train_set = tokenize_demonstrations(data.train, tokenizer, template, max_len, "training data")
     val_set = None
-    if cfg.data.val_sources:
-        val_set = tokenize_demonstrations(load_records(replace(cfg.data, sources=cfg.data.val_sources)), tokenizer,
-                                          template, max_len, "validation data")
+    if data.val:
+        val_set = tokenize_demonstrations(data.val, tokenizer, template, max_len, "validation data")
     if len(train_set[0]) < t.prompts_per_step:
         raise ConfigError(f"trainer.prompts_per_step={t.prompts_per_step} but the training data has only "
                           f"{len(train_set[0])} demonstrations")

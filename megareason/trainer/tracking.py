@@ -41,6 +41,8 @@ CONSOLE_KEYS = {"reward/mean": "reward", "accuracy": "acc", "response_length/mea
                 "actor/kl": "kl", "actor/entropy": "entropy", "actor/grad_norm": "gnorm", "critic/vf_loss": "vf_loss",
                 "rollout/token_mult_prob_error": "mismatch", "sft/loss": "sft_loss", "val/loss": "val_loss",
                 "val/accuracy": "val_acc", "time/step": "sec"}
+# ... and these only when not 0: samples a reward failed on, and those past reward.timeout.
+CONSOLE_IF_NONZERO = {"reward/errors": "reward_errors", "reward/timeouts": "reward_timeouts"}
 
 
 def _need(module: str, logger: str):
@@ -217,6 +219,7 @@ class Tracker:
             logger.log(step, clean)
         if self.console:
             shown = [f"{label}={clean[k]:.4g}" for k, label in CONSOLE_KEYS.items() if k in clean]
+            shown += [f"{label}={clean[k]:.4g}" for k, label in CONSOLE_IF_NONZERO.items() if clean.get(k)]
             tqdm.write(f"step {step}: " + " ".join(shown))
 
     def close(self) -> None:
