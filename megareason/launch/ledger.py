@@ -401,8 +401,12 @@ def plan_states(cfg: Config, terms: Terms, resume: bool = True) -> Ledger:
         if asleep:
             led.engine_wake(["kv_cache"])
 
-    # start-up: PolicyWorker._build, then the critic's group (handles.start_workers starts the roles in turn)
+    # start-up: the critic's ranks (CriticWorker._build), then the policy's (PolicyWorker._build): handles.start_workers
     led.enter("start-up")
+    if critic:
+        led.build_trainer("critic_")
+        if offload:
+            led.offload_training_state("critic_")
     led.build_trainer()
     if "reference" in led.sizes:
         led.build_reference()
@@ -410,10 +414,6 @@ def plan_states(cfg: Config, terms: Terms, resume: bool = True) -> Ledger:
         if offload:
             led.offload_training_state()
         led.start_engine()
-    if critic:
-        led.build_trainer("critic_")
-        if offload:  # CriticWorker._build
-            led.offload_training_state("critic_")
     if resume:  # Driver.start: every role loads with the engine asleep (PolicyWorker.load), then the sync
         led.enter("resume")
         if colocated:
@@ -421,7 +421,7 @@ def plan_states(cfg: Config, terms: Terms, resume: bool = True) -> Ledger:
         for role in roles:
             led.onload_training_state(role, gradients=False)
             led.load(role)
-            if role and offload:  # CriticWorker.load
+            if offload and (role or colocated):  # PolicyWorker.load, CriticWorker.load
                 led.offload_training_state(role)
         sync("resume")
     # a step (trainer/loop.py): generation, the engine asleep for log-probs and training, then the sync

@@ -153,7 +153,10 @@ def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
     threads = max(1, (os.cpu_count() or 1) // _world(cfg))
     if cfg.rollout.placement == "separate" and not gpus:  # the separate engines' cores are theirs
         threads = max(1, ((os.cpu_count() or 1) - cfg.rollout.num_engines) // _world(cfg))
-    return [WorkerGroup(cls, cfg, settings(cfg), name, gpus, threads) for cls, settings, name in roles]
+    # The critic's ranks first: its state is built (and with trainer.offload_optimizer moved to host memory)
+    # before the policy's vLLM engine takes its share of each GPU (launch/ledger.py, start-up).
+    groups = {name: WorkerGroup(cls, cfg, settings(cfg), name, gpus, threads) for cls, settings, name in roles[::-1]}
+    return [groups[name] for _, _, name in roles]
 
 
 def start_rollouts(cfg: Config) -> RolloutPool | None:

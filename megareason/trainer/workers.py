@@ -323,10 +323,14 @@ class PolicyWorker(_Worker):
         """Load the checkpoint with the engine asleep: the load fills the optimizer state (Adam's moments, created
         here) and megatron-core's read buffers on the device, which an awake engine's KV cache leaves no room for.
         Level 2: the sync that follows (``Driver.start``) overwrites the weights, waking them through the same
-        offload -> wake path as every step's sync (``EngineStateMachine.update_weights``)."""
+        offload -> wake path as every step's sync (``EngineStateMachine.update_weights``). With
+        ``trainer.offload_optimizer`` the loaded state leaves for host memory at once (PPO's critic loads next)."""
         if self.engine is not None:
             self.engine.sleep(level=2)
-        return self.role.load(path)
+        metadata = self.role.load(path)
+        if self.settings.offload_optimizer and self.engine is not None:
+            self.actor.offload_training_state()
+        return metadata
 
     def stop_generating_on(self, path: str) -> None:
         """This rank's whole engine gives up a generate (``GenerationStopped``) once the file ``path``
