@@ -125,7 +125,7 @@ class Ledger:
                 continue
             if to is None:
                 self.where.pop(name, None)
-            elif name.endswith("host_gather"):  # a host-only term
+            elif name.endswith(("host_gather", "host_load")):  # a host-only term
                 self.where[name] = HOST
             else:
                 if to == DEVICE and self.where.get(name) == HOST:
@@ -228,9 +228,10 @@ class Ledger:
             pass
 
     def load(self, role: str = "") -> None:
-        """A role's checkpoint loaded: Adam's moments allocated on the device, the load's buffers while it reads
-        (the save's, mirrored: megatron-core's ``load_parameter_state_from_dp_zero``)."""
-        with self.transient(f"load {role or 'actor'}", role + "save_gather", role + "host_gather"):
+        """A role's checkpoint loaded: Adam's moments allocated on the device; megatron-core's ``fully_reshardable``
+        load reads each gradient buffer's whole fp32 state into CPU tensors (``get_parameter_state_dp_zero`` with
+        ``empty_data``: no device gather) and copies this rank's shards into the device tensors."""
+        with self.transient(f"load {role or 'actor'}", role + "host_load"):
             self.put(f"load {role or 'actor'} optimizer", role + "moments")
 
 
@@ -290,6 +291,21 @@ def host_save_bytes(cfg: Config, arch: ModelArch, stage: int) -> int:
     return whole + max(8 * n for n, _ in buffers)
 
 
+def host_load_bytes(cfg: Config, arch: ModelArch, stage: int) -> int:
+    """Host bytes one rank's ``fully_reshardable`` load reads: fp32 ``param``, ``exp_avg`` and ``exp_avg_sq`` of
+    each whole gradient buffer (12 B per parameter of the rank's model-parallel shard), on every DP rank."""
+    if not cfg.optim.use_distributed_optimizer:
+        return 0
+    p = cfg.parallel
+    if cfg.lora.enabled:
+        from megareason.launch.plan_memory import lora_params_per_gpu
+
+        return 12 * lora_params_per_gpu(arch, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                        cfg.lora.rank, cfg.lora.targets)
+    return 12 * sum(stage_param_split(arch, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, stage,
+                                      p.expert_model_parallel_size))
+
+
 def rank_terms(cfg: Config, arch: ModelArch, gpu: GPU, stage: int, rows_tokens: float) -> Terms:
     """Every term of a rank of pipeline stage ``stage`` (see the module docstring), sized by the planner's
     formulas; ``rows_tokens``: the tokens of a step's rows (``plan_records.workload``)."""
@@ -312,15 +328,15 @@ def rank_terms(cfg: Config, arch: ModelArch, gpu: GPU, stage: int, rows_tokens: 
         "nccl": (int(megatron_communicators(tp, pp, dp, ep) * NCCL_COMMUNICATOR_GIB * GiB),
                  f"NCCL communicators: {megatron_communicators(tp, pp, dp, ep)} of Megatron's (NVLS off)"),
         "save_gather": (checkpoint_save_bytes(cfg, arch, tp, pp, dp, stage, ep),
-                        "checkpoint save / load: distributed optimizer's gather buffers"),
+                        "checkpoint save: distributed optimizer's gather buffers"),
         "host_gather": (0, ""),
     }
     items = dict(trainer)
     if alg.name == "ppo":  # the critic's own process: its copy of everything (value head ~ the output layer)
         items.update({"critic_" + k: (v, "critic: " + label) for k, (v, label) in trainer.items()})
-    host = {"host_gather": host_save_bytes(cfg, arch, stage)}
+    host = {"host_gather": host_save_bytes(cfg, arch, stage), "host_load": host_load_bytes(cfg, arch, stage)}
     if alg.name == "ppo":
-        host["critic_host_gather"] = host["host_gather"]
+        host.update({"critic_" + k: v for k, v in host.items()})
     if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
         items["reference"] = (act * stage_params(arch, tp, pp, stage, ep), "reference model (onloaded)")
     tok = t.micro_batch_tokens

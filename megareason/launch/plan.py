@@ -259,7 +259,7 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     kv_tok = kv_bytes_per_token(arch, vtp, dbytes)
     # Separate engines: an engine's GPU holds vLLM alone and receives a bucket at a time beside its share.
     engine = {"vLLM weights": vllm_weights, "vLLM KV cache": kv,
-              "vLLM activation peak + graphs (reserve)": VLLM_RESERVE_GIB * GiB,
+              "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB,
               "weight sync: a received bucket (beside vLLM's share)": t.weight_sync_bucket_mb * 2**20}
 
     def training_activations(c: Config, stage: int) -> float:
@@ -303,19 +303,27 @@ def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
 def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
     """Why the plan cannot run (naming the fields) and which other field would lower it, or None."""
     cap = (plan.gpu.cuda_total_gib - MARGIN_GIB) * GiB
-    gen = plan.memory["generation"]
-    kv = gen["vLLM KV cache"]
+    weights, kv = vllm_share(cfg, plan.arch, plan.gpu)
     if kv <= 0:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
                 f"{cfg.rollout.gpu_memory_utilization * plan.gpu.cuda_total_gib:.1f} GiB per GPU, less than its "
                 f"weights "
-                f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
+                f"({weights / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
                 f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache",
                 "raise it" + (" or rollout.tensor_parallel_size" if plan.placement == "separate" else ""))
     if plan.kv_tokens_per_engine < cfg.rollout.max_model_len:
         return (f"rollout.max_model_len={cfg.rollout.max_model_len} does not fit the KV cache of "
                 f"{plan.kv_tokens_per_engine} tokens (rollout.gpu_memory_utilization="
                 f"{cfg.rollout.gpu_memory_utilization})", "lower it or raise rollout.gpu_memory_utilization")
+    if plan.host_per_node:
+        state = max(plan.host_per_node, key=plan.host_per_node.get)
+        host, ram = plan.host_per_node[state], plan.options.node_memory_gib
+        if host > ram * GiB:
+            return (f"does not fit host memory: the {state} state needs {host / GiB:.0f} GiB per node of "
+                    f"{plan.gpus_per_node} ranks > --node-memory-gib {ram:g} (megatron-core's fully_reshardable "
+                    f"save gathers ~20 bytes per parameter of each rank's shard into host memory on every rank)",
+                    "save in megatron-core's dp_reshardable format (no gather over DP), or spread the ranks over "
+                    "more nodes")
     for phase, lines in plan.memory.items():
         need = sum(lines.values())
         if need > cap:
@@ -399,6 +407,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu", choices=list(GPUS), default=d.gpu)
     p.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="",
                    help="plan this architecture instead of reading model.path's config.json")
+    p.add_argument("--node-memory-gib", type=float, default=d.node_memory_gib,
+                   help="host memory of a node, for the host memory per node of each state")
     p.add_argument("--mfu", type=float, default=d.mfu, help="assumed model FLOPs utilization")
     p.add_argument("--prompt-fraction", type=float, default=d.prompt_fraction,
                    help="mean prompt length / data.max_prompt_length")
@@ -413,7 +423,7 @@ def run_cli(args) -> int:
 
     opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
                       prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction,
-                      response_tokens=args.response_tokens)
+                      response_tokens=args.response_tokens, node_memory_gib=args.node_memory_gib)
     print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
     published = published_for(args.config)
     if published is not None:  # a recipe made to match a published run: the plan of each of its runs beside it
