@@ -185,6 +185,13 @@ class _Charged:
         rows = torch.zeros(len(self._share(exp)), exp.tokens_BT.shape[1])
         return [rows] * num
 
+    def _train(self, role, exp, names, loss_fn, lr, record, responses_only=False):
+        """The worker's train / sft_train / critic train run for real up to here: the role's step, charged."""
+        self._enter("training")
+        role.train_step([], loss_fn)
+        on_policy = record is PolicyStats and "old_logp_BT" not in names  # the update's own forward: the mismatch
+        return _stats(record, **({"mismatch_sum": 10.0, "logp_diff_max": 0.0} if on_policy else {}))
+
     def _write_checkpoint(self, path, metadata, asynchronous):
         self._enter("save")
         super()._write_checkpoint(path, metadata, asynchronous)
@@ -224,16 +231,6 @@ class LedgerPolicy(_Charged, PolicyWorker):
         self._enter("resume" if self.ledgers.ledgers[0].state == "resume" else "sync")
         return super().sync_weights()
 
-    def train(self, exp, lr, on_policy):
-        self._enter("training")
-        self.actor.train_step([], None)
-        mismatch = {"mismatch_sum": 10.0, "logp_diff_max": 0.0} if on_policy else {}
-        return _stats(PolicyStats, **mismatch)
-
-    def sft_train(self, exp, lr):
-        self._enter("training")
-        self.actor.train_step([], None)
-        return _stats(SftStats)
 
 
 class LedgerCritic(_Charged, CriticWorker):
@@ -244,11 +241,6 @@ class LedgerCritic(_Charged, CriticWorker):
     def _new_critic(self):
         return _role(Critic, self.ledgers, "critic_")
 
-    def train(self, exp, lr):
-        self._enter("training")
-        self.critic.train_step([], None)
-        self._offload()
-        return _stats(CriticStats)
 
 
 @pytest.fixture(scope="module")
@@ -388,3 +380,55 @@ def test_other_algorithms_on_the_recipes_layouts_peak_where_their_plans_say(name
     assert set(seen) == set(plan.memory)
     for state, lines in seen.items():
         assert lines == plan.memory[state], (state, _gib(lines), _gib(plan.memory[state]))
+
+
+class LedgerCuda:
+    """``torch.cuda`` as ``models.memory.PhaseMemory`` reads it, answered from a stage-0 ledger: used bytes
+    = the device total now, the allocator's peak = the largest device total since the last reset."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger, self.since = ledger, 0
+
+    def is_available(self) -> bool:
+        return True
+
+    def reset_peak_memory_stats(self) -> None:
+        self.since = len(self.ledger.trail)
+
+    def max_memory_allocated(self) -> int:
+        return max([self.ledger.device_total()] + [b for _, _, b in self.ledger.trail[self.since:]])
+
+    def mem_get_info(self) -> tuple[int, int]:
+        total = int(GPU.cuda_total_gib * GiB)
+        return total - self.ledger.device_total(), total
+
+
+def test_each_phase_s_real_memory_goes_into_the_metrics_beside_the_plan(tok, tmp_path, monkeypatch):
+    """On GPU every worker call records its phase's memory (``PhaseMemory``: cudaMemGetInfo's used bytes at its
+    end, the allocator's peak during it) and the loop logs them per step (``<role>/memory/<phase>/...``). Here a
+    stand-in device answers from the ledger: the logged training peak is the plan's training column of stage 0,
+    the generation's used bytes the engine awake beside the trainer. Without a device nothing is logged."""
+    import json
+
+    import megareason.models.memory as memory
+
+    recipe = Recipe("grpo_qwen3_8b")
+    made: list[Ledgers] = []
+    init = memory.PhaseMemory.__init__
+    monkeypatch.setattr(memory.PhaseMemory, "__init__", lambda self, cuda=None: init(self, LedgerCuda(
+        made[-1].ledgers[0])))
+    run = recipe.run(tmp_path, tok, "trainer.steps=2", started=made)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    plan = recipe.plan()
+    for row in rows:
+        assert row["actor/memory/training/allocator_peak_gib"] == pytest.approx(
+            sum(plan.memory["training"].values()) / GiB)
+        assert row["actor/memory/generation/used_gib"] == pytest.approx(sum(plan.memory["generation"].values()) / GiB)
+    # a step's row is logged before its checkpoint: the save's memory comes with the next step's row
+    assert [sorted({k.split("/")[2] for k in row if k.startswith("actor/memory/")}) for row in rows] == [
+        ["generation", "sync", "training"], ["generation", "save", "sync", "training"]]
+    assert rows[1]["actor/memory/save/used_gib"] <= sum(plan.memory["save"].values()) / GiB
+    assert run.ledgers[0].peaks["save"]
+    monkeypatch.setattr(memory.PhaseMemory, "__init__", init)
+    recipe.run(tmp_path / "cpu", tok, "trainer.steps=1")
+    assert not any(k.startswith("actor/memory") for k in json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text()))

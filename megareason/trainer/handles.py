@@ -53,6 +53,15 @@ class RoleHandle:
         """Every rank loads the role's checkpoint at ``path`` (any saved TP/PP layout)."""
         self._call(PolicyWorker.load, path)
 
+    def memory_by_phase(self) -> dict[str, float]:
+        """Each phase's GPU memory since the last call, the largest over the ranks (empty on CPU): the step's
+        metrics, beside ``megareason plan``'s columns."""
+        out: dict[str, float] = {}
+        for rank in self._call(PolicyWorker.memory_by_phase):
+            for key, value in rank.items():
+                out[key] = max(out.get(key, 0.0), value)
+        return {f"{self.name}/{k}": v for k, v in sorted(out.items())}
+
     def shutdown(self) -> None:
         self.group.shutdown()
 

@@ -194,6 +194,12 @@ class _Worker:
     def load(self, path: str) -> dict:
         return self.role.load(path)
 
+    def memory_by_phase(self) -> dict[str, float]:
+        """This rank's GPU memory per phase since the last call (``models.memory.PhaseMemory.report``; empty on
+        CPU)."""
+        memory = self.__dict__.get("phase_memory")
+        return memory.report() if memory is not None else {}
+
     def shutdown(self) -> None:
         from megareason.models.parallel import destroy_parallel
 
@@ -475,3 +481,20 @@ class CriticWorker(_Worker):
                             value_loss_fn(self.settings.algorithm, self.settings.max_tokens), lr, CriticStats)
         self._offload()
         return stats
+
+
+def _record_phases() -> None:
+    """Each phase's real GPU memory into the worker's ``phase_memory`` (``models.memory.PhaseMemory``: a no-op
+    without a GPU), which ``memory_by_phase`` hands to the step's metrics: the plan's columns beside the truth."""
+    from megareason.models.memory import recorded
+
+    phases = {PolicyWorker: {"generate": "generation", "logprobs": "logprobs", "ref_logprobs": "logprobs",
+                             "train": "training", "sft_train": "training", "sync_weights": "sync", "save": "save",
+                             "load": "resume"},
+              CriticWorker: {"values": "logprobs", "train": "training", "save": "save", "load": "resume"}}
+    for cls, methods in phases.items():
+        for name, phase in methods.items():
+            setattr(cls, name, recorded(getattr(cls, name), phase))
+
+
+_record_phases()
