@@ -432,3 +432,111 @@ def test_each_phase_s_real_memory_goes_into_the_metrics_beside_the_plan(tok, tmp
     monkeypatch.setattr(memory.PhaseMemory, "__init__", init)
     recipe.run(tmp_path / "cpu", tok, "trainer.steps=1")
     assert not any(k.startswith("actor/memory") for k in json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text()))
+
+
+# --- tools/check_gpu.py's memory checks: the logic that runs without a GPU ------------------------------
+
+
+def _gpu_memory():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_memory
+
+    return gpu_memory
+
+
+class FakeDriver:
+    """libcuda's virtual-memory entry points as ``tools/gpu_memory.VMM`` calls them: 2 MiB granularity, ``free``
+    bytes of device memory; records each call."""
+
+    def __init__(self, free: int):
+        self.free, self.calls, self.mapped = free, [], {}
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append(name)
+            return getattr(self, "_" + name, lambda *a: 0)(*args)
+        return call
+
+    def _cuMemGetAllocationGranularity(self, out, prop, option):
+        out._obj.value = 2 << 20
+        assert prop._obj.type == 1 and prop._obj.location.type == 1 and option == 0  # pinned, on the device
+        return 0
+
+    def _cuMemCreate(self, handle, size, prop, flags):
+        if size.value > self.free:
+            return 2  # CUDA_ERROR_OUT_OF_MEMORY
+        self.free -= size.value
+        handle._obj.value = len(self.calls)
+        self.mapped[handle._obj.value] = size.value
+        return 0
+
+    def _cuMemRelease(self, handle):
+        self.free += self.mapped.pop(handle.value if hasattr(handle, "value") else handle)
+        return 0
+
+
+def test_the_vmm_check_maps_the_freed_bytes_as_vllm_s_wake_up_and_fails_when_they_are_not_free():
+    gm = _gpu_memory()
+    driver = FakeDriver(free=64 << 20)
+    vmm = gm.VMM(0, lib=driver)
+    m = vmm.allocate(5 << 20)  # rounded up to the 2 MiB granularity
+    assert m.size == 6 << 20 and driver.free == 58 << 20
+    # vLLM's create_and_map order (csrc/cumem_allocator.cpp), then unmap_and_release
+    assert driver.calls[1:] == ["cuMemGetAllocationGranularity", "cuMemCreate", "cuMemAddressReserve", "cuMemMap",
+                                "cuMemSetAccess"]
+    vmm.free(m)
+    assert driver.calls[-3:] == ["cuMemUnmap", "cuMemRelease", "cuMemAddressFree"] and driver.free == 64 << 20
+    with pytest.raises(gm.CudaError, match="cuMemCreate returned CUresult 2 \\(out of memory\\)") as e:
+        vmm.allocate(65 << 20)
+    assert e.value.code == 2
+
+
+def test_twin_steps_sees_an_offload_that_keeps_the_state_and_one_that_loses_it():
+    """Two torch twins (Adam, a DDP-like gradient buffer): through the loop's moves ``TrainingStateOffload`` keeps
+    the twin bit-exact for 3 steps; an offload that loses Adam's moments on the way shows at the next step."""
+    from megareason.models.offload import TrainingStateOffload
+
+    gm = _gpu_memory()
+
+    def twin():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        grads = torch.zeros(sum(p.numel() for p in model.parameters()))
+        inner = torch.optim.Adam(model.parameters(), lr=0.1)
+        ddp = SimpleNamespace(parameters=model.parameters, buffers=[SimpleNamespace(grad_data=grads)],
+                              expert_parallel_buffers=[])
+        t = SimpleNamespace(model=model, grads=grads, inner=inner, parameters=model.parameters)
+        t.training_state = TrainingStateOffload(ddp, SimpleNamespace(optimizer=inner))
+        return t
+
+    def step(t):  # megatron-core's order: gradients into the buffer, the optimizer steps from its views
+        t.grads.zero_()
+        t.model.zero_grad()
+        t.model(torch.arange(16.0).reshape(2, 8)).square().sum().backward()
+        torch.cat([p.grad.flatten() for p in t.model.parameters()], out=t.grads)
+        offset = 0
+        for p in t.model.parameters():
+            p.grad = t.grads[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        t.inner.step()
+
+    saved = []
+    assert gm.twin_steps(twin(), twin(), step, lambda t: saved.append(t.inner.state_dict())) == [True] * 3
+    assert len(saved) == 3
+
+    lossy = twin()
+    real_onload = lossy.training_state.onload
+
+    def onload(gradients=True):
+        real_onload(gradients)
+        for state in lossy.inner.state.values():
+            state["exp_avg"].zero_()
+
+    lossy.training_state.onload = onload
+    assert gm.twin_steps(twin(), lossy, step, lambda t: None) == [True, False, False]
