@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_engine_state import FakeVLLM, InProcessGroup, _prompts, _reply, _score
+from test_engine_state import FakePool, FakeVLLM, InProcessGroup, _prompts, _reply, _score
 
 from megareason.config import load_config
 from megareason.launch.ledger import STATES, Ledger, LedgerOverflow, cap_bytes, plan_states, rank_terms
@@ -221,7 +221,12 @@ class LedgerPolicy(_Charged, PolicyWorker):
         self.vllm.empty_cache()
 
     def _hf_weights(self):
+        if self.engine is None:  # separate engines: this rank gathers and sends (a colocated one loads: LedgerVLLM)
+            self.ledgers.weight_sync()
         yield "model.embed_tokens.weight", torch.ones(4, 2)
+
+    def attach_engines(self, remote):
+        pass
 
     def generate(self, prompts_token_ids, samplings):
         self._enter("generation")
@@ -251,8 +256,8 @@ def tok():
 class Recipe:
     """A GPU recipe (``configs/<name>.yaml`` with ``overrides``) at its layout: its plan, and the loop's config."""
 
-    def __init__(self, name: str, overrides=()):
-        shape, nodes = RECIPES[name]
+    def __init__(self, name: str, overrides=(), nodes: int = 0):
+        shape, nodes = RECIPES[name][0], nodes or RECIPES[name][1]
         self.name, self.arch = name, MODEL_SHAPES[shape]
         self.opt = PlanOptions(nodes=nodes, gpus_per_node=8)
         self.cfg = load_config(name, list(overrides))
@@ -266,7 +271,7 @@ class Recipe:
         cfg = load_config(self.name, [*LOOP, *self.overrides, *more])
         return replace(cfg, parallel=replace(cfg.parallel, data_parallel_size=1))
 
-    def run(self, tmp_path, tok, *more: str, stop=None, started=None) -> Ledgers:
+    def run(self, tmp_path, tok, *more: str, stop=None, started=None, prompts=None) -> Ledgers:
         from megareason.trainer.loop import _train_loop
 
         cfg = self.loop_cfg(*more)
@@ -276,7 +281,23 @@ class Recipe:
         # handles.start_workers's order: the critic's ranks first, then the policy's with their engines
         critic = [InProcessGroup("critic", [LedgerCritic(cfg, ledgers)])] if cfg.algorithm.name == "ppo" else []
         groups = [InProcessGroup("actor", [LedgerPolicy(cfg, ledgers, tok)])] + critic
-        _train_loop(cfg, RunDir(str(tmp_path)), groups, _prompts(tok, 5), _prompts(tok, 2), _score, tok, stop=stop)
+        prompts, val = prompts or (_prompts(tok, 5), _prompts(tok, 2))
+        pool = FakePool(tok, []) if cfg.rollout.placement == "separate" else None
+        _train_loop(cfg, RunDir(str(tmp_path)), groups, prompts, val, _score, tok, stop=stop, engines=pool)
+        return ledgers
+
+    def sft(self, tmp_path, tok, *more: str) -> Ledgers:
+        """``megareason sft``'s loop (``trainer.sft._loop``) over the same charged policy rank."""
+        from megareason.rollout.records import Completion
+        from megareason.trainer.sft import _loop
+
+        cfg = self.loop_cfg(*more)
+        ledgers = Ledgers(self.cfg, self.arch, self.opt)
+        prompts = _prompts(tok, 4)
+        answers = [Completion(token_ids=tok.encode("2", add_special_tokens=False), text="2", logprobs_T=[0.0],
+                              finish_reason="stop") for _ in prompts]
+        _loop(cfg, RunDir(str(tmp_path)), InProcessGroup("actor", [LedgerPolicy(cfg, ledgers, tok)]),
+              (prompts, answers), (prompts[:2], answers[:2]), _score)
         return ledgers
 
 
@@ -540,3 +561,34 @@ def test_twin_steps_sees_an_offload_that_keeps_the_state_and_one_that_loses_it()
 
     lossy.training_state.onload = onload
     assert gm.twin_steps(twin(), lossy, step, lambda t: None) == [True, False, False]
+
+
+def test_one_step_off_environments_and_sft_on_the_8b_layout_peak_within_their_plans(tok, tmp_path):
+    """Qwen3-8B's layout with separate engines one step off (the trainer's GPUs hold no vLLM: every state of its
+    rank equal to the plan's, the generation column being the engines' GPUs), a multi-turn environment's episodes
+    (several generates a step) and SFT's loop (its validation syncs, then generates): each within its plan."""
+    from megareason.data.loaders import load_records
+    from megareason.data.prompts import tokenize_prompts
+
+    separate = Recipe("grpo_qwen3_8b", ["rollout.placement=separate", "trainer.max_staleness=1",
+                                        "rollout.num_engines=8", "rollout.tensor_parallel_size=1"], nodes=2)
+    fresh = separate.run(tmp_path / "async", tok, "trainer.steps=2")
+    resumed = separate.run(tmp_path / "async", tok, "trainer.steps=3")
+    plan = separate.plan()
+    seen = _merge(fresh, resumed)
+    assert set(seen) == set(plan.memory) - {"generation"}
+    for state, lines in seen.items():
+        assert lines == plan.memory[state], (state, _gib(lines), _gib(plan.memory[state]))
+
+    recipe = Recipe("grpo_qwen3_8b")
+    plan = recipe.plan()
+    env = load_config("grpo_multihop_cpu", ["env.initial_search=false", "env.max_turns=3"])
+    records = load_records(replace(env.data, sources=[replace(env.data.sources[0], size=6)]))
+    episodes = tokenize_prompts(records, tok, 4096, "error")
+    runs = [recipe.run(tmp_path / "env", tok, "trainer.steps=2", "env.name=retrieval_qa", "env.retriever=bm25",
+                       "env.initial_search=false", "env.max_turns=3", prompts=(episodes[:4], episodes[4:])),
+            recipe.sft(tmp_path / "sft", tok, "trainer.steps=2")]
+    assert all("generation" in run.peaks() and "training" in run.peaks() for run in runs)
+    for run in runs:  # SFT's validation loss is a forward pass: within training's column, which holds more
+        for state, lines in run.peaks().items():
+            assert sum(lines.values()) <= sum(plan.memory.get(state, plan.memory["training"]).values()), state
