@@ -132,6 +132,10 @@ class LedgerReference:
 
 @pytest.fixture(autouse=True)
 def charged(monkeypatch):
+    _charge(monkeypatch)
+
+
+def _charge(monkeypatch) -> None:
     """Megatron's train step and checkpoint write / read, as ``models/roles.py`` calls them, charged; the
     workers take their GPU path (the reference offloaded between uses)."""
     import megareason.models.roles as roles
@@ -351,12 +355,24 @@ def _stopped(recipe: Recipe, tmp_path, tok, state: str, *more: str, nth: int = 1
     return started[0]
 
 
+@pytest.fixture(scope="module")
+def step_one(tok, tmp_path_factory):
+    """The 70B RARO recipe's run folder after step 1 (its checkpoint), and the run's ledgers."""
+    folder = tmp_path_factory.mktemp("raro_70b_step1")
+    with pytest.MonkeyPatch.context() as mp:
+        _charge(mp)
+        return folder, Recipe("raro_70b").run(folder, tok, "trainer.steps=1")
+
+
 @pytest.mark.parametrize("state", ["generation", "logprobs", "training", "sync", "save"])
-def test_a_sigterm_in_each_state_of_the_70b_recipe_saves_and_resumes_within_the_plan(state, tok, tmp_path):
+def test_a_sigterm_in_each_state_of_the_70b_recipe_saves_and_resumes_within_the_plan(state, tok, tmp_path, step_one):
     """The 70B RARO recipe stopped in each state of step 2 (its checkpoint, or the one before, written with the
     engine asleep), then resumed to the end: every state within the plan's column, none past the cap."""
+    import shutil
+
     recipe = Recipe("raro_70b")
-    runs = [recipe.run(tmp_path, tok, "trainer.steps=1")]
+    shutil.copytree(step_one[0], tmp_path, dirs_exist_ok=True)
+    runs = [step_one[1]]
     runs.append(_stopped(recipe, tmp_path, tok, state, "trainer.steps=4"))
     runs.append(recipe.run(tmp_path, tok, "trainer.steps=4"))
     assert RunDir(str(tmp_path)).steps()[-1] == 4
