@@ -23,7 +23,7 @@ import torch
 from test_engine_state import FakePool, FakeVLLM, InProcessGroup, _prompts, _reply, _score
 
 from megareason.config import load_config
-from megareason.launch.ledger import STATES, Ledger, LedgerOverflow, cap_bytes, plan_states, rank_terms
+from megareason.launch.ledger import STATES, Ledger, cap_bytes, rank_terms
 from megareason.launch.plan import make_plan
 from megareason.launch.plan_records import GPUS, MODEL_SHAPES, GiB, PlanOptions, workload
 from megareason.models.roles import Actor, Critic
@@ -42,8 +42,8 @@ RECIPES = {"raro_70b": ("llama-3.1-70b", 8), "grpo_qwen3_8b": ("qwen3-8b", 1),
            "grpo_qwen3_30b_a3b": ("qwen3-30b-a3b", 4)}
 # What makes a recipe run in seconds on the tiny tokenizer; none of it changes a term (the terms are sized by
 # the recipe's own config, ``Recipe.cfg``).
-LOOP = ["model.path=smollm2-135m-instruct", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.loggers=[]", "trainer.save_every=1",
-        "raro.critic_n=2", "raro.replay_buffer_ratio=0.0", "raro.constrain_verdict_chars=0"]
+LOOP = ["model.path=smollm2-135m-instruct", "trainer.prompts_per_step=2", "rollout.n=2", "trainer.loggers=[]",
+        "trainer.save_every=1", "raro.critic_n=2", "raro.replay_buffer_ratio=0.0", "raro.constrain_verdict_chars=0"]
 
 
 class Ledgers:

@@ -12,9 +12,9 @@ through 3 steps of the loop's memory moves; for a dense Qwen2, a tied Llama and 
 loaded state the save's though a step ran meanwhile, where the time goes), training tokens/s and MFU, the bytes an
 offload frees mapped through the driver's virtual-memory calls as vLLM's wake-up maps them (also under
 ``expandable_segments:True``), a resume's load against the plan's resume column, the memory outside torch's
-allocator after each phase, and the device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safetensors (not Ray or vLLM); on a
-bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one line per
-check and exits 1 if any failed:
+allocator after each phase, and the device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and
+safetensors (not Ray or vLLM); on a bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches
+the wheels. Prints one line per check and exits 1 if any failed:
 
     python tools/check_gpu.py [--out results.json] [--skip-1b] [--only CHECK ...] [--optim-format FORMAT]
 """
@@ -750,10 +750,12 @@ def offload_twins(model_dir):
         twins[3].training_state = still  # the control pair: the same steps and saves, no memory moves
         with tempfile.TemporaryDirectory() as tmp:
             saves = iter(range(20))
-            results = [_tools().twin_steps(
-                plain, twin, lambda t: train_step(t.ddp, t.opt, batches, head, _nll),
-                lambda t: save_checkpoint(f"{tmp}/{next(saves)}", t.model, ckpt.arch, model_dir, t.opt))
-                for plain, twin in (twins[:2], twins[2:])]
+
+            def save(t, saves=saves, tmp=tmp):
+                save_checkpoint(f"{tmp}/{next(saves)}", t.model, ckpt.arch, model_dir, t.opt)
+
+            results = [_tools().twin_steps(plain, twin, lambda t: train_step(t.ddp, t.opt, batches, head, _nll), save)
+                       for plain, twin in (twins[:2], twins[2:])]
         key = "distributed" if distributed else "plain"
         out[key], out[key + "_control"] = results
         # a device whose kernels are not deterministic fails the control too: then the offload is not to blame

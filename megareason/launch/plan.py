@@ -54,7 +54,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from megareason.config.schema import Config
-from megareason.launch.plan_format import as_overrides, format_plan
 from megareason.launch.ledger import (
     MARGIN_GIB,
     NCCL_COMMUNICATOR_GIB,
@@ -66,6 +65,7 @@ from megareason.launch.ledger import (
     rank_terms,
     vllm_share,
 )
+from megareason.launch.plan_format import as_overrides, format_plan
 from megareason.launch.plan_memory import (
     active_params,
     layer_spec,

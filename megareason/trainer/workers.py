@@ -229,7 +229,6 @@ class PolicyWorker(_Worker):
         ``trainer.offload_optimizer`` the actor's gradient buffers and fp32 main weights (built with the optimizer)
         leave the device before the engine starts, as before every later wake-up: vLLM takes its share of what
         is free then."""
-        s: PolicySettings = self.settings
         self.actor, self.reference = self._new_roles()
         self.role = self.actor
         if self.reference is not None and on_gpu():
