@@ -620,3 +620,18 @@ def test_the_llama8b_async_recipe_plans_nemo_rl_runs_beside_their_measurements(c
         assert text in out
     assert main(["plan", "--model-shape", "llama-3.1-8b", recipe, "rollout.num_engines=2"]) == 2
     assert "rollout.num_engines x rollout.tensor_parallel_size = 2 x 1 = 2 engine GPUs" in capsys.readouterr().err
+
+
+def test_host_memory_per_node_is_planned_and_a_node_without_room_for_the_checkpoint_gather_is_refused():
+    """Qwen3-8B: a node's 8 ranks hold their pinned offload copies, vLLM's sleep copy and megatron-core's
+    fully_reshardable gather at the save (the same figure as preflight's, tests/test_preflight.py); a 512 GiB node
+    is refused, naming what fits."""
+    from megareason.launch.preflight import host_memory_per_node
+
+    plan = plan_config("configs/grpo_qwen3_8b.yaml", [], PlanOptions(gpus_per_node=8), "qwen3-8b")
+    state, need = host_memory_per_node(load_config("grpo_qwen3_8b"), MODEL_SHAPES["qwen3-8b"], 8)
+    assert max(plan.host_per_node, key=plan.host_per_node.get) == state == "save"
+    assert plan.host_per_node["save"] == need <= 2048 * GiB
+    with pytest.raises(PlanError, match=r"does not fit host memory: the save state needs 854 GiB per node of 8 ranks "
+                                        r"> --node-memory-gib 512 .*dp_reshardable"):
+        plan_config("configs/grpo_qwen3_8b.yaml", [], PlanOptions(gpus_per_node=8, node_memory_gib=512), "qwen3-8b")

@@ -315,15 +315,6 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
         return (f"rollout.max_model_len={cfg.rollout.max_model_len} does not fit the KV cache of "
                 f"{plan.kv_tokens_per_engine} tokens (rollout.gpu_memory_utilization="
                 f"{cfg.rollout.gpu_memory_utilization})", "lower it or raise rollout.gpu_memory_utilization")
-    if plan.host_per_node:
-        state = max(plan.host_per_node, key=plan.host_per_node.get)
-        host, ram = plan.host_per_node[state], plan.options.node_memory_gib
-        if host > ram * GiB:
-            return (f"does not fit host memory: the {state} state needs {host / GiB:.0f} GiB per node of "
-                    f"{plan.gpus_per_node} ranks > --node-memory-gib {ram:g} (megatron-core's fully_reshardable "
-                    f"save gathers ~20 bytes per parameter of each rank's shard into host memory on every rank)",
-                    "save in megatron-core's dp_reshardable format (no gather over DP), or spread the ranks over "
-                    "more nodes")
     for phase, lines in plan.memory.items():
         need = sum(lines.values())
         if need > cap:
@@ -337,6 +328,15 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
                     f"(cudaMemGetInfo's {plan.gpu.cuda_total_gib} GiB on {plan.gpu.name} less a {MARGIN_GIB:g} GiB "
                     f"margin) with {as_overrides(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
                     f"no change of {', '.join(SETTINGS)} makes it fit: {fix}")
+    if plan.host_per_node:
+        state = max(plan.host_per_node, key=plan.host_per_node.get)
+        host, ram = plan.host_per_node[state], plan.options.node_memory_gib
+        if host > ram * GiB:
+            return (f"does not fit host memory: the {state} state needs {host / GiB:.0f} GiB per node of "
+                    f"{plan.gpus_per_node} ranks > --node-memory-gib {ram:g} (megatron-core's fully_reshardable "
+                    f"save gathers ~20 bytes per parameter of each rank's shard into host memory on every rank)",
+                    "save in megatron-core's dp_reshardable format (no gather over DP), or spread the ranks over "
+                    "more nodes")
     return None
 
 
