@@ -23,7 +23,7 @@ import torch
 from test_engine_state import FakePool, FakeVLLM, InProcessGroup, _prompts, _reply, _score
 
 from megareason.config import load_config
-from megareason.launch.ledger import STATES, Ledger, cap_bytes, rank_terms
+from megareason.launch.ledger import STATES, Ledger, LedgerOverflow, cap_bytes, rank_terms
 from megareason.launch.plan import make_plan
 from megareason.launch.plan_records import GPUS, MODEL_SHAPES, GiB, PlanOptions, workload
 from megareason.models.roles import Actor, Critic
@@ -608,3 +608,29 @@ def test_one_step_off_environments_and_sft_on_the_8b_layout_peak_within_their_pl
     for run in runs:  # SFT's validation loss is a forward pass: within training's column, which holds more
         for state, lines in run.peaks().items():
             assert sum(lines.values()) <= sum(plan.memory.get(state, plan.memory["training"]).values()), state
+
+
+def test_the_ledger_moves_terms_and_keeps_each_state_s_peak_by_hand():
+    """Terms of 1, 2, 4, 8 and 16 bytes: the device total after each move, each state's peak and its terms, the
+    host bytes (an offloaded copy, the pinned block kept once it came back, a host-only gather), the cap."""
+    led = Ledger({"parameters": 1, "gradients": 2, "main_weights": 4, "moments": 8, "host_gather": 16,
+                  "save_gather": 3}, cap=16)
+    led.enter("start-up")
+    led.build_trainer()  # parameters, gradients, main weights (no outside / nccl terms here)
+    led.offload_training_state()  # gradients freed, main weights to host
+    assert led.device_total() == 1 and led.host_total() == 4
+    led.enter("training")
+    led.onload_training_state()
+    led.optimizer_step()  # the moments appear (activations are not terms of this ledger)
+    assert led.device_total() == 15 and led.peaks["start-up"] == {"parameters": 1, "gradients": 2,
+                                                                   "main_weights": 4}
+    led.enter("save")
+    led.offload_training_state(optimizer=False)  # gradients freed
+    led.save()  # 3 on the device, 16 in host memory, for the write
+    assert sum(led.peaks["save"].values()) == 1 + 4 + 8 + 3 and led.host_peaks["save"] == 4 + 16
+    assert led.device_total() == 13 and led.host_total() == 4  # the main weights' pinned block stays
+    led.enter("save")
+    led.onload_training_state()  # a save with the gradients kept: 15 + its 3 passes the cap of 16
+    with pytest.raises(LedgerOverflow, match=r"save: save actor puts .* GiB on the GPU, more than .*gradients"):
+        led.save()
+    assert led.trail[-1] == ("save", "save actor", 18)

@@ -74,8 +74,8 @@ class LedgerOverflow(RuntimeError):
 class Ledger:
     """One GPU rank's terms (``sizes``: name -> bytes), where each is now (``where``: name -> DEVICE or HOST;
     absent: not allocated), the current state and each state's peak. ``cap``: the device bytes no transition
-    may pass (None: no check). ``host_sizes``: bytes in host memory of a term that is not a copy of a device
-    term (the checkpoint's host gather), counted in ``host_total`` while present."""
+    may pass (None: no check). Terms named ``*host_gather`` / ``*host_load`` (a checkpoint's gathers) live in
+    host memory only. A state's peak is the largest device total recorded while it is the current state."""
 
     sizes: dict[str, int]
     cap: int | None = None
