@@ -325,8 +325,8 @@ class PolicyWorker(_Worker):
         self._write_checkpoint(path, metadata, asynchronous)
 
     def load(self, path: str) -> dict:
-        """Load the checkpoint with the engine asleep: the load fills the optimizer state (Adam's moments, created
-        here) and megatron-core's read buffers on the device, which an awake engine's KV cache leaves no room for.
+        """Load the checkpoint with the engine asleep: the load brings the optimizer state back to the device and
+        creates Adam's moments there (``models/checkpoint.py``), which an awake engine's KV cache leaves no room for.
         Level 2: the sync that follows (``Driver.start``) overwrites the weights, waking them through the same
         offload -> wake path as every step's sync (``EngineStateMachine.update_weights``). With
         ``trainer.offload_optimizer`` the loaded state leaves for host memory at once (PPO's critic loads next)."""
