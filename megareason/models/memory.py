@@ -150,3 +150,10 @@ def recorded(method, phase: str):
                 memory.leave(phase)
 
     return call
+
+
+def record_phases(phases: dict[type, dict[str, str]]) -> None:
+    """Wrap each ``class -> {method: phase}`` method with ``recorded`` (the workers' phases, ``trainer/workers.py``)."""
+    for cls, methods in phases.items():
+        for name, phase in methods.items():
+            setattr(cls, name, recorded(getattr(cls, name), phase))

@@ -21,6 +21,7 @@ import torch
 from megareason.config.schema import AlgorithmConfig
 from megareason.models.build import ComputeSettings
 from megareason.models.lora import LoRASettings
+from megareason.models.memory import record_phases
 from megareason.models.schedule import forward_outputs
 from megareason.models.train import OptimizerSettings
 from megareason.rollout.records import EngineSettings, WeightUpdate
@@ -482,18 +483,10 @@ class CriticWorker(_Worker):
         return stats
 
 
-def _record_phases() -> None:
-    """Each phase's real GPU memory into the worker's ``phase_memory`` (``models.memory.PhaseMemory``: a no-op
-    without a GPU), which ``memory_by_phase`` hands to the step's metrics: the plan's columns beside the truth."""
-    from megareason.models.memory import recorded
 
-    phases = {PolicyWorker: {"generate": "generation", "logprobs": "logprobs", "ref_logprobs": "logprobs",
-                             "train": "training", "sft_train": "training", "sync_weights": "sync", "save": "save",
-                             "load": "resume"},
-              CriticWorker: {"values": "logprobs", "train": "training", "save": "save", "load": "resume"}}
-    for cls, methods in phases.items():
-        for name, phase in methods.items():
-            setattr(cls, name, recorded(getattr(cls, name), phase))
-
-
-_record_phases()
+# Each phase's real GPU memory into the worker's ``phase_memory`` (a no-op without a GPU), which
+# ``memory_by_phase`` hands to the step's metrics: the plan's columns beside the truth (``models.memory``).
+record_phases({PolicyWorker: {"generate": "generation", "logprobs": "logprobs", "ref_logprobs": "logprobs",
+                              "train": "training", "sft_train": "training", "sync_weights": "sync", "save": "save",
+                              "load": "resume"},
+               CriticWorker: {"values": "logprobs", "train": "training", "save": "save", "load": "resume"}})
