@@ -85,6 +85,7 @@ class Ledger:
     host_peaks: dict[str, int] = field(default_factory=dict)  # state -> host bytes at its peak
     host_kept: set[str] = field(default_factory=set)  # pinned host blocks kept by the caching host allocator
     trail: list[tuple[str, str, int]] = field(default_factory=list)  # (state, transition, device bytes)
+    _peak_totals: dict[str, int] = field(default_factory=dict, repr=False)
 
     # --- bookkeeping ----------------------------------------------------------------------------------
 
@@ -93,7 +94,8 @@ class Ledger:
         return {k: self.sizes[k] for k, w in self.where.items() if w == DEVICE and self.sizes.get(k, 0)}
 
     def device_total(self) -> int:
-        return sum(self.device().values())
+        sizes = self.sizes
+        return sum(sizes[k] for k, w in self.where.items() if w == DEVICE)
 
     def host_total(self) -> int:
         """Host bytes of this rank: copies of device terms now in host memory, pinned blocks the caching host
@@ -109,9 +111,8 @@ class Ledger:
     def _record(self, what: str) -> None:
         total = self.device_total()
         self.trail.append((self.state, what, total))
-        peak = self.peaks.get(self.state)
-        if peak is None or total > sum(peak.values()):
-            self.peaks[self.state] = self.device()
+        if total > self._peak_totals.get(self.state, -1):
+            self.peaks[self.state], self._peak_totals[self.state] = self.device(), total
         self.host_peaks[self.state] = max(self.host_peaks.get(self.state, 0), self.host_total())
         if self.cap is not None and total > self.cap:
             lines = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(self.device().items(), key=lambda kv: -kv[1]))
