@@ -381,6 +381,15 @@ def test_train_preflight_reports_the_space_with_the_other_problems(model, tmp_pa
     with pytest.raises(PreflightError) as e:  # no config.json: reported once, by the model's check
         check_run(cfg, "train")
     assert len(e.value.problems) == 1 and "free" not in e.value.problems[0]
+    # a node whose RAM (pages x page size) cannot hold the run's host memory, beside the other problems
+    _free(monkeypatch, 10**15)
+    monkeypatch.setattr("megareason.launch.preflight.os.sysconf", lambda name: 1)
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={model}", f"trainer.output_dir={tmp_path / 'run3'}",
+                                           f"data.sources=[{{kind: file, path: {missing}}}]"])
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg, "train")
+    assert e.value.problems[1].startswith("host memory: the run's ") and "on a node of 1 ranks" in e.value.problems[1]
+    assert "this node has 0.0 MB" in e.value.problems[1] and e.value.problems[1].endswith("(no gather over DP)")
 
 
 def test_host_memory_per_node_counts_the_checkpoint_gather_and_the_offload_copies_and_refuses_beyond_ram():
