@@ -12,8 +12,9 @@ def as_overrides(changes: dict[str, object]) -> str:
 
 
 def _trainer_resident(plan: Plan) -> float:
-    """The trainer's bytes per GPU while vLLM is awake (its states stay resident; the reference is offloaded)."""
-    return sum(v for k, v in plan.memory["generation"].items() if not k.startswith("vLLM"))
+    """The trainer's bytes per GPU when vLLM starts (the start-up state's peak, less vLLM's own lines)."""
+    lines = plan.memory.get("start-up", plan.memory["generation"])
+    return sum(v for k, v in lines.items() if not k.startswith("vLLM"))
 
 
 def _vllm_share(plan: Plan) -> float:
