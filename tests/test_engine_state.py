@@ -114,6 +114,7 @@ class StubPolicy(PolicyWorker):
         self.engine = EngineStateMachine(self.vllm, empty_cache=self._before_wake)
         self.engine_index, self.engine_leader = rank, True
         self.actor = SimpleNamespace(offload_training_state=lambda: self.vllm.calls.append("offload"))
+        self.role = SimpleNamespace(load=lambda path: self.vllm.calls.append("load") or {})  # PolicyWorker.load
 
     def _empty_cache(self):
         self.vllm.empty_cache()
@@ -138,9 +139,6 @@ class StubPolicy(PolicyWorker):
     def _write_checkpoint(self, path, metadata, asynchronous):
         assert not self.vllm.kv and self.vllm.weights != "device", "a checkpoint written beside an awake engine"
         self.vllm.calls.append("save")
-
-    def load(self, path):
-        return {}
 
     def shutdown(self):
         pass
@@ -292,11 +290,12 @@ def test_grpo_steps_and_validation_never_generate_while_asleep_and_resume_syncs(
     for w in actors.workers:
         assert _phases(w) == VAL + (["gen"] + UPDATE + VAL) * 2 + SAVE  # step 2: the last, and save_every=2
         _check_machine(w)
-    # Resume from step 2's checkpoint: the fresh (awake) engines take the trained weights in place first.
+    # Resume from step 2's checkpoint: the fresh engines sleep while the checkpoint loads (its optimizer state
+    # fills the device), then take the trained weights through the step's own wake-up path.
     cfg3 = replace(cfg, trainer=replace(cfg.trainer, steps=3))
     actors = _run(cfg3, tmp_path, prompts, val, tok, dp)
     for w in actors.workers:
-        assert _phases(w) == ["sync"] + ["gen"] + UPDATE + VAL + SAVE
+        assert _phases(w) == ["sleep2", "load"] + UPDATE[1:] + ["gen"] + UPDATE + VAL + SAVE
         _check_machine(w)
 
 
@@ -448,7 +447,7 @@ def test_a_sigterm_during_validation_saves_the_step_and_the_next_run_validates_i
     assert _phases(interrupted) == ["gen"] + UPDATE + ["gen"] + UPDATE + ["gen", "stopped"] + SAVE
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     (resumed,) = _run(cfg, out, prompts, val, tok).workers
-    assert _phases(resumed) == ["sync"] + VAL + ["gen"] + UPDATE + VAL + SAVE  # step 2's validation first
+    assert _phases(resumed) == ["sleep2", "load"] + UPDATE[1:] + VAL + ["gen"] + UPDATE + VAL + SAVE  # step 2's val
 
     def rows(folder):
         return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "throughput/"))}

@@ -179,31 +179,46 @@ def test_memory_lines_of_a_small_plan():
     # Full recomputation: the last stage (1 in flight, + final norm and head) is now the larger.
     full = 2 * 128 * t + 64 * t
     assert plan.activations_by_recompute["full"] == full + (260 + 414) * t + 1584 * t
-    # vLLM's share: utilization x cudaMemGetInfo's total = weights + 2 GiB reserve + KV cache.
+    # vLLM's share: utilization x cudaMemGetInfo's total = weights + 2 GiB reserve (its activation peak and what
+    # it keeps asleep) + KV cache; beside the trainer's states (no offload: the Adam moments too, after a step).
     gen = plan.memory["generation"]
     budget = cfg.rollout.gpu_memory_utilization * GPUS["H100-80GB"].cuda_total_gib * GiB
     assert gen["vLLM weights"] == total_params(SMALL) * 2
-    assert gen["vLLM weights"] + gen["vLLM activations + non-torch (reserve)"] + gen["vLLM KV cache"] == pytest.approx(
-        budget)
+    share = ("vLLM weights", "vLLM activation peak (profiled)", "vLLM CUDA graphs + buffers (kept while asleep)",
+             "vLLM KV cache")
+    assert sum(gen[k] for k in share) == pytest.approx(budget)
     assert plan.kv_tokens_per_engine == int(gen["vLLM KV cache"] // 512)
-    # TP 2 x PP 2 x DP 2: the world, TP, DP, PP and embedding groups' communicators, 0.25 GiB each.
+    # TP 2 x PP 2 x DP 2: the world, TP, DP, PP and embedding groups' communicators, 0.25 GiB each; the
+    # process's memory outside torch's allocator, as measured on an H200; at vLLM TP 1 no communicator of vLLM's.
     assert gen["NCCL communicators: 5 of Megatron's (NVLS off)"] == 5 * 0.25 * GiB
-    # The save: gradient buffers emptied, the engine asleep, the distributed optimizer's all-gather of each
-    # state into a list (+ PyTorch's flat copy) over the stage's trained parameters: 4·n·(2 + 1/DP).
+    assert gen["outside torch's allocator: CUDA context, cuBLAS, NCCL (measured)"] == 9_576_448_000
+    assert plan.vllm_tp == 1 and "vLLM's NCCL communicator" not in gen
+    assert "optimizer: Adam moments (/ DP 2)" in gen
+    # Start-up: the engine starts beside the built trainer, whose Adam moments come with the first step.
+    start = plan.memory["start-up"]
+    assert start == {k: v for k, v in gen.items() if k != "optimizer: Adam moments (/ DP 2)"}
+    # The save: gradient buffers emptied, the engine asleep (its weights in host memory, what it keeps asleep
+    # on the device), the distributed optimizer's all-gather of each state into a list (+ PyTorch's flat copy)
+    # over the stage's trained parameters: 4·n·(2 + 1/DP).
     save = plan.memory["save"]
     n_save = sum(stage_param_split(SMALL, 2, 2, plan.stages["save"]))
-    assert save["gradients (fp32 main_grad)"] == 0
+    assert "gradients (fp32 main_grad)" not in save
     assert save["checkpoint save: distributed optimizer's gather buffers"] == int(4 * n_save * 2.5)
-    assert save["vLLM asleep (CUDA graphs, communicators)"] == 1.0 * GiB and "vLLM KV cache" not in save
-    # trainer.offload_optimizer: the gradients and optimizer state leave the GPU while vLLM is awake.
+    assert save["vLLM CUDA graphs + buffers (kept while asleep)"] == 1.0 * GiB
+    assert "vLLM KV cache" not in save and "vLLM weights" not in save
+    # The resume loads with the engine asleep; its sync then wakes it: the peak is the step's generation.
+    assert plan.memory["resume"] == gen
+    # trainer.offload_optimizer: the gradients and optimizer state leave the GPU while vLLM is awake, from the
+    # start (before the engine starts) and before every wake-up.
     offloaded = make_plan(_small_layout("trainer.precision=bf16", "optim.use_distributed_optimizer=true",
                                         "trainer.offload_optimizer=true"), SMALL, PlanOptions(nodes=1, gpus_per_node=8))
-    for phase in ("generation", "sync"):
+    for phase in ("start-up", "generation", "sync"):
         lines = offloaded.memory[phase]
         assert not any(k.startswith(("gradients", "optimizer")) for k in lines), lines
-        n_phase = sum(stage_param_split(SMALL, 2, 2, plan.stages[phase]))
-        assert offloaded.stages[phase] == plan.stages[phase]
-        assert sum(plan.memory[phase].values()) - sum(lines.values()) == 4 * n_phase + 12 * n_phase // 2
+    n_gen = sum(stage_param_split(SMALL, 2, 2, plan.stages["generation"]))
+    assert offloaded.stages["generation"] == plan.stages["generation"]
+    assert sum(plan.memory["generation"].values()) - sum(offloaded.memory["generation"].values()) == (
+        4 * n_gen + 12 * n_gen // 2)
     assert offloaded.memory["training"] == plan.memory["training"]
 
 
@@ -278,7 +293,7 @@ def test_the_qwen3_8b_recipe_fits_one_node_and_needs_its_distributed_optimizer()
 
 @pytest.mark.parametrize(("override", "fix"), [
     ("optim.use_distributed_optimizer=false", "set optim.use_distributed_optimizer=true to make it fit"),
-    ("trainer.recompute=none", "set trainer.recompute=full trainer.recompute_num_layers=7 to make it fit"),
+    ("trainer.recompute=none", "set trainer.recompute=full trainer.recompute_num_layers=10 to make it fit"),
     ("parallel.sequence_parallel=false", "set parallel.sequence_parallel=true to make it fit"),
     ("trainer.precision=fp32", "set trainer.precision=bf16 to make it fit"),
 ])
@@ -292,9 +307,9 @@ def test_the_70b_recipe_needs_each_of_its_settings(override, fix):
 def test_refuses_what_no_setting_makes_fit():
     seventy = MODEL_SHAPES["llama-3.1-70b"]
     one_node = _cfg("parallel.tensor_model_parallel_size=8", "rollout.tensor_parallel_size=8")
-    with pytest.raises(PlanError, match=r"does not fit: the generation phase needs .* GiB per GPU > 74.2 GiB "
+    with pytest.raises(PlanError, match=r"does not fit: the start-up phase needs .* GiB per GPU > 74.2 GiB "
                                         r"\(cudaMemGetInfo's 79.19 GiB on H100-80GB less a 5 GiB margin\).*largest: "
-                                        r"optimizer.*no change of trainer.precision.* makes it fit: split the model "
+                                        r"parameters.*no change of trainer.precision.* makes it fit: split the model "
                                         r"over more GPUs"):
         make_plan(one_node, seventy, PlanOptions(gpus_per_node=8))
     with pytest.raises(PlanError, match="rollout.gpu_memory_utilization=0.05 .* no room for a KV cache"):
@@ -502,15 +517,16 @@ def test_the_separate_layout_splits_the_gpus_and_their_memory():
     assert gen["vLLM weights"] + gen["vLLM activations + non-torch (reserve)"] + gen["vLLM KV cache"] == pytest.approx(
         cfg.rollout.gpu_memory_utilization * 79.19 * GiB)
     assert gen[BUCKET] == cfg.trainer.weight_sync_bucket_mb * 2**20
-    # The trainer's GPUs hold no vLLM in any phase (nothing sleeps or wakes): the same bytes as a colocated
-    # trainer of that layout, less vLLM's woken weights and communicator at the sync and its sleeping engine at
-    # the save.
+    # The trainer's GPUs hold no vLLM in any state (nothing sleeps or wakes): the same bytes as a colocated
+    # trainer of that layout, less what vLLM keeps asleep on the device, in training and at the save; its sync
+    # peaks with the gathered tensors (a colocated one once the KV cache is awake again).
     colocated = make_plan(_trainer_tp2_dp2(), SMALL, PlanOptions(nodes=1, gpus_per_node=4))
     assert colocated.engines == 2 and colocated.memory["sync"]["vLLM weights"] > 0
-    vllm_lines = ("vLLM weights", "NCCL communicator of the vLLM engine", "vLLM asleep (CUDA graphs, communicators)")
-    for phase in ("sync", "training", "logprobs", "save"):
+    for phase in ("start-up", "resume", "sync", "training", "save"):
         assert not any(line.startswith("vLLM") or line == BUCKET for line in plan.memory[phase])
-        assert plan.memory[phase] == {k: v for k, v in colocated.memory[phase].items() if k not in vllm_lines}
+    for phase in ("training", "save"):
+        assert plan.memory[phase] == {k: v for k, v in colocated.memory[phase].items() if not k.startswith("vLLM")}
+    assert "weight sync: largest tensor gathered (x2: shards + whole) + bucket" in plan.memory["sync"]
     text = format_plan(plan)
     assert "= 8 GPUs (4 trainer + 4 engine)" in text and "2 engine(s) x TP 2 on 4 GPUs of their own" in text
 
@@ -604,3 +620,18 @@ def test_the_llama8b_async_recipe_plans_nemo_rl_runs_beside_their_measurements(c
         assert text in out
     assert main(["plan", "--model-shape", "llama-3.1-8b", recipe, "rollout.num_engines=2"]) == 2
     assert "rollout.num_engines x rollout.tensor_parallel_size = 2 x 1 = 2 engine GPUs" in capsys.readouterr().err
+
+
+def test_host_memory_per_node_is_planned_and_a_node_without_room_for_the_checkpoint_gather_is_refused():
+    """Qwen3-8B: a node's 8 ranks hold their pinned offload copies, vLLM's sleep copy and megatron-core's
+    fully_reshardable gather at the save (the same figure as preflight's, tests/test_preflight.py); a 512 GiB node
+    is refused, naming what fits."""
+    from megareason.launch.preflight import host_memory_per_node
+
+    plan = plan_config("configs/grpo_qwen3_8b.yaml", [], PlanOptions(gpus_per_node=8), "qwen3-8b")
+    state, need = host_memory_per_node(load_config("grpo_qwen3_8b"), MODEL_SHAPES["qwen3-8b"], 8)
+    assert max(plan.host_per_node, key=plan.host_per_node.get) == state == "save"
+    assert plan.host_per_node["save"] == need <= 2048 * GiB
+    with pytest.raises(PlanError, match=r"does not fit host memory: the save state needs 854 GiB per node of 8 ranks "
+                                        r"> --node-memory-gib 512 .*dp_reshardable"):
+        plan_config("configs/grpo_qwen3_8b.yaml", [], PlanOptions(gpus_per_node=8, node_memory_gib=512), "qwen3-8b")

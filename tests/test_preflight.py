@@ -381,3 +381,36 @@ def test_train_preflight_reports_the_space_with_the_other_problems(model, tmp_pa
     with pytest.raises(PreflightError) as e:  # no config.json: reported once, by the model's check
         check_run(cfg, "train")
     assert len(e.value.problems) == 1 and "free" not in e.value.problems[0]
+    # a node whose RAM (pages x page size) cannot hold the run's host memory, beside the other problems
+    _free(monkeypatch, 10**15)
+    monkeypatch.setattr("megareason.launch.preflight.os.sysconf", lambda name: 1)
+    cfg = load_config("grpo_smollm2_cpu", [f"model.path={model}", f"trainer.output_dir={tmp_path / 'run3'}",
+                                           f"data.sources=[{{kind: file, path: {missing}}}]"])
+    with pytest.raises(PreflightError) as e:
+        check_run(cfg, "train")
+    assert e.value.problems[1].startswith("host memory: the run's ") and "on a node of 1 ranks" in e.value.problems[1]
+    assert "this node has 0.0 MB" in e.value.problems[1] and e.value.problems[1].endswith("(no gather over DP)")
+
+
+def test_host_memory_per_node_counts_the_checkpoint_gather_and_the_offload_copies_and_refuses_beyond_ram():
+    """Qwen3-8B's recipe (TP 2 x DP 4, bf16, distributed optimizer, trainer.offload_optimizer) on a node of 8
+    ranks: its peak is the save, where each rank holds, in host memory, the pinned copies of its fp32 main
+    weights and Adam moments (the caching host allocator keeps them after they come back), vLLM's level-1 sleep
+    copy of its weights, and megatron-core's fully_reshardable gather of its whole gradient buffer's three fp32
+    states (12 B a parameter), its own shards (12 B / DP) and one state's DP shards received and concatenated
+    (8 B). By hand from the parameter count of one rank (n) and vLLM's shard (the model over TP 2)."""
+    from megareason.launch.plan_memory import stage_params, total_params
+    from megareason.launch.plan_records import MODEL_SHAPES
+    from megareason.launch.preflight import check_host_memory, host_memory_per_node
+
+    cfg = load_config("grpo_qwen3_8b")
+    arch = MODEL_SHAPES["qwen3-8b"]
+    n = stage_params(arch, 2, 1, 0)
+    optimizer = 12 * n // 4  # main weights 4 + Adam moments 8 B a parameter, over DP 4
+    per_rank = optimizer + total_params(arch) * 2 // 2 + (12 * n + 12 * n // 4 + 8 * n)
+    state, need = host_memory_per_node(cfg, arch, 8)
+    assert state == "save" and need == pytest.approx(8 * per_rank, abs=8 * 8)  # a few bytes of integer rounding
+    check_host_memory(cfg, arch, ram_bytes=2 * 2**40, ranks_per_node=8)  # a 2 TiB node: fits
+    with pytest.raises(PreflightError, match=r"host memory: the run's save state needs .* GB on a node of 8 ranks .* "
+                                             r"this node has 512\.0 GB: .* dp_reshardable"):
+        check_host_memory(cfg, arch, ram_bytes=512 * 10**9, ranks_per_node=8)

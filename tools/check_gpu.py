@@ -4,14 +4,17 @@ CI has no GPU, so this is what a lent GPU machine runs (see docs/architecture.md
 groups, the model on the device, micro-batches moved to it, log-probs (padded and packed) and one AdamW step
 against transformers + torch.optim.AdamW, bf16 log-probs, the critic, the reference's offload/onload, the
 streaming export against the naive gather, a CUDA-IPC bucket read by another process (as vLLM's worker does),
-and a checkpoint round trip through the HF converter; for a dense Qwen2, a tied Llama and a Qwen3-MoE
+and a checkpoint round trip through the HF converter, and the trainer's offload bit-exact against a plain twin
+through 3 steps of the loop's memory moves; for a dense Qwen2, a tied Llama and a Qwen3-MoE
 (megatron-core's MoE layers on the GPU). Then a ~1.2B Llama (random weights): the device memory of each phase
 (resident states, a training step, the checkpoint save's transient, the optimizer offload) against
 ``megareason plan``'s bytes, its asynchronous checkpoint save (nothing left on the device when it returns, the
-loaded state the save's though a step ran meanwhile, where the time goes), training tokens/s and MFU, and the
-device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and safetensors (not Ray or vLLM); on a
-bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches the wheels. Prints one line per
-check and exits 1 if any failed:
+loaded state the save's though a step ran meanwhile, where the time goes), training tokens/s and MFU, the bytes an
+offload frees mapped through the driver's virtual-memory calls as vLLM's wake-up maps them (also under
+``expandable_segments:True``), a resume's load against the plan's resume column, the memory outside torch's
+allocator after each phase, and the device's ``cudaMemGetInfo`` total. Needs megatron-core, transformers and
+safetensors (not Ray or vLLM); on a bare GPU image ``tools/gpu_wheels.sh`` (run where pip reaches PyPI) fetches
+the wheels. Prints one line per check and exits 1 if any failed:
 
     python tools/check_gpu.py [--out results.json] [--skip-1b] [--only CHECK ...] [--optim-format FORMAT]
 """
@@ -706,6 +709,184 @@ def one_b_throughput(_model_dir):
     return out
 
 
+# ------------------------------------------------------------- the memory ledger's moves on the device
+
+
+def _tools():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_memory
+
+    return gpu_memory
+
+
+@check("offload_twins_bit_exact")
+def offload_twins(model_dir):
+    """Two copies of the model, plain and distributed optimizer: one trained plainly, the other with its
+    gradient buffers and optimizer state moved as the loop moves them between steps (offload before each
+    engine wake-up, the save's onload without gradients and a checkpoint, the next update's onload); after 3
+    steps each pair's parameters are bit-exact (``tools/gpu_memory.twin_steps``)."""
+    from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
+    from megareason.models.checkpoint import save_checkpoint
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.offload import TrainingStateOffload
+    from megareason.models.train import TrainBatch, train_step, wrap_for_training
+
+    ckpt = HFCheckpoint(model_dir)
+    head = logprob_head(ckpt.arch.vocab_size)
+    batches = [TrainBatch(_tokens(ckpt.arch.vocab_size, (2, 16), seed=i), torch.ones(2, 16)) for i in range(2)]
+    out = {}
+    still = type("Still", (), {"offload": lambda self, optimizer=True: None,
+                               "onload": lambda self, gradients=True: None})()
+    for distributed in (False, True):
+        twins = []
+        for _ in range(4):
+            torch.manual_seed(0)
+            model = build_gpt(ckpt.arch)
+            load_hf_weights(model, ckpt)
+            ddp, opt = wrap_for_training(model, _optim(1e-3, use_distributed_optimizer=distributed))
+            twins.append(type("Twin", (), {"parameters": lambda self, m=model: list(m.parameters()), "ddp": ddp,
+                                           "opt": opt, "model": model,
+                                           "training_state": TrainingStateOffload(ddp, opt)})())
+        twins[3].training_state = still  # the control pair: the same steps and saves, no memory moves
+        with tempfile.TemporaryDirectory() as tmp:
+            saves = iter(range(20))
+
+            def save(t, saves=saves, tmp=tmp):
+                save_checkpoint(f"{tmp}/{next(saves)}", t.model, ckpt.arch, model_dir, t.opt)
+
+            results = [_tools().twin_steps(plain, twin, lambda t: train_step(t.ddp, t.opt, batches, head, _nll), save)
+                       for plain, twin in (twins[:2], twins[2:])]
+        key = "distributed" if distributed else "plain"
+        out[key], out[key + "_control"] = results
+        # a device whose kernels are not deterministic fails the control too: then the offload is not to blame
+        assert all(results[0]) or not all(results[1]), f"offloaded twin differs (distributed {distributed}): {out}"
+    return out
+
+
+def _one_b_trainer():
+    """The ~1.2B Llama of the memory checks, built and trained one step (Adam's moments exist)."""
+    from megareason.models.build import build_gpt
+    from megareason.models.logprobs import logprob_head
+    from megareason.models.offload import TrainingStateOffload
+    from megareason.models.train import train_step, wrap_for_training
+
+    cfg, arch, compute, optim = _one_b_setup()
+    model = build_gpt(arch, compute)
+    ddp, optimizer = wrap_for_training(model, optim)
+    head, batches = logprob_head(arch.vocab_size), _one_b_batches(arch, 1)
+    train_step(ddp, optimizer, batches, head, _sum_nll)
+    return cfg, arch, model, ddp, optimizer, TrainingStateOffload(ddp, optimizer), head, batches
+
+
+def _outside_allocator() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+@check("llama_1b_offload_then_vmm")
+def one_b_offload_vmm(_model_dir):
+    """After ``offload()`` the bytes it freed are allocated through the CUDA driver's virtual-memory calls, as
+    vLLM's wake-up maps its weights and KV cache (``tools/gpu_memory.VMM``): they succeed only if torch's
+    caching allocator gave the memory back to the driver; then the onload and a step still run. Under
+    ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (``offload_expandable_segments``) too."""
+    from megareason.models.train import train_step
+
+    cfg, arch, model, ddp, optimizer, offload, head, batches = _one_b_trainer()
+    torch.cuda.synchronize()
+    free_before, _ = torch.cuda.mem_get_info()
+    offload.offload()
+    free_after, _ = torch.cuda.mem_get_info()
+    freed = free_after - free_before
+    vmm = _tools().VMM(torch.cuda.current_device())
+    mapping = vmm.allocate(offload.offloaded_bytes)  # raises CudaError (out of memory) if the bytes are not free
+    out = {"offloaded_bytes": offload.offloaded_bytes, "driver_freed_bytes": freed, "vmm_mapped_bytes": mapping.size,
+           "free_after_vmm_bytes": torch.cuda.mem_get_info()[0],
+           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    vmm.free(mapping)
+    offload.onload()
+    out["loss_after_onload"] = train_step(ddp, optimizer, batches, head, _sum_nll).loss
+    del ddp, optimizer, model, offload
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert freed >= 0.95 * out["offloaded_bytes"], f"the driver got back {freed} of {out['offloaded_bytes']} bytes"
+    assert math.isfinite(out["loss_after_onload"])
+    return out
+
+
+@check("offload_expandable_segments")
+def offload_expandable(_model_dir):
+    """``llama_1b_offload_then_vmm`` in a fresh process under ``expandable_segments:True`` (PyTorch maps its
+    segments with the same driver calls; vLLM turns it off inside its own pool only)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        proc = subprocess.run([sys.executable, __file__, "--only", "llama_1b_offload_then_vmm", "--out",
+                               f"{tmp}/r.json"], env=env, capture_output=True, text=True, timeout=300)
+        result = json.loads(Path(f"{tmp}/r.json").read_text())["llama_1b_offload_then_vmm"]
+    assert proc.returncode == 0 and result["ok"], proc.stdout[-2000:] + proc.stderr[-2000:]
+    return result
+
+
+def planned_resume(cfg, arch) -> dict[str, int]:
+    """The ledger's device bytes of a trainer rank (no engine on the device) at the resume's load: the bytes
+    ``launch/ledger.py`` puts there (parameters, main weights, Adam moments, outside the allocator)."""
+    from megareason.launch.ledger import Ledger, rank_terms
+    from megareason.launch.plan_records import GPUS, PlanOptions, workload
+
+    terms = rank_terms(cfg, arch, GPUS["H200"], 0, sum(p.tokens for p in workload(cfg, PlanOptions())))
+    led = Ledger(terms.sizes)
+    led.build_trainer()
+    led.offload_training_state()
+    led.enter("resume")
+    led.onload_training_state(gradients=False)
+    led.load()
+    return led.peaks["resume"]
+
+
+@check("llama_1b_resume_vs_plan")
+def one_b_resume(_model_dir):
+    """A checkpoint of the ~1.2B Llama after one step, loaded into a fresh model and optimizer whose training
+    state was offloaded (as at start-up): the allocator's peak through the load against the plan's resume
+    column for a trainer rank (``planned_resume``, torch's part: the ledger less the memory outside the
+    allocator), and the memory outside the allocator after each phase (build, step, offload, save, load)."""
+    from megareason.models.build import build_gpt
+    from megareason.models.checkpoint import load_checkpoint, save_checkpoint
+    from megareason.models.offload import TrainingStateOffload
+    from megareason.models.train import wrap_for_training
+
+    outside = {"start": _outside_allocator()}
+    cfg, arch, model, ddp, optimizer, offload, _, _ = _one_b_trainer()
+    outside["step"] = _outside_allocator()
+    offload.offload()
+    outside["offload"] = _outside_allocator()
+    with tempfile.TemporaryDirectory() as tmp:
+        offload.onload(gradients=False)
+        offload.offload(optimizer=False)
+        save_checkpoint(f"{tmp}/ckpt", model, arch, tmp, optimizer)
+        outside["save"] = _outside_allocator()
+        del ddp, optimizer, model, offload
+        gc.collect()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        _, _, compute, optim = _one_b_setup()
+        fresh = build_gpt(arch, compute)
+        ddp, optimizer = wrap_for_training(fresh, optim)
+        state = TrainingStateOffload(ddp, optimizer)
+        state.offload()
+        torch.cuda.reset_peak_memory_stats()
+        state.onload(gradients=False)
+        load_checkpoint(f"{tmp}/ckpt", fresh, optimizer)
+        peak = torch.cuda.max_memory_allocated() - base
+        outside["load"] = _outside_allocator()
+    plan = planned_resume(cfg, arch)
+    torch_part = sum(v for k, v in plan.items() if k not in ("outside", "nccl"))
+    out = {"load_peak_bytes": peak, "planned_bytes": torch_part, "ratio": round(peak / torch_part, 3),
+           "outside_allocator_bytes_by_phase": outside}
+    assert 0.9 <= out["ratio"] <= 1.1, out
+    return out
+
+
 @check("device_memory_totals")
 def device_totals(_model_dir):
     """What the CUDA runtime reports as the device's memory (``cudaMemGetInfo``: vLLM sizes its share of
@@ -774,7 +955,7 @@ def main() -> int:
         return [fn for fn in fns if not args.only or fn.check_name in args.only]
 
     per_model = wanted(logprobs_fp32, logprobs_packed, logprobs_bf16, train_step, sharing, critic, reference, stream,
-                       ipc, checkpoint)
+                       ipc, checkpoint, offload_twins)
     with tempfile.TemporaryDirectory() as tmp:
         # qwen3_moe: megatron-core's MoE layers (router, all-to-all dispatch, per-expert MLPs) on the GPU
         moe = dict(hidden_size=64, head_dim=32, intermediate_size=128, moe_intermediate_size=64)
@@ -787,8 +968,9 @@ def main() -> int:
                 fn(model_dir)
                 for k in set(RESULTS) - before:
                     RESULTS[f"{family}/{k}"] = RESULTS.pop(k)
-        for fn in wanted(bandwidth, *(() if args.skip_1b else (one_b_memory, one_b_async_save, one_b_throughput)),
-                         device_totals):
+        one_b = (one_b_memory, one_b_async_save, one_b_throughput, one_b_offload_vmm, one_b_resume,
+                 offload_expandable)
+        for fn in wanted(bandwidth, *(() if args.skip_1b else one_b), device_totals):
             fn(None)
     if args.out:
         Path(args.out).write_text(json.dumps(RESULTS, indent=2))

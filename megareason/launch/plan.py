@@ -54,19 +54,25 @@ from dataclasses import replace
 from pathlib import Path
 
 from megareason.config.schema import Config
+from megareason.launch.ledger import (
+    MARGIN_GIB,
+    NCCL_COMMUNICATOR_GIB,
+    STATES,
+    VLLM_ASLEEP_GIB,
+    VLLM_RESERVE_GIB,
+    megatron_communicators,
+    plan_states,
+    rank_terms,
+    vllm_share,
+)
 from megareason.launch.plan_format import as_overrides, format_plan
 from megareason.launch.plan_memory import (
-    BYTES,
     active_params,
-    checkpoint_save_bytes,
     layer_spec,
     params_per_gpu,
     recomputed_layers,
     stage_activations,
-    stage_params,
-    states,
     total_params,
-    working_set,
 )
 from megareason.launch.plan_records import (
     GPU,
@@ -84,20 +90,9 @@ from megareason.launch.plan_time import add_seconds, decode_step_seconds
 from megareason.models.arch import ModelArch
 
 # The names tests and other modules import from here.
-__all__ = ["GPUS", "MODEL_SHAPES", "Plan", "PlanError", "PlanOptions", "decode_step_seconds", "format_plan",
+__all__ = ["GPUS", "MARGIN_GIB", "MODEL_SHAPES", "NCCL_COMMUNICATOR_GIB", "VLLM_ASLEEP_GIB", "Plan",
+           "megatron_communicators", "PlanError", "PlanOptions", "decode_step_seconds", "format_plan",
            "kv_bytes_per_token", "make_plan", "plan_config", "rollout_engines", "workload"]
-
-VLLM_RESERVE_GIB = 2.0  # inside vLLM's share: its profiled activation peak and non-torch allocations
-RUNTIME_OVERHEAD_GIB = 2.0  # per Megatron process: CUDA context, cuBLAS workspaces, allocator slack
-# One NCCL communicator's device buffers with NVLink SHARP off (every trainer worker sets NCCL_NVLS_ENABLE=0
-# unless the site set it, as NeMo's launcher does: an NVLS communicator costs over 1 GiB, NVIDIA/nccl#864).
-NCCL_COMMUNICATOR_GIB = 0.25
-# A colocated engine asleep at level 1 (its weights in host memory, its KV cache freed) keeps its CUDA
-# graphs and communicators on the device.
-VLLM_ASLEEP_GIB = 1.0
-# What every phase must leave free of cudaMemGetInfo's total (fragmentation: vLLM's sleep-mode allocator
-# turns PyTorch's expandable_segments off inside its pool, vllm/device_allocator/cumem.py).
-MARGIN_GIB = 5.0
 
 # The trainer's memory settings: read from the config, varied only to say what would make a plan fit.
 SETTINGS = ("trainer.precision", "optim.use_distributed_optimizer", "trainer.recompute",
@@ -249,7 +244,6 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     tp, pp, dp, vtp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.data_parallel_size,
                        r.tensor_parallel_size)
     ep = p.expert_model_parallel_size
-    critic, lora, act = alg.name == "ppo", cfg.lora.enabled, BYTES[t.precision]
     spec = layer_spec(cfg)
     separate = r.placement == "separate"
 
@@ -259,71 +253,29 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
     micro = max(1, math.ceil(rows_tokens / (dp * alg.mini_batches) / t.micro_batch_tokens))
     tok = t.micro_batch_tokens
 
-    # vLLM's share while it generates.
+    # Every state's figures are the ledger's peaks (launch/ledger.py) after the loop's transitions on each stage.
     dbytes = element_bytes(r.dtype)
-    budget = r.gpu_memory_utilization * gpu.cuda_total_gib * GiB  # vLLM: a share of cudaMemGetInfo's total
-    vllm_weights = total_params(arch) * dbytes / vtp
-    kv = budget - vllm_weights - VLLM_RESERVE_GIB * GiB
+    vllm_weights, kv = vllm_share(cfg, arch, gpu)
     kv_tok = kv_bytes_per_token(arch, vtp, dbytes)
-    vllm = {"vLLM weights": vllm_weights, "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB,
-            "vLLM KV cache": kv}
+    # Separate engines: an engine's GPU holds vLLM alone and receives a bucket at a time beside its share.
+    engine = {"vLLM weights": vllm_weights, "vLLM KV cache": kv,
+              "vLLM activations + non-torch (reserve)": VLLM_RESERVE_GIB * GiB,
+              "weight sync: a received bucket (beside vLLM's share)": t.weight_sync_bucket_mb * 2**20}
 
     def training_activations(c: Config, stage: int) -> float:
         a = stage_activations(c, arch, tp, pp, tok, stage)
         return min(pp - stage, micro) * a.saved + a.working
 
     per_stage: list[dict[str, dict[str, float]]] = []
+    host: list[dict[str, int]] = []
     for stage in range(pp):
-        st = states(cfg, arch, tp, pp, dp, stage, ep)
-        lines = {
-            f"parameters ({t.precision}{', base + LoRA adapters' if lora else ''})": st["parameters"],
-            f"gradients (fp32 main_grad{' of the LoRA adapters' if lora else ''})": st["gradients"],
-            f"optimizer: {'Adam moments' if act == 4 else 'fp32 main weights + Adam moments'}"
-            f"{_optimizer_shards(cfg, arch)}": st["optimizer_state"],
-        }
-        if critic:  # the critic's own copy of everything (value head instead of the output layer: ~same size)
-            lines["critic: parameters + gradients + optimizer"] = sum(lines.values())
-        lines["CUDA context, cuBLAS workspaces, allocator slack"] = RUNTIME_OVERHEAD_GIB * GiB * (2 if critic else 1)
-        comms = megatron_communicators(tp, pp, dp, ep)
-        lines[f"NCCL communicators: {comms} of Megatron's (NVLS off)"] = (
-            comms * NCCL_COMMUNICATOR_GIB * GiB * (2 if critic else 1))
-        recompute = {"none": "no recompute", "selective": "selective recompute"}.get(
-            t.recompute, f"full recompute {recomputed_layers(cfg, arch, pp)}/{arch.num_layers // pp} layers")
-        working = working_set(cfg, arch, tp, pp, tok, stage, spec)
-        # The weight sync: vLLM's weights woken (KV cache still asleep), every rank gathering whole HF
-        # tensors in the engine's dtype (the largest, the embedding, plus a bucket in flight).
-        # Separate engines: the GPUs that gather send, vLLM's GPUs (nothing else on them) receive a bucket at a
-        # time beside vLLM's share, their KV cache kept.
-        largest, bucket = arch.padded_vocab_size(1) * arch.hidden_size * dbytes, t.weight_sync_bucket_mb * 2**20
-        sync = {"weight sync: largest gathered tensor + bucket": largest + bucket}
-        engine = {**vllm, "weight sync: a received bucket (beside vLLM's share)": bucket}
-        # trainer.offload_optimizer: gradients and optimizer state in host memory while vLLM is awake.
-        awake = dict(lines)
-        if t.offload_optimizer and not separate:
-            awake = {k: v for k, v in lines.items() if not k.startswith(("gradients", "optimizer", "critic"))}
-            awake["trainer's gradients + optimizer state: in host memory (trainer.offload_optimizer)"] = 0
-            if critic:
-                awake["critic: parameters (gradients, optimizer in host memory)"] = st["parameters"]
-        if vtp > 1 and not separate:  # created before vLLM's memory snapshot: outside its share
-            awake["NCCL communicator of the vLLM engine"] = NCCL_COMMUNICATOR_GIB * GiB
-        # A save: gradient buffers emptied (models/roles.py), the engine asleep at level 1, megatron-core's
-        # distributed-optimizer gather buffers (plan_memory.checkpoint_save_bytes).
-        saving = {k: (0 if k.startswith("gradients") else v) for k, v in lines.items()}
-        saving["checkpoint save: distributed optimizer's gather buffers"] = checkpoint_save_bytes(
-            cfg, arch, tp, pp, dp, stage, ep) * (2 if critic else 1)
-        if not separate:
-            saving["vLLM asleep (CUDA graphs, communicators)"] = VLLM_ASLEEP_GIB * GiB
-        phases = {
-            "generation": engine if separate else {**awake, **vllm},
-            "sync": {**lines, **sync} if separate else {**awake, "vLLM weights": vllm_weights, **sync},
-            "training": {**lines, f"activations ({recompute}, {min(pp - stage, micro)} in flight)":
-                         training_activations(cfg, stage), "backward working set": working},
-            "logprobs": {**lines, "forward working set": working},
-            "save": saving,
-        }
-        if alg.kl_coef > 0 and not lora:  # LoRA: the reference is the actor with its adapters off
-            phases["logprobs"]["reference model (onloaded)"] = act * stage_params(arch, tp, pp, stage, ep)
+        terms = rank_terms(cfg, arch, gpu, stage, rows_tokens)
+        led = plan_states(cfg, terms)
+        phases = {state: terms.lines(led.peaks[state]) for state in STATES if state in led.peaks}
+        if separate:
+            phases["generation"] = dict(engine)
         per_stage.append(phases)
+        host.append(led.host_peaks)
     stages = {ph: max(range(pp), key=lambda s, ph=ph: sum(per_stage[s][ph].values())) for ph in per_stage[0]}
     by_recompute = {}
     for name in ("none", "selective", "full"):
@@ -336,22 +288,8 @@ def _plan(cfg: Config, arch: ModelArch, opt: PlanOptions, gpu: GPU, nodes: int, 
                 options=opt, params_per_gpu=params_per_gpu(arch, tp, pp, ep), total_params=total_params(arch),
                 active_params=active_params(arch), memory={ph: per_stage[s][ph] for ph, s in stages.items()},
                 stages=stages, activations_by_recompute=by_recompute,
-                kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, passes=passes)
-
-
-def _optimizer_shards(cfg: Config, arch: ModelArch) -> str:
-    """How the distributed optimizer shards the state, for its line: over DP, an MoE's experts over DP / EP."""
-    dp, ep = cfg.parallel.data_parallel_size, cfg.parallel.expert_model_parallel_size
-    if not cfg.optim.use_distributed_optimizer or dp == 1:
-        return ""
-    return f" (/ DP {dp}, experts / DP/EP {dp // ep})" if arch.is_moe else f" (/ DP {dp})"
-
-
-def megatron_communicators(tp: int, pp: int, dp: int, ep: int) -> int:
-    """NCCL communicators a Megatron rank uses (NCCL builds one at a group's first collective): the world
-    group (the weight sync's agreement), TP, DP (gradients, the distributed optimizer), PP (activations) and
-    the embedding group joining the first and last stage, EP (the tokens' all-to-all) and the experts' DP."""
-    return 1 + (tp > 1) + (dp > 1) + 2 * (pp > 1) + 2 * (ep > 1)
+                kv_tokens_per_engine=max(0, int(kv // kv_tok)), kv_bytes_per_token=kv_tok, passes=passes,
+                host_per_node={st: opt.gpus_per_node * max(h.get(st, 0) for h in host) for st in per_stage[0]})
 
 
 def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
@@ -365,13 +303,12 @@ def rollout_engines(world: int, vllm_tp: int, dp: int) -> int:
 def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
     """Why the plan cannot run (naming the fields) and which other field would lower it, or None."""
     cap = (plan.gpu.cuda_total_gib - MARGIN_GIB) * GiB
-    gen = plan.memory["generation"]
-    kv = gen["vLLM KV cache"]
+    weights, kv = vllm_share(cfg, plan.arch, plan.gpu)
     if kv <= 0:
         return (f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization} gives vLLM "
                 f"{cfg.rollout.gpu_memory_utilization * plan.gpu.cuda_total_gib:.1f} GiB per GPU, less than its "
                 f"weights "
-                f"({gen['vLLM weights'] / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
+                f"({weights / GiB:.1f} GiB at rollout.tensor_parallel_size={plan.vllm_tp}) + "
                 f"{VLLM_RESERVE_GIB} GiB: no room for a KV cache",
                 "raise it" + (" or rollout.tensor_parallel_size" if plan.placement == "separate" else ""))
     if plan.kv_tokens_per_engine < cfg.rollout.max_model_len:
@@ -391,6 +328,15 @@ def _problem(plan: Plan, cfg: Config) -> tuple[str, str] | None:
                     f"(cudaMemGetInfo's {plan.gpu.cuda_total_gib} GiB on {plan.gpu.name} less a {MARGIN_GIB:g} GiB "
                     f"margin) with {as_overrides(plan.settings)}; largest: {big} {lines[big] / GiB:.1f} GiB",
                     f"no change of {', '.join(SETTINGS)} makes it fit: {fix}")
+    if plan.host_per_node:
+        state = max(plan.host_per_node, key=plan.host_per_node.get)
+        host, ram = plan.host_per_node[state], plan.options.node_memory_gib
+        if host > ram * GiB:
+            return (f"does not fit host memory: the {state} state needs {host / GiB:.0f} GiB per node of "
+                    f"{plan.gpus_per_node} ranks > --node-memory-gib {ram:g} (megatron-core's fully_reshardable "
+                    f"save gathers ~20 bytes per parameter of each rank's shard into host memory on every rank)",
+                    "save in megatron-core's dp_reshardable format (no gather over DP), or spread the ranks over "
+                    "more nodes")
     return None
 
 
@@ -461,6 +407,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu", choices=list(GPUS), default=d.gpu)
     p.add_argument("--model-shape", choices=list(MODEL_SHAPES), default="",
                    help="plan this architecture instead of reading model.path's config.json")
+    p.add_argument("--node-memory-gib", type=float, default=d.node_memory_gib,
+                   help="host memory of a node, for the host memory per node of each state")
     p.add_argument("--mfu", type=float, default=d.mfu, help="assumed model FLOPs utilization")
     p.add_argument("--prompt-fraction", type=float, default=d.prompt_fraction,
                    help="mean prompt length / data.max_prompt_length")
@@ -475,7 +423,7 @@ def run_cli(args) -> int:
 
     opt = PlanOptions(gpu=args.gpu, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
                       prompt_fraction=args.prompt_fraction, response_fraction=args.response_fraction,
-                      response_tokens=args.response_tokens)
+                      response_tokens=args.response_tokens, node_memory_gib=args.node_memory_gib)
     print(format_plan(plan_config(args.config, args.overrides, opt, args.model_shape)))
     published = published_for(args.config)
     if published is not None:  # a recipe made to match a published run: the plan of each of its runs beside it

@@ -12,8 +12,9 @@ def as_overrides(changes: dict[str, object]) -> str:
 
 
 def _trainer_resident(plan: Plan) -> float:
-    """The trainer's bytes per GPU while vLLM is awake (its states stay resident; the reference is offloaded)."""
-    return sum(v for k, v in plan.memory["generation"].items() if not k.startswith("vLLM"))
+    """The trainer's bytes per GPU when vLLM starts (the start-up state's peak, less vLLM's own lines)."""
+    lines = plan.memory.get("start-up", plan.memory["generation"])
+    return sum(v for k, v in lines.items() if not k.startswith("vLLM"))
 
 
 def _vllm_share(plan: Plan) -> float:
@@ -64,13 +65,13 @@ def format_plan(plan: Plan) -> str:
         f"settings (from the config): {as_overrides(plan.settings)}",
         f"assumed: MFU {o.mfu:.0%}; mean prompt + response tokens: {lengths}",
         "",
-        f"{'memory per GPU (GiB)':<{label + 2}}{'generation':>11}{'sync':>10}{'training':>10}{'logprobs':>10}"
-        f"{'save':>10}",
+        f"{'memory per GPU (GiB)':<{label + 2}}" + "".join(f"{ph:>{max(10, len(ph) + 1)}}" for ph in plan.memory),
     ]
-    phases = ("generation", "sync", "training", "logprobs", "save")
-    widths = (11, 10, 10, 10, 10)
+    phases = tuple(plan.memory)  # the ledger's states (launch/ledger.py), each its peak
+    widths = tuple(max(10, len(ph) + 1) for ph in phases)
     if separate:  # the generation column is an engine's GPU, the others the trainer's
-        out.append(f"  {'(on the GPUs of)':<{label}}{'an engine':>11}" + "".join(f"{'trainer':>10}" for _ in range(4)))
+        out.append(f"  {'(on the GPUs of)':<{label}}" + "".join(
+            f"{'an engine' if ph == 'generation' else 'trainer':>{w}}" for ph, w in zip(phases, widths, strict=True)))
     lines = list(dict.fromkeys(k for phase in plan.memory.values() for k in phase))
     for line in lines:
         cells = [plan.memory[ph].get(line) for ph in phases]
@@ -81,6 +82,10 @@ def format_plan(plan: Plan) -> str:
         f"{x:>{w}.1f}" for x, w in zip(totals, widths, strict=True)))
     out.append(f"  {'free':<{label}}" + "".join(f"{g.cuda_total_gib - x:>{w}.1f}" for x, w in
                                                 zip(totals, widths, strict=True)))
+    if plan.host_per_node:
+        out.append(f"  {f'host memory per node, {plan.gpus_per_node} ranks (of {o.node_memory_gib:g})':<{label}}"
+                   + "".join(f"{plan.host_per_node.get(ph, 0) / GiB:>{w}.0f}" for ph, w in zip(phases, widths,
+                                                                                             strict=True)))
     act = plan.activations_by_recompute
     stages = ["-" if separate and ph == "generation" else plan.stages[ph] for ph in phases]
     out += [

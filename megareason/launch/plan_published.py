@@ -39,15 +39,17 @@ class Published:
 # sample, so prompts of ~128 tokens. The on-policy run: Megatron TP 1 x PP 2 x DP 8 with 16 vLLM engines of
 # TP 1, colocated; megareason's colocated engines at rollout TP 1 are one per DP replica (8 of 16 GPUs would
 # generate), so it is planned with 8 SPMD engines of TP 2 (every GPU generates), and with vLLM's share
-# lowered from NeMo-RL's 0.6 to 0.5 (megareason keeps the trainer's states on the GPU while vLLM generates).
+# lowered from NeMo-RL's 0.6 to 0.5, the trainer's gradients and optimizer state in host memory while vLLM is
+# awake (as NeMo-RL's offload_before_refit: its resume otherwise leaves under 5 GiB free, launch/ledger.py).
 _NEMO_RL_COLOCATED = ("rollout.placement=colocated", "rollout.num_engines=1", "trainer.max_staleness=0",
                       "parallel.tensor_model_parallel_size=1", "parallel.sequence_parallel=false",
                       "parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=8",
-                      "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.5")
-# The one-step-off run: training on one node (TP 2 x DP 4: the recipe's TP 2 in place of NeMo-RL's TP 1,
+                      "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.5",
+                      "trainer.offload_optimizer=true")
+# The one-step-off run: training on one node (TP 4 x DP 2: the recipe's TP 4 in place of NeMo-RL's TP 1,
 # see docs/planner.md), its 8 engines on the other. Planned for the comparison only: megareason refuses
 # engines on another node than the trainer's first rank when the pool starts, so the recipe is one node.
-_NEMO_RL_ONE_STEP_OFF = ("parallel.data_parallel_size=4", "rollout.num_engines=8")
+_NEMO_RL_ONE_STEP_OFF = ("parallel.data_parallel_size=2", "rollout.num_engines=8")
 PUBLISHED = {
     "grpo_llama8b_async": Published(
         source="NeMo-RL v0.5 performance summary (DGX-H100, bf16, Megatron; Llama-3.1-8B-Instruct GRPO on "

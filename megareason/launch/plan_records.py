@@ -97,6 +97,7 @@ class PlanOptions:
     prompt_fraction: float = 0.5  # mean prompt length / data.max_prompt_length
     response_fraction: float = 0.5  # mean response length / rollout.max_tokens (the longest reaches it)
     response_tokens: int = 0  # > 0: the policy's mean response length in tokens (instead of the fraction)
+    node_memory_gib: float = 2048.0  # host memory of a node (DGX H100 / H200: 2 TiB); preflight reads the real one
 
 
 
@@ -133,6 +134,7 @@ class Plan:
     generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
     placement: str = "colocated"  # rollout.placement: colocated (vLLM on the trainer's GPUs) or separate
     max_staleness: int = 0  # trainer.max_staleness: 0 synchronous, 1 one step off-policy (separate only)
+    host_per_node: dict[str, float] = field(default_factory=dict)  # state -> host bytes of a node's ranks
 
     @property
     def gpus(self) -> int:

@@ -61,6 +61,7 @@ def check_run(cfg: Config, command: str) -> None:
 
         _collect(problems, lambda: check_run_folder(out))
         _collect(problems, lambda: check_checkpoint_space(cfg))
+        _collect(problems, lambda: check_host_memory(cfg))
     if problems:
         raise PreflightError(problems)
 
@@ -113,6 +114,51 @@ def check_checkpoint_space(cfg: Config, key: str = "trainer.output_dir") -> None
             f"{cfg.trainer.precision} weights + Adam state), as it keeps trainer.keep_last={cfg.trainer.keep_last} "
             f"plus one being written{there}; free space there, lower trainer.keep_last, or name a folder on a "
             f"larger file system ({key})"])
+
+
+def host_memory_per_node(cfg: Config, arch, ranks_per_node: int) -> tuple[str, int]:
+    """(state, bytes): the host memory ``ranks_per_node`` ranks of ``cfg``'s run hold at the peak, as ``megareason
+    plan`` counts it (``launch/ledger.py``: pinned offload copies, the reference, vLLM's level-1 sleep copy,
+    megatron-core's fully_reshardable save and load), on the most loaded pipeline stage."""
+    from megareason.launch.ledger import plan_states, rank_terms
+    from megareason.launch.plan_records import GPUS, PlanOptions, workload
+
+    rows = sum(p.tokens for p in workload(cfg, PlanOptions()))
+    peaks: dict[str, int] = {}
+    for stage in range(cfg.parallel.pipeline_model_parallel_size):  # host terms do not depend on the GPU model
+        led = plan_states(cfg, rank_terms(cfg, arch, GPUS["H100-80GB"], stage, rows))
+        for state, n in led.host_peaks.items():
+            peaks[state] = max(peaks.get(state, 0), n)
+    state = max(peaks, key=peaks.get)
+    return state, ranks_per_node * peaks[state]
+
+
+def check_host_memory(cfg: Config, arch=None, ram_bytes: int | None = None, ranks_per_node: int | None = None) -> None:
+    """The run's host memory on this node (``host_memory_per_node``, for the ranks this node holds: its GPUs,
+    or on CPU every rank) is within the node's RAM. ``PreflightError`` naming the state, the bytes and what to
+    change otherwise. A model whose config.json cannot be read is skipped here (``check_hf_dir`` reports it)."""
+    import torch
+
+    from megareason.models.arch import ModelArch
+
+    if arch is None:
+        try:
+            arch = ModelArch.from_pretrained(resolve_model_path(cfg.model.path))
+        except (ArchError, FileNotFoundError, OSError, ValueError):
+            return
+    p = cfg.parallel
+    world = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.data_parallel_size
+    if ranks_per_node is None:
+        ranks_per_node = min(world, torch.cuda.device_count() or world)
+    if ram_bytes is None:
+        ram_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    state, need = host_memory_per_node(cfg, arch, ranks_per_node)
+    if need > ram_bytes:
+        raise PreflightError([
+            f"host memory: the run's {state} state needs {_size(need)} on a node of {ranks_per_node} ranks (pinned "
+            f"offload copies, vLLM's sleep copy, and megatron-core's fully_reshardable checkpoint gathering ~20 bytes "
+            f"per parameter of each rank's shard on every rank), this node has {_size(ram_bytes)}: spread the ranks "
+            f"over more nodes (parallel.*), or save in megatron-core's dp_reshardable format (no gather over DP)"])
 
 
 def _size(n: float) -> str:

@@ -96,3 +96,64 @@ def main_parameters(optimizer) -> dict[torch.Tensor, torch.Tensor]:
             for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups, strict=True):
                 out.update(zip(model_group, main_group, strict=True))
     return out
+
+
+GiB = 1024**3
+
+
+class PhaseMemory:
+    """What each phase of a step really held on this rank's GPU, for the metrics beside ``megareason plan``'s
+    columns: ``torch.cuda.mem_get_info``'s used bytes (every process on the device: the trainer, vLLM, what lies
+    outside torch's allocator) when the phase ends, and this process's allocator peak during it
+    (``max_memory_allocated`` after ``reset_peak_memory_stats``). ``cuda``: ``torch.cuda`` (a stand-in in tests);
+    without a device every call is a no-op and ``report`` is empty."""
+
+    def __init__(self, cuda=None):
+        self.cuda = torch.cuda if cuda is None else cuda
+        self._seen: dict[str, tuple[int, int]] = {}  # phase -> (largest used, largest allocator peak) since report
+
+    def enter(self) -> bool:
+        if not self.cuda.is_available():
+            return False
+        self.cuda.reset_peak_memory_stats()
+        return True
+
+    def leave(self, phase: str) -> None:
+        free, total = self.cuda.mem_get_info()
+        used, peak = total - free, self.cuda.max_memory_allocated()
+        old = self._seen.get(phase, (0, 0))
+        self._seen[phase] = (max(old[0], used), max(old[1], peak))
+
+    def report(self) -> dict[str, float]:
+        """``memory/<phase>/used_gib`` and ``memory/<phase>/allocator_peak_gib`` of the phases since the last
+        report (the largest of each phase's calls), then forgets them."""
+        out = {}
+        for phase, (used, peak) in self._seen.items():
+            out[f"memory/{phase}/used_gib"] = used / GiB
+            out[f"memory/{phase}/allocator_peak_gib"] = peak / GiB
+        self._seen = {}
+        return out
+
+
+def recorded(method, phase: str):
+    """``method`` of a worker, its call recorded as ``phase`` in the worker's ``phase_memory``."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        memory = self.__dict__.setdefault("phase_memory", PhaseMemory())
+        on = memory.enter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if on:
+                memory.leave(phase)
+
+    return call
+
+
+def record_phases(phases: dict[type, dict[str, str]]) -> None:
+    """Wrap each ``class -> {method: phase}`` method with ``recorded`` (the workers' phases, ``trainer/workers.py``)."""
+    for cls, methods in phases.items():
+        for name, phase in methods.items():
+            setattr(cls, name, recorded(getattr(cls, name), phase))

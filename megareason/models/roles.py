@@ -59,7 +59,9 @@ class _Trainable:
                                {**(metadata or {}), **lora, **precision}, asynchronous=asynchronous)
 
     def load(self, path) -> dict:
-        self.training_state.onload()
+        # The load fills the parameters and the optimizer state; the gradient buffers stay empty (the next
+        # update zeroes them first), as in a save.
+        self.training_state.onload(gradients=False)
         return load_checkpoint(path, self.model, self.optimizer)
 
 

@@ -57,6 +57,15 @@ class RoleHandle:
         """From now on the role's log-prob passes give up (``UpdateStopped``) once the file ``path`` exists."""
         self._call(CriticWorker.stop_generating_on, path)
 
+    def memory_by_phase(self) -> dict[str, float]:
+        """Each phase's GPU memory since the last call, the largest over the ranks (empty on CPU): the step's
+        metrics, beside ``megareason plan``'s columns."""
+        out: dict[str, float] = {}
+        for rank in self._call(PolicyWorker.memory_by_phase):
+            for key, value in rank.items():
+                out[key] = max(out.get(key, 0.0), value)
+        return {f"{self.name}/{k}": v for k, v in sorted(out.items())}
+
     def shutdown(self) -> None:
         self.group.shutdown()
 
@@ -158,7 +167,10 @@ def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
     threads = max(1, (os.cpu_count() or 1) // _world(cfg))
     if cfg.rollout.placement == "separate" and not gpus:  # the separate engines' cores are theirs
         threads = max(1, ((os.cpu_count() or 1) - cfg.rollout.num_engines) // _world(cfg))
-    return [WorkerGroup(cls, cfg, settings(cfg), name, gpus, threads) for cls, settings, name in roles]
+    # The critic's ranks first: its state is built (and with trainer.offload_optimizer moved to host memory)
+    # before the policy's vLLM engine takes its share of each GPU (launch/ledger.py, start-up).
+    groups = {name: WorkerGroup(cls, cfg, settings(cfg), name, gpus, threads) for cls, settings, name in roles[::-1]}
+    return [groups[name] for _, _, name in roles]
 
 
 def start_rollouts(cfg: Config) -> RolloutPool | None:

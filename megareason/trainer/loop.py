@@ -111,6 +111,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         update.sync = update.sync or rows.sync  # one step off: the variant's push before this step's batch
         timer["step"] = sum(timer.values())
         metrics = step_metrics(cfg, step, exp, rows, update, timer)
+        for role in [actors] + ([critic] if critic else []):  # on GPU: each phase's real memory beside the plan
+            metrics.update(role.memory_by_phase())
         if t.dump_rollouts_every and step % t.dump_rollouts_every == 0:
             _dump_rollouts(run.root, step, rows)
         # 4. validation (one step off: the batch in flight done and the newest weights pushed first)

@@ -22,6 +22,7 @@ import torch
 from megareason.config.schema import AlgorithmConfig
 from megareason.models.build import ComputeSettings
 from megareason.models.lora import LoRASettings
+from megareason.models.memory import record_phases
 from megareason.models.schedule import forward_outputs
 from megareason.models.train import OptimizerSettings
 from megareason.rollout.records import EngineSettings, WeightUpdate
@@ -64,6 +65,11 @@ class PolicySettings(WorkerSettings):
     colocated_engines: bool  # SPMD engines over the ranks (rollout TP > 1, colocated): ``colocated_rollout``
     weight_sync_bucket_mb: int
     with_reference: bool  # a frozen reference copy (KL coefficient > 0, full fine-tuning)
+
+
+def on_gpu() -> bool:
+    """Whether this process computes on a GPU: there the reference waits in host memory between uses."""
+    return torch.cuda.is_available()
 
 
 def share(n: int, dp: int, dp_rank: int) -> slice:
@@ -207,6 +213,12 @@ class _Worker:
     def load(self, path: str) -> dict:
         return self.role.load(path)
 
+    def memory_by_phase(self) -> dict[str, float]:
+        """This rank's GPU memory per phase since the last call (``models.memory.PhaseMemory.report``; empty on
+        CPU)."""
+        memory = self.__dict__.get("phase_memory")
+        return memory.report() if memory is not None else {}
+
     def shutdown(self) -> None:
         from megareason.models.parallel import destroy_parallel
 
@@ -244,34 +256,58 @@ class PolicyWorker(_Worker):
     remote = None  # rollout.placement: separate: the pool's engines, on the rank that pushes to them
 
     def _build(self) -> None:
+        """The actor and the reference, then this GPU's share of the rollout engines. Every state here is planned
+        (``launch/ledger.py``: start-up): the reference waits in host memory on GPU, and with
+        ``trainer.offload_optimizer`` the actor's gradient buffers and fp32 main weights (built with the optimizer)
+        leave the device before the engine starts, as before every later wake-up: vLLM takes its share of what
+        is free then."""
+        self.actor, self.reference = self._new_roles()
+        self.role = self.actor
+        if self.reference is not None and on_gpu():
+            self.reference.offload()
+        self._start_engine()
+
+    def _new_roles(self):
+        """(actor, reference or None): megatron-core models (tests substitute stand-ins here)."""
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Actor, Reference
-        from megareason.rollout import start_engine
-        from megareason.rollout.colocated import ColocatedEngine
-        from megareason.rollout.engine_state import EngineStateMachine
-        from megareason.rollout.weight_sync import is_consumer
 
         s: PolicySettings = self.settings
         # download=False: the driver fetched a Hub model into the cache before any worker started.
         ckpt = HFCheckpoint(resolve_model_path(s.model_path, download=False))
         # Log-probs at the sampling temperature: the policy that generated the rollouts.
-        self.role = self.actor = Actor(ckpt, s.optimizer, s.compute, temperature=s.temperature, lora=s.lora)
+        actor = Actor(ckpt, s.optimizer, s.compute, temperature=s.temperature, lora=s.lora)
         # With LoRA the reference is the actor with its adapters off: no second copy of the weights.
-        self.reference = Reference(ckpt, s.compute, temperature=s.temperature) if s.with_reference else None
-        if self.reference is not None and torch.cuda.is_available():
-            self.reference.offload()
+        return actor, Reference(ckpt, s.compute, temperature=s.temperature) if s.with_reference else None
+
+    def _start_engine(self) -> None:
+        from megareason.rollout.engine_state import EngineStateMachine
+        from megareason.rollout.weight_sync import is_consumer
+
+        s: PolicySettings = self.settings
+        self.engine, self.engine_index, self.engine_leader = None, None, False
         if s.placement == "separate":  # the engines live in their own processes (trainer.pool)
-            self.engine, self.engine_index, self.engine_leader = None, None, False
-        elif s.colocated_engines:  # every rank holds one vLLM TP rank of engine rank // TP
-            self.engine = ColocatedEngine(s.engine)
-            self.engine_index = self.engine.layout.engine
-            self.engine_leader = self.engine.layout.leader
-        else:  # the first rank of each data-parallel replica holds a whole engine
-            self.engine = start_engine(s.engine, self.rank) if is_consumer() else None
-            self.engine_index, self.engine_leader = self.layout.dp_rank, self.engine is not None
-        if self.engine is not None:  # sleeps and wakes as the loop's phases need (rollout.engine_state)
-            self.engine = EngineStateMachine(self.engine, empty_cache=self._before_wake)
+            return
+        if not s.colocated_engines and not is_consumer():  # the first rank of each replica holds a whole engine
+            return
+        if s.offload_optimizer:
+            self.actor.offload_training_state()
+        engine = self._new_engine()
+        if s.colocated_engines:  # every rank holds one vLLM TP rank of engine rank // TP
+            self.engine_index, self.engine_leader = engine.layout.engine, engine.layout.leader
+        else:
+            self.engine_index, self.engine_leader = self.layout.dp_rank, True
+        # sleeps and wakes as the loop's phases need (rollout.engine_state)
+        self.engine = EngineStateMachine(engine, empty_cache=self._before_wake)
+
+    def _new_engine(self):
+        """This rank's vLLM: an SPMD engine's TP rank (rollout TP > 1, colocated), else a whole engine."""
+        from megareason.rollout import start_engine
+        from megareason.rollout.colocated import ColocatedEngine
+
+        s: PolicySettings = self.settings
+        return ColocatedEngine(s.engine) if s.colocated_engines else start_engine(s.engine, self.rank)
 
     def _before_wake(self) -> None:
         """Before this GPU's engine wakes: with ``trainer.offload_optimizer`` the actor's gradient buffers and
@@ -320,6 +356,19 @@ class PolicyWorker(_Worker):
             self.engine.sleep(level=1)
         self._write_checkpoint(path, metadata, asynchronous)
 
+    def load(self, path: str) -> dict:
+        """Load the checkpoint with the engine asleep: the load brings the optimizer state back to the device and
+        creates Adam's moments there (``models/checkpoint.py``), which an awake engine's KV cache leaves no room for.
+        Level 2: the sync that follows (``Driver.start``) overwrites the weights, waking them through the same
+        offload -> wake path as every step's sync (``EngineStateMachine.update_weights``). With
+        ``trainer.offload_optimizer`` the loaded state leaves for host memory at once (PPO's critic loads next)."""
+        if self.engine is not None:
+            self.engine.sleep(level=2)
+        metadata = self.role.load(path)
+        if self.settings.offload_optimizer and self.engine is not None:
+            self.actor.offload_training_state()
+        return metadata
+
     def stop_generating_on(self, path: str) -> None:
         """This rank's engine gives up a generate (``GenerationStopped``) once the file ``path`` exists (the
         driver's stop file), and so do its passes (``_Worker.stop_generating_on``). The ranks of an SPMD engine
@@ -350,12 +399,12 @@ class PolicyWorker(_Worker):
             with adapters_off(self.actor.model):
                 (logp, _) = self._outputs(self.actor.model, self.actor.head, 2, exp, responses_only=True)
             return logp
-        if torch.cuda.is_available():
+        if on_gpu():
             ref.onload()
         try:
             (logp, _) = self._outputs(ref.model, ref.head, 2, exp, responses_only=True)
         finally:  # also when a stop ends the pass: the save that follows needs the room
-            if torch.cuda.is_available():
+            if on_gpu():
                 ref.offload()
         return logp
 
@@ -426,13 +475,32 @@ class CriticWorker(_Worker):
     """One rank of PPO's critic: the policy's trunk with a scalar value head."""
 
     def _build(self) -> None:
+        """The critic; with ``trainer.offload_optimizer`` its gradient buffers and optimizer state wait in host
+        memory from the start (its process holds no engine to wake: they leave after each load, update and save)."""
+        self.role = self.critic = self._new_critic()
+        self._offload()
+
+    def _new_critic(self):
         from megareason.models.build import HFCheckpoint
         from megareason.models.hub import resolve_model_path
         from megareason.models.roles import Critic
 
         s = self.settings
-        self.role = self.critic = Critic(HFCheckpoint(resolve_model_path(s.model_path, download=False)),
-                                         s.optimizer, s.compute, lora=s.lora)
+        return Critic(HFCheckpoint(resolve_model_path(s.model_path, download=False)), s.optimizer, s.compute,
+                      lora=s.lora)
+
+    def _offload(self) -> None:
+        if self.settings.offload_optimizer:
+            self.critic.offload_training_state()
+
+    def load(self, path: str) -> dict:
+        metadata = self.role.load(path)
+        self._offload()
+        return metadata
+
+    def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
+        self._write_checkpoint(path, metadata, asynchronous)  # an asynchronous save has copied the state by now
+        self._offload()
 
     def values(self, exp: Experience) -> torch.Tensor:
         """[B_share, T]: column t is the value of the state before token t."""
@@ -447,6 +515,14 @@ class CriticWorker(_Worker):
 
         stats = self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
                             value_loss_fn(self.settings.algorithm, self.settings.max_tokens), lr, CriticStats)
-        if self.settings.offload_optimizer:  # no engine in this process: off after each update
-            self.critic.offload_training_state()
+        self._offload()
         return stats
+
+
+
+# Each phase's real GPU memory into the worker's ``phase_memory`` (a no-op without a GPU), which
+# ``memory_by_phase`` hands to the step's metrics: the plan's columns beside the truth (``models.memory``).
+record_phases({PolicyWorker: {"generate": "generation", "logprobs": "logprobs", "ref_logprobs": "logprobs",
+                              "train": "training", "sft_train": "training", "sync_weights": "sync", "save": "save",
+                              "load": "resume"},
+               CriticWorker: {"values": "logprobs", "train": "training", "save": "save", "load": "resume"}})
