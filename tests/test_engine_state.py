@@ -25,10 +25,11 @@ from megareason.models.tiny import build_tokenizer
 from megareason.rewards.scoring import SampleResult
 from megareason.rollout.engine_state import EngineState, EngineStateError, EngineStateMachine
 from megareason.rollout.records import Completion, GenerationStopped, WeightUpdate
+from megareason.trainer.critic_worker import CriticWorker
 from megareason.trainer.handles import critic_settings, policy_settings
 from megareason.trainer.run_dir import RunDir
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
-from megareason.trainer.workers import CriticWorker, PolicyWorker
+from megareason.trainer.workers import PolicyWorker
 
 
 class FakeVLLM:

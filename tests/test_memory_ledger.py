@@ -30,11 +30,12 @@ from megareason.models.roles import Actor, Critic
 from megareason.models.tiny import build_tokenizer
 from megareason.models.train import StepResult
 from megareason.rollout.records import WeightUpdate
+from megareason.trainer.critic_worker import CriticWorker
 from megareason.trainer.driver import EXIT_STOPPED, stop_signals
 from megareason.trainer.handles import critic_settings, policy_settings
 from megareason.trainer.run_dir import RunDir
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
-from megareason.trainer.workers import CriticWorker, PolicyWorker
+from megareason.trainer.workers import PolicyWorker
 
 GPU = GPUS["H100-80GB"]
 # recipe -> (model shape, nodes of 8 GPUs)
@@ -141,7 +142,7 @@ def _charge(monkeypatch) -> None:
     import megareason.models.roles as roles
     import megareason.trainer.workers as workers
 
-    def train_step(ddp, optimizer, micro_batches, head, loss_fn, router_watch):
+    def train_step(ddp, optimizer, micro_batches, head, loss_fn, router_watch, stop=None):
         optimizer.ledgers.optimizer_step(optimizer.role)
         return StepResult(loss=0.1, grad_norm=1.0, metrics={})
 
@@ -189,7 +190,7 @@ class _Charged:
         rows = torch.zeros(len(self._share(exp)), exp.tokens_BT.shape[1])
         return [rows] * num
 
-    def _train(self, role, exp, names, loss_fn, lr, record, responses_only=False):
+    def _train(self, role, exp, names, loss_fn, lr, record, responses_only=False, stoppable=False):
         """The worker's train / sft_train / critic train run for real up to here: the role's step, charged."""
         self._enter("training")
         role.train_step([], loss_fn)

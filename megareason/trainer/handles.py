@@ -19,11 +19,12 @@ from megareason.config import Config, ConfigError
 from megareason.data.records import TokenizedPrompt
 from megareason.rollout.records import Completion, Sampling, WeightUpdate
 from megareason.settings import compute_settings, engine_settings, lora_settings, optimizer_settings
+from megareason.trainer.critic_worker import CriticWorker
 from megareason.trainer.experience import Experience
 from megareason.trainer.group import WorkerGroup, cluster_size
 from megareason.trainer.pool import RolloutPool, check_pool
 from megareason.trainer.stats import CriticStats, PolicyStats, SftStats
-from megareason.trainer.workers import CriticWorker, PolicySettings, PolicyWorker, WorkerSettings, colocated_rollout
+from megareason.trainer.workers import PolicySettings, PolicyWorker, WorkerSettings, colocated_rollout
 
 
 class RoleHandle:

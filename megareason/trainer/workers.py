@@ -4,9 +4,10 @@
 of a vLLM engine that generates with the actor's weights (on GPU, vLLM sleeps while Megatron trains):
 with ``rollout.tensor_parallel_size`` > 1 every rank holds one TP rank of a colocated SPMD engine of that
 many consecutive ranks (``rollout.colocated``); at 1, the first rank of each data-parallel replica holds a
-whole engine (its own vLLM engine process, fed through shared-memory buckets). ``CriticWorker`` holds the critic
-(PPO). Every rank of a group receives the same calls; each data-parallel replica works on its share
-of the step's rows (``share``), and the first rank of each replica returns that share's results.
+whole engine (its own vLLM engine process, fed through shared-memory buckets). ``CriticWorker``
+(``critic_worker.py``) holds the critic (PPO). Every rank of a group receives the same calls; each
+data-parallel replica works on its share of the step's rows (``share``), and the first rank of each
+replica returns that share's results.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from megareason.models.schedule import forward_outputs
 from megareason.models.train import OptimizerSettings
 from megareason.rollout.records import EngineSettings, WeightUpdate
 from megareason.trainer.experience import Experience, pack_experience, unpack_to_rows
-from megareason.trainer.stats import CriticStats, PolicyStats, SftStats, TrainStats
+from megareason.trainer.stats import PolicyStats, SftStats, TrainStats
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # every rank joins the store within this (torch's default)
 
@@ -471,58 +472,8 @@ class PolicyWorker(_Worker):
         super().shutdown()
 
 
-class CriticWorker(_Worker):
-    """One rank of PPO's critic: the policy's trunk with a scalar value head."""
-
-    def _build(self) -> None:
-        """The critic; with ``trainer.offload_optimizer`` its gradient buffers and optimizer state wait in host
-        memory from the start (its process holds no engine to wake: they leave after each load, update and save)."""
-        self.role = self.critic = self._new_critic()
-        self._offload()
-
-    def _new_critic(self):
-        from megareason.models.build import HFCheckpoint
-        from megareason.models.hub import resolve_model_path
-        from megareason.models.roles import Critic
-
-        s = self.settings
-        return Critic(HFCheckpoint(resolve_model_path(s.model_path, download=False)), s.optimizer, s.compute,
-                      lora=s.lora)
-
-    def _offload(self) -> None:
-        if self.settings.offload_optimizer:
-            self.critic.offload_training_state()
-
-    def load(self, path: str) -> dict:
-        metadata = self.role.load(path)
-        self._offload()
-        return metadata
-
-    def save(self, path: str, metadata: dict, asynchronous: bool = False) -> None:
-        self._write_checkpoint(path, metadata, asynchronous)  # an asynchronous save has copied the state by now
-        self._offload()
-
-    def values(self, exp: Experience) -> torch.Tensor:
-        """[B_share, T]: column t is the value of the state before token t."""
-        from megareason.trainer.losses import shift_values
-
-        (values,) = self._outputs(self.critic.model, self.critic.head, 1, exp)
-        return shift_values(values)
-
-    def train(self, exp: Experience, lr: float) -> CriticStats:
-        """One optimizer step of the value loss over this replica's share of ``exp`` (a mini-batch)."""
-        from megareason.trainer.losses import value_loss_fn
-
-        stats = self._train(self.critic, exp, ["mask_BT", "values_BT", "returns_BT"],
-                            value_loss_fn(self.settings.algorithm, self.settings.max_tokens), lr, CriticStats)
-        self._offload()
-        return stats
-
-
-
 # Each phase's real GPU memory into the worker's ``phase_memory`` (a no-op without a GPU), which
 # ``memory_by_phase`` hands to the step's metrics: the plan's columns beside the truth (``models.memory``).
 record_phases({PolicyWorker: {"generate": "generation", "logprobs": "logprobs", "ref_logprobs": "logprobs",
                               "train": "training", "sft_train": "training", "sync_weights": "sync", "save": "save",
-                              "load": "resume"},
-               CriticWorker: {"values": "logprobs", "train": "training", "save": "save", "load": "resume"}})
+                              "load": "resume"}})
