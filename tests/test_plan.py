@@ -544,13 +544,17 @@ def test_the_separate_layout_trains_on_its_gpus_and_refits_through_host_memory_o
     assert sep.seconds["weight refit"] == pytest.approx(size / 2 / (gpu.nvlink_bytes_s * 0.8) + 2 * size / 20e9
                                                         + 0.01)
     assert "through shared memory" in sep.notes["weight refit"] and not format_plan(sep).count("note: the runtime")
-    # Two nodes (engines on the other one): the TP all-gather of the stage's tensors, then an NCCL broadcast
-    # at each receiving GPU's NIC (50 GB/s at 80%); the plan says the runtime cannot run it yet.
+    # Two nodes (engines on the other one): the gather to the first rank over NVLink, then an NCCL broadcast
+    # at each receiving GPU's NIC (50 GB/s at 80%); under the default shm transfer the plan says to set
+    # rollout.weight_transfer=broadcast, which it plans, and says nothing once it is set.
     two = make_plan(_separate(), SMALL, TWO_NODES)
     assert two.seconds["weight refit"] == pytest.approx(size / 2 / (gpu.nvlink_bytes_s * 0.8)
                                                         + size / (gpu.network_bytes_s * 0.8) + 0.01)
-    assert "NCCL broadcast over the network (40 GB/s per receiving GPU; not built yet)" in two.notes["weight refit"]
-    assert "refuses engines on another node (trainer/pool.py)" in format_plan(two)
+    assert "NCCL broadcast (40 GB/s per receiving GPU, the network)" in two.notes["weight refit"]
+    assert "set rollout.weight_transfer=broadcast" in format_plan(two)
+    bcast = make_plan(_separate("rollout.weight_transfer=broadcast"), SMALL, TWO_NODES)
+    assert bcast.seconds["weight refit"] == two.seconds["weight refit"]
+    assert "note: rollout.weight_transfer" not in format_plan(bcast)
 
 
 def test_step_time_is_the_sum_or_refit_plus_the_max():

@@ -110,12 +110,12 @@ def format_plan(plan: Plan) -> str:
 
 
 def _runtime_note(plan: Plan) -> list[str]:
-    """What the runtime cannot run yet: separate engines on another node than the trainer's first rank."""
-    if plan.placement != "separate" or plan.nodes == 1:
+    """Separate engines on another node than the trainer's first rank need the broadcast weight transfer."""
+    if plan.placement != "separate" or plan.nodes == 1 or plan.weight_transfer == "broadcast":
         return []
-    return ["note: the runtime pushes the weights through shared memory on the node of the trainer's first rank and "
-            "refuses engines on another node (trainer/pool.py); this layout needs vLLM's NCCL weight transfer, not "
-            "built yet: the refit below plans that"]
+    return ["note: rollout.weight_transfer: shm pushes the weights through shared memory on the node of the "
+            "trainer's first rank, and the runtime refuses engines on another node (trainer/pool.py): set "
+            "rollout.weight_transfer=broadcast; the refit below plans that"]
 
 
 def _vllm_start(plan: Plan) -> str:

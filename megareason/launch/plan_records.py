@@ -134,6 +134,7 @@ class Plan:
     generation_all_gpus: float = 0.0  # generation if every GPU served a vLLM shard (GPUs / vLLM TP engines)
     placement: str = "colocated"  # rollout.placement: colocated (vLLM on the trainer's GPUs) or separate
     max_staleness: int = 0  # trainer.max_staleness: 0 synchronous, 1 one step off-policy (separate only)
+    weight_transfer: str = "shm"  # rollout.weight_transfer (separate only): shm (one node) or broadcast
     host_per_node: dict[str, float] = field(default_factory=dict)  # state -> host bytes of a node's ranks
 
     @property

@@ -190,33 +190,31 @@ def separate_refit_seconds(plan: Plan, cfg: Config) -> tuple[float, str]:
     """Engines on GPUs of their own (rollout.placement=separate); every engine GPU receives the whole model
     in the engine's dtype (vLLM loads its TP shard of each full tensor), bucket by bucket, one RPC each.
 
-    On one node, as the runtime does it (``trainer/pool.py``): the trainer's first rank gathers the whole
-    model (NVLink: TP all-gather, PP broadcast), copies each bucket once into shared memory (tmpfs) and
-    every engine GPU copies it from there: two pageable host copies (``HOST_COPY_BYTES_S`` each), the engines' reads
-    sharing the node's memory bandwidth (``HOST_MEMORY_BYTES_S``), bucket after bucket (no overlap).
-    Across nodes (engines on other nodes than the trainer's first rank, which the runtime refuses until
-    vLLM's NCCL weight transfer is built): each stage all-gathers its tensors over TP (NVLink) and
-    broadcasts them to every engine rank over NCCL, a pipelined broadcast at the receivers' link, the
-    network (InfiniBand, one NIC per GPU). At EP > 1 the expert gather too. Not modelled: vLLM's
-    per-tensor load."""
+    ``rollout.weight_transfer: shm`` (one node, ``rollout/transfer.py``): the trainer's first rank gathers the
+    whole model (NVLink: TP all-gather, PP broadcast), copies each bucket once into shared memory (tmpfs) and
+    every engine GPU copies it from there: two pageable host copies (``HOST_COPY_BYTES_S`` each), the engines'
+    reads sharing the node's memory bandwidth (``HOST_MEMORY_BYTES_S``), bucket after bucket (no overlap).
+    ``broadcast`` (engines on any node, ``rollout/broadcast.py``): the same gather to the first rank, then each
+    bucket broadcast to every engine rank at once over NCCL, a pipelined broadcast at the receivers' link,
+    the network (InfiniBand, one NIC per GPU) when engines sit on other nodes, NVLink when they share the
+    trainer's. At EP > 1 the expert gather too. Not modelled: vLLM's per-tensor load."""
     gpu = plan.gpu
     size = plan.total_params * element_bytes(cfg.rollout.dtype)
     buckets = math.ceil(size / (cfg.trainer.weight_sync_bucket_mb << 20))
     rpc, experts = buckets * REFIT_RPC_S, expert_gather_seconds(plan, cfg)
     ep = f", {experts:.1f} s EP {plan.ep} expert gather" if plan.ep > 1 else ""
     tail = f"{ep}, {buckets} buckets x {REFIT_RPC_S * 1e3:.0f} ms RPC"
-    if plan.nodes == 1:
-        gather = size * (1 - 1 / (plan.tp * plan.pp)) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    gather = size * (1 - 1 / (plan.tp * plan.pp)) / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
+    if cfg.rollout.weight_transfer == "shm" and plan.nodes == 1:
         out = size / HOST_COPY_BYTES_S
         into = max(size / HOST_COPY_BYTES_S, plan.engine_gpus * size / HOST_MEMORY_BYTES_S)
         return gather + out + into + rpc + experts, (
             f"{size / 1e9:.0f} GB to each of {plan.engine_gpus} engine GPU(s) through shared memory: {gather:.1f} s "
             f"NVLink (gather to the first rank), {out:.1f} s into host memory, {into:.1f} s into the engines "
             f"({HOST_COPY_BYTES_S / 1e9:.0f} GB/s pageable copies){tail}")
-    gather = size / plan.pp * (plan.tp - 1) / plan.tp / (gpu.nvlink_bytes_s * NET_EFFICIENCY)
-    link = gpu.network_bytes_s * NET_EFFICIENCY
+    link = gpu.network_bytes_s * NET_EFFICIENCY if plan.nodes > 1 else gpu.nvlink_bytes_s * NET_EFFICIENCY
     broadcast = size / link
     return gather + broadcast + rpc + experts, (
-        f"{size / 1e9:.0f} GB to each of {plan.engine_gpus} engine GPU(s): {gather:.1f} s NVLink (TP all-gather of "
-        f"a stage), {broadcast:.1f} s NCCL broadcast over the network ({link / 1e9:.0f} GB/s per receiving GPU; "
-        f"not built yet){tail}")
+        f"{size / 1e9:.0f} GB to each of {plan.engine_gpus} engine GPU(s): {gather:.1f} s NVLink (gather to the "
+        f"first rank), {broadcast:.1f} s NCCL broadcast ({link / 1e9:.0f} GB/s per receiving GPU, "
+        f"{'the network' if plan.nodes > 1 else 'NVLink'}){tail}")
