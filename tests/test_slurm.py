@@ -566,7 +566,8 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
     slurm_cluster.assert_cleaned_up(slurm)
 
 
-def test_sbatch_accepts_the_70b_recipes_directives(slurm):
-    proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, "slurm/raro_70b.sbatch"],
-                          cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+def test_sbatch_accepts_the_70b_recipes_and_the_site_checks_directives(slurm):
+    for script in ("slurm/raro_70b.sbatch", "slurm/site_check.sbatch"):
+        proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, script],
+                              cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "to start at" in proc.stderr, (script, proc.stderr)
