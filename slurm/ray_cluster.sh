@@ -405,4 +405,13 @@ megareason_slurm_run() {
 
 if [[ ${BASH_SOURCE[0]} == "$0" && ${1:-} == node ]]; then
     _mr_ray_node
+elif [[ ${BASH_SOURCE[0]} != "$0" ]] && (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -z ${MR_SNAPSHOT_SOURCED:-} ]]; then
+    # A recipe sources this file from the checkout: a requeued run defines these functions again from the
+    # snapshot its first start took (megareason_slurm_run), so the checkout's edits reach not even the job script.
+    _mr_record="${MEGAREASON_ROOT:-$SLURM_SUBMIT_DIR}/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID/checkout"
+    if [[ -s $_mr_record && -f $(<"$_mr_record")/slurm/ray_cluster.sh ]]; then
+        MR_SNAPSHOT_SOURCED=1
+        # shellcheck source=/dev/null
+        source "$(<"$_mr_record")/slurm/ray_cluster.sh"
+    fi
 fi

@@ -442,6 +442,9 @@ def test_a_requeued_job_runs_every_step_from_its_snapshot_whatever_the_checkout_
     (snap / "megareason" / "launch" / "slurm_job.py").write_text(
         "import sys; print('the snapshot ran run-dir', file=sys.stderr); raise SystemExit(2)\n")
     (snap / ".megareason-code").write_text(f"{root} {'0' * 40} clean\n")
+    (snap / "slurm").mkdir()  # the snapshot's job script, which the checkout's sources again
+    (snap / "slurm" / "ray_cluster.sh").write_text(
+        (REPO / "slurm" / "ray_cluster.sh").read_text().replace("megareason-slurm: $*", "the snapshot's script: $*"))
     jobdir = root / "outputs" / "slurm" / "fake-41"
     jobdir.mkdir(parents=True)
     (jobdir / "checkout").write_text(f"{snap}\n")
@@ -450,6 +453,7 @@ def test_a_requeued_job_runs_every_step_from_its_snapshot_whatever_the_checkout_
     proc = _bash("megareason_slurm_run grpo_smollm2_cpu", env, cwd=root)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "the snapshot ran run-dir" in out, out
+    assert "the snapshot's script: the config was refused (exit code 2" in out, out
     steps = (tmp_path / "srun.log").read_text().splitlines()
     assert len(steps) == 2 and "--nodes=2 --hosts=1 " in steps[0]  # node check (one host: the test cluster's)
     assert "run-dir" in steps[1] and "ray_cluster.sh node" not in "".join(steps)
@@ -520,8 +524,9 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
     first run snapshots the checkout's code into the run folder; a SIGUSR1 before the driver starts requeues it
     once Ray is up on both nodes (Ray sees 225 CPUs; n3's Ray starts with the job's worker ports, the
     idle-worker limit and no prestart, and starts no worker per CPU). Before the requeued run starts, a commit
-    breaks the checkout's run-dir step and the model folder goes: the requeued run runs the snapshot's run-dir,
-    which refuses the missing model (exit 2, no further requeue), never the edited one."""
+    breaks the checkout's run-dir step and edits its job script, and the model folder goes: the requeued run
+    runs the snapshot's job script and run-dir, which refuses the missing model (exit 2, no further requeue),
+    never the edited ones."""
     root = tmp_path / "checkout"
     _git_repo(root)
     for folder in ("slurm", "megareason", "configs"):
@@ -542,6 +547,8 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
     assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
     run_dir_step = root / "megareason" / "launch" / "slurm_job.py"
     run_dir_step.write_text('raise SystemExit("the edited checkout ran")\n')
+    script = root / "slurm" / "ray_cluster.sh"  # the job script's own functions, sourced from the checkout
+    script.write_text(script.read_text().replace("megareason-slurm: $*", "the edited job script: $*"))
     _commit(root, "an edit after the start")
     shutil.rmtree(model)
     state = slurm.wait_for_job(job, timeout=600)
@@ -558,6 +565,7 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
     # The requeued run: the snapshot, as at the first start, the edit nowhere.
     assert f"code: {snapshot}, the snapshot of {root} {first} clean at the job's first start" in run2, run2[-6000:]
     assert "the edited checkout ran" not in run2 and re.search(rf"error: .*{model}", run2), run2[-6000:]
+    assert "the edited job script" not in run2 and "megareason-slurm: the config was refused" in run2
     assert "the config was refused (exit code 2" in run2 and "megareason-ray-node" not in run2
     assert (snapshot / "megareason" / "launch" / "slurm_job.py").read_text() == \
         (REPO / "megareason" / "launch" / "slurm_job.py").read_text()
