@@ -38,30 +38,29 @@ print(json.dumps({"tempfile": temp, "vllm cache": vllm_envs.VLLM_CACHE_ROOT,
 """
 
 
-def _sandboxed(scratch: Path, *command: str) -> subprocess.CompletedProcess:
+def _sandboxed(bwrap: str, scratch: Path, *command: str) -> subprocess.CompletedProcess:
     """``command`` as enroot runs a container with its defaults (tests/slurm_cluster.py's sandbox): everything
     read-only but ``scratch``, no home."""
-    from slurm_cluster import ensure_bubblewrap
-
     scratch.mkdir(parents=True, exist_ok=True)
     keep = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "HF_HUB_OFFLINE")}
-    return subprocess.run([ensure_bubblewrap(), "--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--proc", "/proc",
+    return subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--proc", "/proc",
                            "--bind", str(scratch), str(scratch), "--clearenv", "--die-with-parent",
                            *(a for k, v in {**keep, "HOME": "/nonexistent/home"}.items() for a in ("--setenv", k, v)),
                            "--", *command], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
-def test_every_cache_of_the_stack_resolves_under_the_scratch_in_a_read_only_container_without_a_home(tmp_path):
+def test_every_cache_of_the_stack_resolves_under_the_scratch_in_a_read_only_container_without_a_home(
+        bubblewrap, tmp_path):
     scratch = tmp_path / "scratch"
-    proc = _sandboxed(scratch, sys.executable, "-m", "megareason.launch.job_env", "--scratch", str(scratch / "step"),
-                      "--", sys.executable, "-c", RESOLVED)
+    proc = _sandboxed(bubblewrap, scratch, sys.executable, "-m", "megareason.launch.job_env", "--scratch",
+                      str(scratch / "step"), "--", sys.executable, "-c", RESOLVED)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = json.loads(proc.stdout.splitlines()[-1])
     outside = {k: v for k, v in resolved.items() if not Path(v).is_relative_to(scratch / "step")}
     assert not outside, outside
     assert resolved["home"] == str(scratch / "step" / "home") and resolved["tempfile"] == str(scratch / "step" / "tmp")
     # Without it the first library that asks for a temporary folder fails (vLLM's RPC path, the first here).
-    proc = _sandboxed(scratch, sys.executable, "-c", RESOLVED)
+    proc = _sandboxed(bubblewrap, scratch, sys.executable, "-c", RESOLVED)
     assert proc.returncode != 0 and "No usable temporary directory found" in proc.stderr, proc.stderr[-3000:]
 
 
