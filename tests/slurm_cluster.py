@@ -155,11 +155,15 @@ while (( $# )); do
         *) break ;;
     esac
 done
+echo "read-only sandbox: $*" >&2
 binds=()
 IFS=: read -ra writable <<< "$MR_SANDBOX_WRITABLE"
 for dir in "${writable[@]}"; do binds+=(--bind "$dir" "$dir"); done
-exec "$MR_SANDBOX_SRUN" "${opts[@]}" "$MR_SANDBOX_BWRAP" --ro-bind / / --dev-bind /dev /dev --proc /proc \
-    "${binds[@]}" --setenv HOME /home/no-home --die-with-parent -- "$@"
+# bwrap stays as the step's task, waiting for the sandboxed command: it ignores SIGTERM (Slurm signals every
+# process of the step), which the command gets back as usual, as a container's processes (the task itself) do.
+exec "$MR_SANDBOX_SRUN" "${opts[@]}" bash -c 'trap "" TERM; exec "$@"' sandbox "$MR_SANDBOX_BWRAP" \\
+    --ro-bind / / --dev-bind /dev /dev --proc /proc "${binds[@]}" --setenv HOME /home/no-home \\
+    -- env --default-signal=TERM "$@"
 """
 
 
