@@ -8,14 +8,14 @@
 #      interfaces gloo and NCCL will use (loopback fails a job whose nodes are on several hosts), InfiniBand
 #      HCAs, open-files and memory limits, the ephemeral port range against the job's Ray ports, Ray's temp
 #      dir, the NVIDIA driver against the image's CUDA. With a pyxis image this step also creates each
-#      node's container, once, before the concurrent steps attach to it (concurrent first attaches of one
-#      named container fail with "Could not acquire rootfs lock");
+#      node's container (megareason_JOBID), once, before the concurrent steps attach to it (concurrent first
+#      attaches of one named container fail with "Could not acquire rootfs lock");
 #   2. checks the job's inputs before Ray starts, each refusal naming what to change (exit code 2, no
-#      requeue): the code (the checkout's commit, and whether its tree is dirty, recorded in the job folder
-#      at the first start; a requeued run whose checkout's commit moved since is refused); the config with the
-#      driver's own arguments and its preflight (model, data files, free space for the checkpoints it
-#      keeps: megareason/launch/slurm_job.py run-dir); and that a job across several hosts keeps its run
-#      folder (trainer.output_dir) outside the checkout, on scratch storage;
+#      requeue): the config with the driver's own arguments and its preflight (model, data files, free space
+#      for the checkpoints it keeps: megareason/launch/slurm_job.py run-dir); and that a job across several
+#      hosts keeps its run folder (trainer.output_dir) outside the checkout, on scratch storage. At the first
+#      start it then snapshots the code into the run folder (_mr_snapshot): every later step and every
+#      requeued run runs that snapshot;
 #   3. starts a Ray head on the first node and a Ray worker on each other node (srun steps running
 #      megareason/launch/ray_node.py: `ray start --block` with SIGTERM blocked, retried while the cluster
 #      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range (not
@@ -54,8 +54,9 @@
 #   MEGAREASON_RAY_START_RETRIES more `ray start` attempts per node while the cluster is not up (ray_node.py's
 #                                default: 3)
 #   MEGAREASON_RAY_TMPDIR        an existing node-local directory for Ray's temp dirs, logs and spilled
-#                                objects (default: $TMPDIR or /tmp; mounted into the container; keep the path
-#                                short: Ray's socket paths must stay under 107 characters)
+#                                objects, and every cache and temporary folder of a step
+#                                (megareason/launch/job_env.py) (default: $TMPDIR or /tmp; mounted into the
+#                                container; keep the path short: Ray's socket paths must stay under 107 characters)
 #   MEGAREASON_RAY_START_ARGS    extra `ray start` arguments, e.g. --object-store-memory=...
 #   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_*: reach every step (srun passes the job's
 #                                environment on); step 1 prints what they select on each node
