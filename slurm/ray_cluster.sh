@@ -231,7 +231,8 @@ _mr_checkout_state() {
 # in the checkout reaches neither a running job nor its requeue. A new job takes a new snapshot: it resumes the
 # run with the checkout's code of then, on purpose. $1: the run folder.
 _mr_snapshot() {
-    local dest="$1/code/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID" state paths=(megareason configs slurm pyproject.toml)
+    local dest="$1/code/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID" state
+    local paths=(megareason configs slurm pyproject.toml)
     local tmp="$dest.partial"
     rm -rf "$tmp" && mkdir -p "$tmp" || return 1
     if state=$(_mr_checkout_state "$MR_ROOT"); then
