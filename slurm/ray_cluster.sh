@@ -294,6 +294,7 @@ megareason_slurm_run() {
         [[ -f $MR_CODE/.megareason-code ]] ||
             _mr_fail "the snapshot of the code this job started with, $MR_CODE, is gone: submit a new job (it" \
                      "resumes the run from its latest checkpoint with the checkout's code)"
+        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     fi
     _mr_use_code
     _mr_raise_nofile
@@ -349,8 +350,8 @@ megareason_slurm_run() {
     if [[ $MR_CODE == "$MR_ROOT" ]]; then
         _mr_snapshot "$MR_RUN_DIR" || _mr_fail "the code could not be copied into $MR_RUN_DIR/code"
         _mr_use_code
+        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     fi
-    _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     if [[ ${train_args[0]} == --config-dir ]]; then  # a YAML file of the checkout: the snapshot's copy
         local dir root
         dir=$(cd "$MR_ROOT" && realpath -m "${train_args[1]}") root=$(realpath -m "$MR_ROOT")
