@@ -294,7 +294,6 @@ megareason_slurm_run() {
         [[ -f $MR_CODE/.megareason-code ]] ||
             _mr_fail "the snapshot of the code this job started with, $MR_CODE, is gone: submit a new job (it" \
                      "resumes the run from its latest checkpoint with the checkout's code)"
-        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     fi
     _mr_use_code
     _mr_raise_nofile
@@ -320,6 +319,8 @@ megareason_slurm_run() {
             "on $hosts host(s), Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports)," \
             "Ray temp dirs in $MR_RAY_TMPDIR, open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}," \
             "ends: $(date -d "@${MEGAREASON_JOB_END_TIME:-}" +%FT%T 2>/dev/null || echo 'no time limit')"
+    [[ $MR_CODE != "$MR_ROOT" ]] &&
+        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     if (( hosts > 1 )) && [[ $MR_HEAD_IP == 127.* ]]; then
         _mr_fail "the head node $head's address $addr resolves to $MR_HEAD_IP (loopback) here, on a job across" \
                  "$hosts hosts: the other nodes cannot reach Ray's head; fix the node's NodeAddr or /etc/hosts"

@@ -454,6 +454,8 @@ def test_a_requeued_job_runs_every_step_from_its_snapshot_whatever_the_checkout_
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "the snapshot ran run-dir" in out, out
     assert "the snapshot's script: the config was refused (exit code 2" in out, out
+    banner, code = out.index("job 41 (restart 1): grpo_smollm2_cpu"), out.index(f"code: {snap}, the snapshot of {root}")
+    assert banner < code < out.index("the config was refused")  # logged where the run begins
     steps = (tmp_path / "srun.log").read_text().splitlines()
     assert len(steps) == 2 and "--nodes=2 --hosts=1 " in steps[0]  # node check (one host: the test cluster's)
     assert "run-dir" in steps[1] and "ray_cluster.sh node" not in "".join(steps)
