@@ -45,7 +45,9 @@ def _sandboxed(bwrap: str, scratch: Path, *command: str) -> subprocess.Completed
     keep = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "LANG", "HF_HUB_OFFLINE")}
     return subprocess.run([bwrap, "--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--proc", "/proc",
                            "--bind", str(scratch), str(scratch), "--clearenv", "--die-with-parent",
-                           *(a for k, v in {**keep, "HOME": "/nonexistent/home"}.items() for a in ("--setenv", k, v)),
+                           # Slurm sets TMPDIR (TmpFS, /tmp) in every step
+                           *(a for k, v in {**keep, "HOME": "/nonexistent/home", "TMPDIR": "/tmp"}.items()
+                             for a in ("--setenv", k, v)),
                            "--", *command], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -72,8 +74,10 @@ def test_a_writable_home_keeps_the_model_stores_and_the_sites_own_settings_are_k
     assert "TRITON_CACHE_DIR" not in env  # the site's
     assert env["VLLM_CACHE_ROOT"] == str(scratch / "cache" / "vllm")  # caches: the scratch, home or not
     assert env["TMPDIR"] == str(scratch / "tmp")
-    env = step_environment(scratch, {"HOME": str(home), "TMPDIR": "/local/slurm-tmp"})
-    assert "TMPDIR" not in env  # Slurm's node-local TMPDIR (job_container/tmpfs) stays
+    env = step_environment(scratch, {"HOME": str(home), "TMPDIR": str(tmp_path)})
+    assert "TMPDIR" not in env  # a node-local TMPDIR that can be written (job_container/tmpfs) stays
+    env = step_environment(scratch, {"HOME": str(home), "HF_HOME": "/models/read-only"})
+    assert "HF_HOME" not in env  # a model store the site set is kept, even read-only (models fetched before)
 
 
 def test_a_steps_folder_is_its_nodes_ray_temp_dir_or_its_own_and_the_wrapper_removes_an_ephemeral_one(tmp_path):

@@ -9,7 +9,9 @@ folder of the job's node-local scratch. ``slurm/ray_cluster.sh`` runs every job 
 (``python -m megareason.launch.job_env ... -- COMMAND``), so the node check, the driver and each node's Ray,
 whose workers and vLLM engines inherit the raylet's environment, all see the same settings.
 
-A variable the site already set is kept (a shared Triton cache, a node-local ``TMPDIR`` from Slurm). The two
+A variable the site already set is kept where it can be written (a shared Triton cache, a node-local
+``TMPDIR``); Slurm sets ``TMPDIR`` in every step (``/tmp`` unless ``TmpFS`` says otherwise), which a read-only
+container cannot write, so a value that cannot be written is replaced like an unset one. The two
 model stores, Hugging Face's (``HF_HOME``) and megareason's converted models (``MEGAREASON_CACHE``), hold data
 a run reads, not only a cache: they stay in the home folder where it is writable (a plain node: the models the
 user fetched there) and go to the scratch where it is not (a container without a home): set them to shared
@@ -62,8 +64,10 @@ def writable(path: Path) -> bool:
 
 def step_environment(scratch: Path, environ: dict[str, str]) -> dict[str, str]:
     """The variables to set for a job step whose node-local scratch folder is ``scratch``: each of
-    ``SCRATCH_VARS`` and ``MODEL_STORES`` that ``environ`` does not set already (module docstring)."""
-    out = {k: str(scratch / sub) for k, sub in SCRATCH_VARS.items() if not environ.get(k)}
+    ``SCRATCH_VARS`` that ``environ`` does not set to a folder that can be written, and each of
+    ``MODEL_STORES`` it does not set (module docstring)."""
+    out = {k: str(scratch / sub) for k, sub in SCRATCH_VARS.items()
+           if not (environ.get(k) and writable(Path(environ[k])))}
     home = Path(environ.get("HOME") or "/nonexistent")
     for k, (under_home, sub) in MODEL_STORES.items():
         if not environ.get(k) and not writable(home / under_home):
