@@ -8,14 +8,14 @@
 #      interfaces gloo and NCCL will use (loopback fails a job whose nodes are on several hosts), InfiniBand
 #      HCAs, open-files and memory limits, the ephemeral port range against the job's Ray ports, Ray's temp
 #      dir, the NVIDIA driver against the image's CUDA. With a pyxis image this step also creates each
-#      node's container, once, before the concurrent steps attach to it (concurrent first attaches of one
-#      named container fail with "Could not acquire rootfs lock");
+#      node's container (megareason_JOBID), once, before the concurrent steps attach to it (concurrent first
+#      attaches of one named container fail with "Could not acquire rootfs lock");
 #   2. checks the job's inputs before Ray starts, each refusal naming what to change (exit code 2, no
-#      requeue): the code (the checkout's commit, and whether its tree is dirty, recorded in the job folder
-#      at the first start; a requeued run whose checkout's commit moved since is refused); the config with the
-#      driver's own arguments and its preflight (model, data files, free space for the checkpoints it
-#      keeps: megareason/launch/slurm_job.py run-dir); and that a job across several hosts keeps its run
-#      folder (trainer.output_dir) outside the checkout, on scratch storage;
+#      requeue): the config with the driver's own arguments and its preflight (model, data files, free space
+#      for the checkpoints it keeps: megareason/launch/slurm_job.py run-dir); and that a job across several
+#      hosts keeps its run folder (trainer.output_dir) outside the checkout, on scratch storage. At the first
+#      start it then snapshots the code into the run folder (_mr_snapshot): every later step and every
+#      requeued run runs that snapshot;
 #   3. starts a Ray head on the first node and a Ray worker on each other node (srun steps running
 #      megareason/launch/ray_node.py: `ray start --block` with SIGTERM blocked, retried while the cluster
 #      is not up), with a per-job auth token and ports in a per-job block below the ephemeral range (not
@@ -58,8 +58,9 @@
 #   MEGAREASON_RAY_START_RETRIES more `ray start` attempts per node while the cluster is not up (ray_node.py's
 #                                default: 3)
 #   MEGAREASON_RAY_TMPDIR        an existing node-local directory for Ray's temp dirs, logs and spilled
-#                                objects (default: $TMPDIR or /tmp; mounted into the container; keep the path
-#                                short: Ray's socket paths must stay under 107 characters)
+#                                objects, and every cache and temporary folder of a step
+#                                (megareason/launch/job_env.py) (default: $TMPDIR or /tmp; mounted into the
+#                                container; keep the path short: Ray's socket paths must stay under 107 characters)
 #   MEGAREASON_RAY_START_ARGS    extra `ray start` arguments, e.g. --object-store-memory=...
 #   NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, NCCL_*: reach every step (srun passes the job's
 #                                environment on); step 1 prints what they select on each node
@@ -71,18 +72,27 @@ MR_RAY_WORKER_PORTS=126     # per node: one for each Ray worker process (an acto
 
 _mr_log() { echo "$(date +%T) megareason-slurm: $*"; }
 
-# srun on the given nodes, inside the container when one is configured; extra srun options first.
+# srun on the given nodes, inside the container when one is configured: `_mr_srun SRUN_OPTIONS... -- COMMAND...`.
+# COMMAND runs through megareason/launch/job_env.py, which points every cache and temporary folder of the
+# stack (vLLM, torch inductor, Triton, Hugging Face, matplotlib, TMPDIR, a home that cannot be written) at the
+# node's folder of the job under MR_RAY_TMPDIR: the container's root and home stay untouched (enroot mounts
+# the root read-only by default). MR_STEP_SCRATCH=--ephemeral: a folder of the step's own, removed after it.
 _mr_srun() {
+    local opts=()
+    while (( $# )) && [[ $1 != -- ]]; do opts+=("$1"); shift; done
+    shift
     local where=(--chdir="$MR_ROOT")
     if [[ -n ${MEGAREASON_CONTAINER_IMAGE:-} ]]; then
         local mounts="$MR_ROOT:$MR_ROOT,$MR_RAY_TMPDIR:$MR_RAY_TMPDIR"
         mounts+=${MEGAREASON_CONTAINER_MOUNTS:+,$MEGAREASON_CONTAINER_MOUNTS}
-        # One container name for every step: step 1 creates it on each node, later steps attach to it.
-        where=(--container-image="$MEGAREASON_CONTAINER_IMAGE" --container-name=megareason
+        # One container per job for every step: step 1 creates it on each node from the image, later steps
+        # attach to it. Named per job: pyxis keeps a named container on the node after the job with
+        # container_scope=global and then skips the import, so a node would keep an older image's stack.
+        where=(--container-image="$MEGAREASON_CONTAINER_IMAGE" --container-name="$MR_CONTAINER"
                --container-mounts="$mounts" --container-workdir="$MR_ROOT" --no-container-mount-home)
     fi
     # --overlap: the Ray steps, the driver and the checks share the nodes' CPUs and GPUs.
-    srun --overlap "${where[@]}" "$@"
+    srun --overlap "${opts[@]}" "${where[@]}" "$MR_PYTHON" -m megareason.launch.job_env ${MR_STEP_SCRATCH:-} -- "$@"
 }
 
 # One Ray node (inside an srun step, one task per node): the head on the job's first node.
@@ -240,37 +250,37 @@ _mr_checkout_state() {
     fi
 }
 
-# The code this job runs: recorded in the job folder at its first start. A requeued run (SLURM_RESTART_COUNT
-# > 0) of a checkout whose commit moved since is refused: its resume would run other code than the job's
-# checkpoints were written by. Uncommitted changes that differ from the first start's are logged, not refused
-# (a dirty tree's files change for many reasons). A new job resumes the run with new code on purpose.
-_mr_check_checkout() {
-    local record=$MR_JOBDIR/checkout now was
-    if ! now=$(_mr_checkout_state "$MR_ROOT"); then
-        _mr_log "code: $MR_ROOT is not a git checkout (or git is missing here): the commit is not recorded"
-        return 0
+# The code this job runs: at its first start a snapshot of the checkout MR_ROOT's megareason/, configs/, slurm/
+# and pyproject.toml (in a git checkout: their tracked files and the untracked ones git does not ignore, with
+# their uncommitted changes, as NeMo-RL's tools/code_snapshot.sh copies a checkout's tracked files) into the run
+# folder, RUN/code/CLUSTER-JOB, written whole or not at all; the job folder records where (its `checkout`
+# file). Every later step of the job and every requeued run runs that snapshot (PYTHONPATH, with
+# PYTHONSAFEPATH=1 so that the working directory, the checkout, never comes first), so an edit or a new commit
+# in the checkout reaches neither a running job nor its requeue. A new job takes a new snapshot: it resumes the
+# run with the checkout's code of then, on purpose. $1: the run folder.
+_mr_snapshot() {
+    local dest="$1/code/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID" state
+    local paths=(megareason configs slurm pyproject.toml)
+    local tmp="$dest.partial"
+    rm -rf "$tmp" && mkdir -p "$tmp" || return 1
+    if state=$(_mr_checkout_state "$MR_ROOT"); then
+        git -C "$MR_ROOT" ls-files -z --cached --others --exclude-standard -- "${paths[@]}" |
+            tar -C "$MR_ROOT" --null --ignore-failed-read -T - -cf - 2>/dev/null | tar -C "$tmp" -xf - || return 1
+    else
+        state="not a git checkout"
+        local have=() p
+        for p in "${paths[@]}"; do [[ -e $MR_ROOT/$p ]] && have+=("$p"); done
+        tar -C "$MR_ROOT" --exclude=__pycache__ -cf - "${have[@]}" | tar -C "$tmp" -xf - || return 1
     fi
-    if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -s $record ]]; then
-        was=$(<"$record")
-        if [[ ${was%% *} != "${now%% *}" ]]; then
-            _mr_log "error: the checkout $MR_ROOT moved since this job first started: it started at commit" \
-                    "${was%% *} (${was#* }), it is now at ${now%% *} (${now#* }); a requeued run runs the code it" \
-                    "started with only. Submit a new job to go on with this code (it resumes from the run's" \
-                    "latest checkpoint), or check out ${was%% *} again before requeueing this one. Ray was not started"
-            exit "$MR_EXIT_REFUSED"
-        fi
-        if [[ $was != "$now" ]]; then
-            _mr_log "warning: the checkout $MR_ROOT has other uncommitted changes than at this job's first start" \
-                    "(${was#* }, now ${now#* }) on the same commit ${now%% *}: the requeued run runs them as they are"
-        else
-            _mr_log "code: $MR_ROOT at $now, as at the job's first start"
-        fi
-        return 0
-    fi
-    (( ${SLURM_RESTART_COUNT:-0} > 0 )) &&
-        _mr_log "no record of the code this job first started from (its job folder was removed): recording this run's"
-    echo "$now" > "$record.tmp" && mv "$record.tmp" "$record"
-    _mr_log "code: $MR_ROOT at $now"
+    echo "$MR_ROOT $state" > "$tmp/.megareason-code"
+    rm -rf "$dest" && mv "$tmp" "$dest" || return 1
+    echo "$dest" > "$MR_JOBDIR/checkout.tmp" && mv "$MR_JOBDIR/checkout.tmp" "$MR_JOBDIR/checkout"
+    MR_CODE=$dest
+}
+
+# Run every later step from the code in $MR_CODE (the checkout at the first start until its snapshot exists).
+_mr_use_code() {
+    export MR_CODE PYTHONSAFEPATH=1 PYTHONPATH="$MR_CODE${MR_PYTHONPATH:+:$MR_PYTHONPATH}"
 }
 
 # Open files: Ray's processes hold many sockets and files; srun passes the soft limit on to the steps.
@@ -297,18 +307,30 @@ megareason_slurm_run() {
     read -ra addrs <<< "$(scontrol show node "$SLURM_JOB_NODELIST" | grep -oP 'NodeAddr=\K\S+' | tr '\n' ' ')"
     hosts=$(_mr_count_hosts "${addrs[@]}")
     MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_RAY_STEPS=() MR_DRIVER= MR_REQUEUED=0
-    # Per-job files (the driver's PID, the run folder, Ray's stop file, the record of the code) on the shared
-    # filesystem, also seen from inside the container.
+    # Per-job files (the run folder, Ray's stop file, where the code's snapshot is) on the shared filesystem,
+    # written by this script only, read also from inside the container.
     MR_JOBDIR="$MR_ROOT/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID"
-    MR_DRIVER_PIDFILE="$MR_JOBDIR/driver.pid"
-    mkdir -p "$MR_JOBDIR" && rm -f "$MR_JOBDIR"/{driver.pid,ray.stop,ray.up,run_dir}
+    # The driver's PID, written by its step: in the head node's folder of the job (job_env.py), one of the few
+    # places a step can write in a container with a read-only root.
+    MR_DRIVER_PIDFILE="$MR_RAY_TMPDIR/mr-ray-$SLURM_JOB_ID-0/driver.pid"
+    MR_CONTAINER="megareason_$SLURM_JOB_ID"
+    mkdir -p "$MR_JOBDIR" && rm -f "$MR_JOBDIR"/{ray.stop,ray.up,run_dir} "$MR_DRIVER_PIDFILE"
+    # The code: the checkout until the first start's snapshot is taken; a requeued run's, from its start.
+    MR_CODE=$MR_ROOT MR_PYTHONPATH=${PYTHONPATH:-}
+    if (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -s $MR_JOBDIR/checkout ]]; then
+        MR_CODE=$(<"$MR_JOBDIR/checkout")
+        [[ -f $MR_CODE/.megareason-code ]] ||
+            _mr_fail "the snapshot of the code this job started with, $MR_CODE, is gone: submit a new job (it" \
+                     "resumes the run from its latest checkpoint with the checkout's code)"
+    fi
+    _mr_use_code
     _mr_raise_nofile
     # This job's own Ray auth token: Ray 2.60 turns token auth on for a head when ~/.ray/auth_token
     # exists, and its workers then fail without the token; an explicit one works everywhere.
     RAY_AUTH_TOKEN=$("$MR_PYTHON" -c 'import secrets; print(secrets.token_hex(32))') ||
         _mr_fail "$MR_PYTHON does not run (MEGAREASON_PYTHON)"
     export RAY_AUTH_MODE=token RAY_AUTH_TOKEN RAY_USAGE_STATS_ENABLED=0
-    export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP MR_JOBDIR MR_NODE_SLOTS
+    export MR_ROOT MR_PYTHON MR_RAY_TMPDIR MR_RAY_PORT_BASE MR_NODES MR_HEAD_IP MR_JOBDIR MR_NODE_SLOTS MR_CONTAINER
     # The job's end time: the driver saves and stops before it without waiting for a signal
     # (trainer.must_save_by_minutes in megareason/config/schema.py). None for a job without a time limit.
     local end
@@ -325,25 +347,28 @@ megareason_slurm_run() {
             "on $hosts host(s), Ray head $head at $MR_HEAD_IP:$MR_RAY_PORT_BASE (ports $ports)," \
             "Ray temp dirs in $MR_RAY_TMPDIR, open files $(ulimit -Sn), container: ${MEGAREASON_CONTAINER_IMAGE:-none}," \
             "ends: $(date -d "@${MEGAREASON_JOB_END_TIME:-}" +%FT%T 2>/dev/null || echo 'no time limit')"
+    [[ $MR_CODE != "$MR_ROOT" ]] &&
+        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
     if (( hosts > 1 )) && [[ $MR_HEAD_IP == 127.* ]]; then
         _mr_fail "the head node $head's address $addr resolves to $MR_HEAD_IP (loopback) here, on a job across" \
                  "$hosts hosts: the other nodes cannot reach Ray's head; fix the node's NodeAddr or /etc/hosts"
     fi
 
     # 1. every node, one task each: what NCCL/gloo/Ray will use (and the container, created once per node)
-    _mr_srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 "$MR_PYTHON" -m megareason.launch.node_check \
+    MR_STEP_SCRATCH=--ephemeral _mr_srun --nodes="$n" --ntasks="$n" --ntasks-per-node=1 -- \
+             "$MR_PYTHON" -m megareason.launch.node_check \
              --nodes="$n" --hosts="$hosts" --ports="$ports" --ray-tmpdir="$MR_RAY_TMPDIR" --head-ip="$MR_HEAD_IP" ||
         _mr_fail "the node check failed (its errors are above)"
 
-    # 2. the job's inputs: the code, the config and its preflight with the driver's own arguments, the run folder
-    _mr_check_checkout
+    # 2. the job's inputs: the config and its preflight with the driver's own arguments, the run folder; the code
     local train_args=(--config-name "$config")
     if [[ $config == *.yaml || $config == *.yml || $config == */* ]]; then
         train_args=(--config-dir "$(dirname "$config")" --config-name "$(basename "${config%.y*ml}")")
     fi
     local out rc
-    out=$(_mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -m megareason.launch.slurm_job run-dir \
-                   --hosts="$hosts" --checkout="$MR_ROOT" "${train_args[@]}" "$@"); rc=$?
+    out=$(MR_STEP_SCRATCH=--ephemeral _mr_srun --nodes=1 --ntasks=1 -w "$head" -- \
+              "$MR_PYTHON" -m megareason.launch.slurm_job run-dir \
+              --hosts="$hosts" --checkout="$MR_ROOT" "${train_args[@]}" "$@"); rc=$?
     if (( rc != 0 )); then
         _mr_log "the config was refused (exit code $rc, the reason is above); Ray was not started"
         exit "$rc"
@@ -351,21 +376,31 @@ megareason_slurm_run() {
     MR_RUN_DIR=${out##*$'\n'}
     echo "$MR_RUN_DIR" > "$MR_JOBDIR/run_dir.tmp" && mv "$MR_JOBDIR/run_dir.tmp" "$MR_JOBDIR/run_dir"
     _mr_log "run folder: $MR_RUN_DIR (this run's Ray logs: ray_logs/restart_${SLURM_RESTART_COUNT:-0}/)"
+    if [[ $MR_CODE == "$MR_ROOT" ]]; then
+        _mr_snapshot "$MR_RUN_DIR" || _mr_fail "the code could not be copied into $MR_RUN_DIR/code"
+        _mr_use_code
+        _mr_log "code: $MR_CODE, the snapshot of $(<"$MR_CODE/.megareason-code") at the job's first start"
+    fi
+    if [[ ${train_args[0]} == --config-dir ]]; then  # a YAML file of the checkout: the snapshot's copy
+        local dir root
+        dir=$(cd "$MR_ROOT" && realpath -m "${train_args[1]}") root=$(realpath -m "$MR_ROOT")
+        [[ $dir == "$root"/* && -d $MR_CODE/${dir#"$root"/} ]] && train_args[1]=$MR_CODE/${dir#"$root"/}
+    fi
 
     # 3. Ray
     # No --cpus-per-task: a step then has all of the job's CPUs on each of its nodes (srun's default without
     # --exact), and each node's Ray declares its own node's count, whatever the others have.
-    local ray_node=(bash "$MR_ROOT/slurm/ray_cluster.sh" node)
-    _mr_srun --nodes=1 --ntasks=1 -w "$head" "${ray_node[@]}" &
+    local ray_node=(bash "$MR_CODE/slurm/ray_cluster.sh" node)
+    _mr_srun --nodes=1 --ntasks=1 -w "$head" -- "${ray_node[@]}" &
     MR_RAY_STEPS+=($!)
     if (( n > 1 )); then
-        _mr_srun --nodes=$((n - 1)) --ntasks=$((n - 1)) --ntasks-per-node=1 --exclude="$head" "${ray_node[@]}" &
+        _mr_srun --nodes=$((n - 1)) --ntasks=$((n - 1)) --ntasks-per-node=1 --exclude="$head" -- "${ray_node[@]}" &
         MR_RAY_STEPS+=($!)
     fi
 
     # 4. the wait
     local wait_s=${MEGAREASON_RAY_WAIT_S:-1800} pid
-    _mr_srun --nodes=1 --ntasks=1 -w "$head" "$MR_PYTHON" -m megareason.launch.slurm_job wait \
+    _mr_srun --nodes=1 --ntasks=1 -w "$head" -- "$MR_PYTHON" -m megareason.launch.slurm_job wait \
              "$MR_HEAD_IP:$MR_RAY_PORT_BASE" "$n" "$gpus" "$wait_s" &
     local waiter=$!
     while _mr_alive "$waiter"; do  # a Ray step that dies early fails the job now, not after the timeout
@@ -389,7 +424,7 @@ megareason_slurm_run() {
     # 5. the driver. It writes its PID (the host's, also in a pyxis container) so SIGUSR1 reaches it
     # alone: a signal to its srun would reach every process of the step, the reward workers included.
     # shellcheck disable=SC2016  # $$ and $@ belong to the inner bash
-    _mr_srun --nodes=1 --ntasks=1 -w "$head" --cpus-per-task="$SLURM_CPUS_ON_NODE" \
+    _mr_srun --nodes=1 --ntasks=1 -w "$head" --cpus-per-task="$SLURM_CPUS_ON_NODE" -- \
              bash -c 'echo $$ > "$0" && exec "$@"' "$MR_DRIVER_PIDFILE" \
              "$MR_PYTHON" -m megareason.cli train "${train_args[@]}" \
              "trainer.ray_address=$MR_HEAD_IP:$MR_RAY_PORT_BASE" "$@" &
@@ -450,4 +485,13 @@ _mr_requeue_without_failed_nodes() {
 
 if [[ ${BASH_SOURCE[0]} == "$0" && ${1:-} == node ]]; then
     _mr_ray_node
+elif [[ ${BASH_SOURCE[0]} != "$0" ]] && (( ${SLURM_RESTART_COUNT:-0} > 0 )) && [[ -z ${MR_SNAPSHOT_SOURCED:-} ]]; then
+    # A recipe sources this file from the checkout: a requeued run defines these functions again from the
+    # snapshot its first start took (megareason_slurm_run), so the checkout's edits reach not even the job script.
+    _mr_record="${MEGAREASON_ROOT:-$SLURM_SUBMIT_DIR}/outputs/slurm/${SLURM_CLUSTER_NAME:-slurm}-$SLURM_JOB_ID/checkout"
+    if [[ -s $_mr_record && -f $(<"$_mr_record")/slurm/ray_cluster.sh ]]; then
+        MR_SNAPSHOT_SOURCED=1
+        # shellcheck source=/dev/null
+        source "$(<"$_mr_record")/slurm/ray_cluster.sh"
+    fi
 fi

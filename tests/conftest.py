@@ -51,8 +51,9 @@ def tiny_mixtral(tmp_path_factory):
                             intermediate_size=64, num_experts=4, top_k=2, tie_word_embeddings=True, seed=4)
 
 
-# Set-ups that only install (Debian's slurm-wlm, NeMo-Run's own venv: ~1.5 minutes on a fresh machine) start
-# in the background as soon as the session knows it runs a test that needs them, while the unit tests run.
+# Set-ups that only install (Debian's slurm-wlm and bubblewrap, NeMo-Run's own venv: ~1.5 minutes on a fresh
+# machine) start in the background as soon as the session knows it runs a test that needs them, while the unit
+# tests run.
 _PREPARING: dict[str, Future] = {}
 
 
@@ -100,7 +101,8 @@ def pytest_collection_finish(session):
     if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return  # (the other xdist workers: a fixture that needs the install waits for it on the lock files)
     wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    jobs = {"slurm": slurm_cluster.ensure_slurm, "launch_venv": launch_env.ensure}
+    jobs = {"slurm": slurm_cluster.ensure_slurm, "launch_venv": launch_env.ensure,
+            "bubblewrap": slurm_cluster.ensure_bubblewrap}
     todo = {name: job for name, job in jobs.items() if name in wanted}
     if todo:
         pool = ThreadPoolExecutor(len(todo), thread_name_prefix="prepare")
@@ -119,6 +121,14 @@ def launch_venv():
     from megareason.launch import launch_env
 
     return _prepared("launch_venv", launch_env.ensure)
+
+
+@pytest.fixture(scope="session")
+def bubblewrap():
+    """Debian's bubblewrap (the read-only container sandbox of tests/slurm_cluster.py): its ``bwrap``."""
+    import slurm_cluster
+
+    return _prepared("bubblewrap", slurm_cluster.ensure_bubblewrap)
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,55 @@ def ensure_slurm() -> None:
             raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
 
 
+def ensure_bubblewrap() -> str:
+    """Debian's bubblewrap (``bwrap``), installed once like slurm-wlm; its path."""
+    if not shutil.which("bwrap"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "DPkg::Lock::Timeout=600", "bubblewrap"]
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:  # no package lists yet
+            subprocess.run(["apt-get", "update", "-o", "DPkg::Lock::Timeout=600"], env=env, check=True,
+                           capture_output=True)
+            subprocess.run(install, env=env, check=True, capture_output=True)
+    return shutil.which("bwrap")
+
+
+# An `srun` in front of the real one (first on the job's PATH) that runs each job step's command the way enroot
+# runs a container with its defaults and pyxis' --no-container-mount-home: the whole file system read-only (the
+# root, the Python environment, the checkout), no home (HOME names a folder that does not exist), only the
+# folders in MR_SANDBOX_WRITABLE (colon-separated: the run folder, the job's node-local scratch) writable; /dev
+# (with /dev/shm) and the network as on the host, as in a container. The options before the command are srun's.
+SANDBOX_SRUN = """\
+#!/bin/bash
+opts=()
+while (( $# )); do
+    case $1 in
+        -w|-N|-n|-c) opts+=("$1" "$2"); shift 2 ;;
+        -*) opts+=("$1"); shift ;;
+        *) break ;;
+    esac
+done
+echo "read-only sandbox: $*" >&2
+binds=()
+IFS=: read -ra writable <<< "$MR_SANDBOX_WRITABLE"
+for dir in "${writable[@]}"; do binds+=(--bind "$dir" "$dir"); done
+# bwrap stays as the step's task, waiting for the sandboxed command: it ignores SIGTERM (Slurm signals every
+# process of the step), which the command gets back as usual, as a container's processes (the task itself) do.
+exec "$MR_SANDBOX_SRUN" "${opts[@]}" bash -c 'trap "" TERM; exec "$@"' sandbox "$MR_SANDBOX_BWRAP" \\
+    --ro-bind / / --dev-bind /dev /dev --proc /proc "${binds[@]}" --setenv HOME /home/no-home \\
+    -- env --default-signal=TERM "$@"
+"""
+
+
+def sandboxed(env: dict[str, str], folder: Path, *writable: Path) -> dict[str, str]:
+    """``env`` for a job whose steps run in the read-only sandbox of ``SANDBOX_SRUN`` (written to ``folder``),
+    with ``writable`` (existing folders) the only ones they can write."""
+    bwrap, real = ensure_bubblewrap(), shutil.which("srun", path=env.get("PATH"))
+    (folder / "srun").write_text(SANDBOX_SRUN)
+    (folder / "srun").chmod(0o755)
+    return {**env, "PATH": f"{folder}:{env.get('PATH', os.defpath)}", "MR_SANDBOX_SRUN": real,
+            "MR_SANDBOX_BWRAP": bwrap, "MR_SANDBOX_WRITABLE": ":".join(map(str, writable))}
+
+
 def port_block(size: int) -> int:
     """The first port of ``size`` consecutive free ports below 9000, where slurm/ray_cluster.sh's own
     default blocks lie (below the ephemeral range on any node: nothing but a server asking for a port by

@@ -99,7 +99,10 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     `ray start`, the GCS, the raylets, the actors, vLLM), while that generation is held from ending
     (tests/hold_generation: a large model's long generation): the engines give the step up, step 1's
     checkpoint holds the state, and the job requeues within a bounded time, not after the generation. The
-    three runs together give the uninterrupted run's metrics, every one of every step (golden "slurm_raro")."""
+    three runs together give the uninterrupted run's metrics, every one of every step (golden "slurm_raro").
+    Every job step runs in a sandbox with enroot's defaults (slurm_cluster.sandboxed: the root, the Python
+    environment and the checkout read-only, no home; only the run folder and the job's scratch writable), and
+    every run of the job runs the code snapshot its first start took."""
     out = tmp_path / "run"
     overrides = tiny_raro(tiny_qwen2, tmp_path, out, "trainer.steps=3")
     if recording():  # the uninterrupted run, for tools/regen_golden.sh
@@ -108,10 +111,14 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
                                                                           "trainer.steps=3"))
         assert proc.wait(timeout=1500) == 0, slurm_cluster.read_log(log)[-6000:]
         check_golden("slurm_raro", metrics(straight))
-    hold = tmp_path / "hold_generation"
-    env = {**slurm.env, "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "hold_generation"),
-                                                       slurm.env.get("PYTHONPATH")]))}
+    control, sandbox = tmp_path / "control", tmp_path / "sandbox"  # the test's hold file; the srun in front
+    for folder in (control, sandbox, out):
+        folder.mkdir()
+    hold = control / "hold_generation"
+    env = slurm_cluster.sandboxed({**slurm.env, "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
+                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "hold_generation"),
+                                                                               slurm.env.get("PYTHONPATH")]))},
+                                  sandbox, out, slurm.ray_tmp, control)
     proc = _launch("--executor", "slurm", "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1",
                    "--time", "90", "--job-dir", str(tmp_path / "jobs"), "raro_70b", *overrides, env=env,
                    timeout=600)
@@ -144,6 +151,11 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
 
     # The first run: the node check on each node before Ray, Ray on both, the ranks placed on both.
     first = text[:text.index("restart 1")]
+    # Every step of every run in the read-only sandbox, each run on the first start's snapshot of the code.
+    assert text.count("read-only sandbox: ") == 3 * 6, text[-6000:]  # node check, run-dir, 2 Ray, wait, driver
+    snapshot = out / "code" / f"{slurm.name}-{job}"
+    assert text.count(f"code: {snapshot}, the snapshot of {REPO} ") == 3, text[-6000:]
+    assert (snapshot / "megareason" / "cli.py").read_text() == (REPO / "megareason" / "cli.py").read_text()
     for node in ("n1", "n2"):
         assert re.search(rf"node-check {node}: gloo: \w+ [\d.]+ \(", first), first[:4000]
         assert f"node-check {node}: NCCL sockets: " in first and f"node-check {node}: ephemeral ports: " in first

@@ -185,6 +185,12 @@ def test_a_run_writes_only_into_a_new_or_empty_folder_or_a_run_folder(tmp_path):
         (run / mark).write_text("")
         (run / "notes.txt").write_text("mine, added to my run folder")
         check_run_folder(run)
+    snapshot = tmp_path / "snapshot"  # a Slurm job's first start: its code snapshot only (slurm/ray_cluster.sh)
+    (snapshot / "code" / "c-7").mkdir(parents=True)
+    with pytest.raises(OccupiedFolder):  # a folder named code alone is not a run's
+        check_run_folder(snapshot)
+    (snapshot / "code" / "c-7" / ".megareason-code").write_text("/checkout abc clean\n")
+    check_run_folder(snapshot)
     resumable = tmp_path / "resumable"  # a complete checkpoint makes a run folder too
     run = RunDir(resumable)
     tmp = run.begin_checkpoint(2)

@@ -330,40 +330,41 @@ def test_the_hosts_of_a_job_are_its_distinct_node_addresses_with_loopback_one_ho
     assert count("127.0.0.1", "10.1.0.2") == 2
 
 
-def test_a_requeued_run_refuses_a_checkout_whose_commit_moved_since_the_jobs_first_start(tmp_path):
-    root, jobdir = tmp_path / "checkout", tmp_path / "job"
-    first = _git_repo(root)
+def test_the_first_start_snapshots_the_code_the_job_runs_into_the_run_folder(tmp_path):
+    """What a git checkout would run, as it is now: megareason/, configs/, slurm/ and pyproject.toml, their
+    tracked files with uncommitted changes and the untracked files git does not ignore; nothing else. Without
+    git: those folders, without __pycache__."""
+    root, jobdir, run = tmp_path / "checkout", tmp_path / "job", tmp_path / "run"
+    _git_repo(root)
+    for rel, text in (("megareason/a.py", "a = 1\n"), ("configs/c.yaml", "k: 1\n"), ("slurm/s.sh", "true\n"),
+                      ("docs/d.md", "doc\n"), (".gitignore", "*.log\n")):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    commit = _commit(root, "code")
+    (root / "megareason" / "a.py").write_text("a = 2\n")  # uncommitted
+    (root / "megareason" / "new.py").write_text("b = 1\n")  # untracked, not ignored
+    (root / "megareason" / "junk.log").write_text("x")  # ignored
     jobdir.mkdir()
-    env = {"MR_ROOT": str(root), "MR_JOBDIR": str(jobdir)}
-
-    def start(restart: int) -> subprocess.CompletedProcess:
-        return _bash("_mr_check_checkout; echo went on", {**env, "SLURM_RESTART_COUNT": str(restart)})
-
-    proc = start(0)
-    assert proc.returncode == 0 and f"code: {root} at {first} clean" in proc.stdout
-    assert (jobdir / "checkout").read_text() == f"{first} clean\n"
-    proc = start(1)
-    assert proc.returncode == 0 and "as at the job's first start" in proc.stdout and "went on" in proc.stdout
-    (root / "code.py").write_text("x = 2\n")  # uncommitted changes on the same commit: logged, not refused
-    proc = start(2)
-    assert proc.returncode == 0 and "went on" in proc.stdout, proc.stdout
-    assert re.search(rf"warning: the checkout {root} has other uncommitted changes than at this job's first start "
-                     rf"\(clean, now dirty:[0-9a-f]{{12}}\) on the same commit {first}", proc.stdout), proc.stdout
-    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.com"]
-    subprocess.run([*git, "commit", "-qam", "two"], check=True)
-    second = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    proc = start(3)
-    assert proc.returncode == 2 and "went on" not in proc.stdout, proc.stdout
-    assert (f"error: the checkout {root} moved since this job first started: it started at commit {first} (clean), "
-            f"it is now at {second} (clean);") in proc.stdout
-    assert "Submit a new job to go on with this code" in proc.stdout
-    proc = start(0)  # a new job (or the record of a job id used before): recorded afresh
-    assert proc.returncode == 0 and (jobdir / "checkout").read_text() == f"{second} clean\n"
-    (jobdir / "checkout").unlink()
-    proc = start(1)  # the record is gone (a job folder removed by hand): this run's is recorded
-    assert proc.returncode == 0 and "no record of the code this job first started from" in proc.stdout
-    proc = _bash("_mr_check_checkout; echo went on", {**env, "MR_ROOT": str(tmp_path / "job")})
-    assert proc.returncode == 0 and "is not a git checkout" in proc.stdout and "went on" in proc.stdout
+    env = {"MR_ROOT": str(root), "MR_JOBDIR": str(jobdir), "SLURM_JOB_ID": "7", "SLURM_CLUSTER_NAME": "c"}
+    proc = _bash(f'_mr_snapshot "{run}" && echo "$MR_CODE"', env)
+    snap = run / "code" / "c-7"
+    assert proc.returncode == 0 and proc.stdout.strip() == str(snap), proc.stdout + proc.stderr
+    files = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
+    assert files == [".megareason-code", "configs/c.yaml", "megareason/a.py", "megareason/new.py", "slurm/s.sh"]
+    assert (snap / "megareason" / "a.py").read_text() == "a = 2\n"
+    assert re.fullmatch(rf"{root} {commit} dirty:[0-9a-f]{{12}}\n", (snap / ".megareason-code").read_text())
+    assert (jobdir / "checkout").read_text() == f"{snap}\n" and not (run / "code" / "c-7.partial").exists()
+    plain = tmp_path / "plain"  # not a git checkout
+    (plain / "megareason" / "__pycache__").mkdir(parents=True)
+    (plain / "megareason" / "m.py").write_text("m = 1\n")
+    (plain / "megareason" / "__pycache__" / "m.pyc").write_text("")
+    (plain / "tests").mkdir()
+    proc = _bash(f'_mr_snapshot "{run}"', {**env, "MR_ROOT": str(plain), "SLURM_JOB_ID": "8"})
+    snap = run / "code" / "c-8"
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(str(p.relative_to(snap)) for p in snap.rglob("*")) == [".megareason-code", "megareason",
+                                                                          "megareason/m.py"]
+    assert (snap / ".megareason-code").read_text() == f"{plain} not a git checkout\n"
 
 
 def test_the_job_folder_keeps_only_the_code_record_across_a_requeue(tmp_path):
@@ -396,13 +397,14 @@ case "$1 $2${{3:+ $3}}" in
 esac
 """)
     (bin_dir / "srun").write_text("""#!/bin/bash
+args="$*"
 dir=.
 while [[ $1 == -* ]]; do
     [[ $1 == --chdir=* ]] && dir=${1#--chdir=}
     [[ $1 == -w ]] && shift
     shift
 done
-echo "$*" >> "$FAKE_SRUN_LOG"
+echo "$args PYTHONPATH=$PYTHONPATH PYTHONSAFEPATH=$PYTHONSAFEPATH" >> "$FAKE_SRUN_LOG"
 [[ " $* " == *" megareason.launch.node_check "* ]] && exit 0
 cd "$dir" && exec "$@"
 """)
@@ -411,6 +413,7 @@ cd "$dir" && exec "$@"
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(tmp / "srun.log"),
             "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": ",".join(addrs), "SLURM_CPUS_ON_NODE": "1",
             "SLURM_CLUSTER_NAME": "fake", "SLURM_RESTART_COUNT": "0", "MEGAREASON_PYTHON": sys.executable,
+            "SLURMD_NODENAME": next(iter(addrs)),
             "PYTHONPATH": str(REPO), "MEGAREASON_RAY_TMPDIR": str(tmp)}
 
 
@@ -431,19 +434,40 @@ def test_a_job_across_hosts_refuses_a_run_folder_inside_the_checkout_before_ray_
     assert not (root / "outputs" / "slurm" / "fake-41").exists()  # the job folder went with the job
 
 
-def test_a_requeued_job_whose_checkout_moved_stops_before_its_config_and_ray(tmp_path):
+def test_a_requeued_job_runs_every_step_from_its_snapshot_whatever_the_checkout_holds(tmp_path):
     root = tmp_path / "checkout"
     _git_repo(root)
+    snap = tmp_path / "run" / "code" / "fake-41"  # the first start's snapshot: its run-dir says so and stops
+    shutil.copytree(REPO / "megareason", snap / "megareason", ignore=shutil.ignore_patterns("__pycache__"))
+    (snap / "megareason" / "launch" / "slurm_job.py").write_text(
+        "import sys; print('the snapshot ran run-dir', file=sys.stderr); raise SystemExit(2)\n")
+    (snap / ".megareason-code").write_text(f"{root} {'0' * 40} clean\n")
+    (snap / "slurm").mkdir()  # the snapshot's job script, which the checkout's sources again
+    (snap / "slurm" / "ray_cluster.sh").write_text(
+        (REPO / "slurm" / "ray_cluster.sh").read_text().replace("megareason-slurm: $*", "the snapshot's script: $*"))
     jobdir = root / "outputs" / "slurm" / "fake-41"
     jobdir.mkdir(parents=True)
-    (jobdir / "checkout").write_text(f"{'0' * 40} clean\n")
+    (jobdir / "checkout").write_text(f"{snap}\n")
     env = {**_fake_slurm(tmp_path, {"n1": "127.0.0.1", "n2": "127.0.0.1"}), "MEGAREASON_ROOT": str(root),
-           "SLURM_RESTART_COUNT": "1"}
+           "SLURM_RESTART_COUNT": "1", "MEGAREASON_CONTAINER_IMAGE": "/images/megareason.sqsh"}
     proc = _bash("megareason_slurm_run grpo_smollm2_cpu", env, cwd=root)
-    assert proc.returncode == 2 and f"it started at commit {'0' * 40} (clean), it is now at " in proc.stdout, \
-        proc.stdout
-    steps = (tmp_path / "srun.log").read_text()
-    assert "--nodes=2 --hosts=1 " in steps and "run-dir" not in steps  # one host: the test cluster's case
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "the snapshot ran run-dir" in out, out
+    assert "the snapshot's script: the config was refused (exit code 2" in out, out
+    banner, code = out.index("job 41 (restart 1): grpo_smollm2_cpu"), out.index(f"code: {snap}, the snapshot of {root}")
+    assert banner < code < out.index("the config was refused")  # logged where the run begins
+    steps = (tmp_path / "srun.log").read_text().splitlines()
+    assert len(steps) == 2 and "--nodes=2 --hosts=1 " in steps[0]  # node check (one host: the test cluster's)
+    assert "run-dir" in steps[1] and "ray_cluster.sh node" not in "".join(steps)
+    for step in steps:  # the snapshot first, never the working directory; the job's own container
+        assert f"PYTHONPATH={snap}:" in step and "PYTHONSAFEPATH=1" in step, step
+        assert "--container-image=/images/megareason.sqsh --container-name=megareason_41 " in step, step
+        assert "--no-container-mount-home" in step and " -m megareason.launch.job_env --ephemeral -- " in step
+    (snap / ".megareason-code").unlink()  # a snapshot that is gone: a new job must take one
+    jobdir.mkdir(parents=True)  # (the refused run's job folder went with it)
+    (jobdir / "checkout").write_text(f"{snap}\n")
+    proc = _bash("megareason_slurm_run grpo_smollm2_cpu", env, cwd=root)
+    assert proc.returncode == 1 and f"the snapshot of the code this job started with, {snap}, is gone" in proc.stdout
 
 
 def test_a_head_address_that_resolves_to_loopback_fails_a_job_across_hosts(tmp_path):
@@ -496,30 +520,39 @@ def test_a_broken_override_fails_the_job_before_ray_starts(slurm, tiny_qwen2, tm
 
 
 @pytest.mark.slow
-def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_refuses_a_moved_checkout(slurm, tiny_qwen2,
-                                                                                                  tmp_path, request):
+def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the_code_the_job_started_with(
+        slurm, tiny_qwen2, tmp_path, request):
     """The job on n1 and n3 (224 logical CPUs, a DGX H100 node with SMT), run from a checkout of its own: its
-    first run records the commit; a SIGUSR1 before the driver starts requeues it once Ray is up on both nodes
-    (Ray sees 225 CPUs; n3's Ray starts with the job's worker ports, the idle-worker limit and no prestart,
-    and starts no worker per CPU); a commit lands before the requeued run starts, which refuses to run it
-    (exit 2 before Ray, no further requeue)."""
+    first run snapshots the checkout's code into the run folder; a SIGUSR1 before the driver starts requeues it
+    once Ray is up on both nodes (Ray sees 225 CPUs; n3's Ray starts with the job's worker ports, the
+    idle-worker limit and no prestart, and starts no worker per CPU). Before the requeued run starts, a commit
+    breaks the checkout's run-dir step and edits its job script, and the model folder goes: the requeued run
+    runs the snapshot's job script and run-dir, which refuses the missing model (exit 2, no further requeue),
+    never the edited ones."""
     root = tmp_path / "checkout"
     _git_repo(root)
-    shutil.copytree(REPO / "slurm", root / "slurm")
-    first = _commit(root, "slurm")
+    for folder in ("slurm", "megareason", "configs"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    first = _commit(root, "the code")
     env = {**slurm.env, "MEGAREASON_ROOT": str(root), "PYTHONPATH": str(REPO)}
-    log, out = tmp_path / "job.out", tmp_path / "run"
+    log, out, model = tmp_path / "job.out", tmp_path / "run", tmp_path / "model"
+    shutil.copytree(tiny_qwen2, model)
     proc = subprocess.run(["sbatch", "--parsable", "--partition=big", "--nodes=2", "--gpus-per-node=0",
                            "--cpus-per-task=1", "--time=90", "--job-name=big", f"--output={log}",
-                           "slurm/raro_70b.sbatch", *tiny_raro(tiny_qwen2, tmp_path, out)],
+                           "slurm/raro_70b.sbatch", *tiny_raro(model, tmp_path, out)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
     job = proc.stdout.strip()
     assert proc.returncode == 0 and job.isdigit(), proc.stderr
     request.addfinalizer(lambda: slurm.cancel(job))
-    slurm_cluster.wait_for_text(log, f"code: {root} at {first} clean", 300)
+    snapshot = out / "code" / f"{slurm.name}-{job}"
+    slurm_cluster.wait_for_text(log, f"code: {snapshot}, the snapshot of {root} {first} clean", 300)
     assert slurm.run("scancel", "--signal=USR1", "--batch", job).returncode == 0
-    (root / "code.py").write_text("x = 2\n")
-    second = _commit(root, "two")
+    run_dir_step = root / "megareason" / "launch" / "slurm_job.py"
+    run_dir_step.write_text('raise SystemExit("the edited checkout ran")\n')
+    script = root / "slurm" / "ray_cluster.sh"  # the job script's own functions, sourced from the checkout
+    script.write_text(script.read_text().replace("megareason-slurm: $*", "the edited job script: $*"))
+    _commit(root, "an edit after the start")
+    shutil.rmtree(model)
     state = slurm.wait_for_job(job, timeout=600)
     text = read_log(log)
     assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("FAILED", "2:0", "1"), (state, text[-6000:])
@@ -531,14 +564,20 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_refuses_
             f"{b + 136}, idle workers <= 32, worker prestart off") in run1, run1[-6000:]
     n3_logs = out / "ray_logs" / "restart_0" / "n3"
     assert (n3_logs / "raylet.out").is_file() and len(list(n3_logs.glob("python-core-worker-*.log"))) <= 4
-    assert (f"error: the checkout {root} moved since this job first started: it started at commit {first} "
-            f"(clean), it is now at {second} (clean);") in run2, run2
-    assert "megareason-ray-node" not in run2 and "requeueing job" not in run2
+    # The requeued run: the snapshot, as at the first start, the edit nowhere.
+    assert f"code: {snapshot}, the snapshot of {root} {first} clean at the job's first start" in run2, run2[-6000:]
+    assert "the edited checkout ran" not in run2 and re.search(rf"error: .*{model}", run2), run2[-6000:]
+    assert "the edited job script" not in run2 and "megareason-slurm: the config was refused" in run2
+    assert "the config was refused (exit code 2" in run2 and "megareason-ray-node" not in run2
+    assert (snapshot / "megareason" / "launch" / "slurm_job.py").read_text() == \
+        (REPO / "megareason" / "launch" / "slurm_job.py").read_text()
+    assert not (snapshot / "code.py").exists()  # only what the job runs: megareason/, configs/, slurm/
     assert not list((root / "outputs" / "slurm").iterdir())  # the job folder went with the job
     slurm_cluster.assert_cleaned_up(slurm)
 
 
-def test_sbatch_accepts_the_70b_recipes_directives(slurm):
-    proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, "slurm/raro_70b.sbatch"],
-                          cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+def test_sbatch_accepts_the_70b_recipes_and_the_site_checks_directives(slurm):
+    for script in ("slurm/raro_70b.sbatch", "slurm/site_check.sbatch"):
+        proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, script],
+                              cwd=REPO, env=slurm.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "to start at" in proc.stderr, (script, proc.stderr)

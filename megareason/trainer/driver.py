@@ -85,10 +85,12 @@ def stop_signals() -> Iterator[StopRequest]:
 JOB_END_ENV = "MEGAREASON_JOB_END_TIME"  # a Slurm job's end time, seconds since the epoch (slurm/ray_cluster.sh)
 
 
-def deadline_near(left_s: float, step_s: float, save_s: float, margin_s: float) -> bool:
+def deadline_near(left_s: float, step_s: float, save_s: float, margin_s: float, writing_s: float = 0.0) -> bool:
     """Whether to save and stop now, ``left_s`` seconds before the deadline: another step (as long as the
-    last, ``step_s``), a checkpoint (``save_s``) and the margin would not fit."""
-    return left_s < step_s + save_s + margin_s
+    last, ``step_s``), a checkpoint written at once (``save_s``: a stop's is never written in the background)
+    and the margin would not fit; ``writing_s``: what is left of a background write still going on, which that
+    checkpoint waits for first."""
+    return left_s < step_s + writing_s + save_s + margin_s
 
 
 def job_end_time(env=None) -> float | None:
@@ -114,13 +116,21 @@ def checkpoint_due(cfg: Config, step: int, since_save_s: float) -> bool:
 @dataclass
 class BackgroundSave:
     """A checkpoint whose roles write it in the background (trainer.async_save): committed as ``step``'s
-    from ``tmp`` with ``state`` once they are done; ``previous``: the latest complete one when it started."""
+    from ``tmp`` with ``state`` once they are done; ``previous``: the latest complete one when it started.
+
+    Its time from ``started`` to the commit holds the steps that ran beside the write, so it is not a
+    checkpoint's time: the deadline counts ``Driver.save_s``, measured on a checkpoint written at once (with
+    a deadline, a run's first checkpoint is), and what is left of this write (``left_s``)."""
 
     step: int
     tmp: Path
     state: TrainerState
     previous: Path | None
     started: float
+
+    def left_s(self, now: float, save_s: float) -> float:
+        """The seconds this write may still take at ``now``: a checkpoint's time, less what has passed."""
+        return max(0.0, save_s - (now - self.started))
 
 
 class Driver:
@@ -219,15 +229,18 @@ class Driver:
         self.tracker.log(step, metrics)
         self.done_extra = json.loads(json.dumps(algorithm_state or {}))  # as a resume would read it
         now = time.monotonic()
+        writing = self.background.left_s(now, self.save_s) if self.background is not None else 0.0
         near = (self.deadline is not None and step < t.steps
-                and deadline_near(self.deadline - now, now - self.step_started, self.save_s, t.stop_margin_s))
+                and deadline_near(self.deadline - now, now - self.step_started, self.save_s, t.stop_margin_s, writing))
         if near and not self._stopping():
             self.stop_reason = (f"the deadline is {self.deadline - now:.0f} s away, less than a step "
                                 f"({now - self.step_started:.0f} s), a checkpoint ({self.save_s:.0f} s) and "
                                 f"trainer.stop_margin_s ({t.stop_margin_s:g} s)")
         stopping = self._stopping() or near  # read once: save and exit agree
         if checkpoint_due(self.cfg, step, time.monotonic() - self.last_save) or stopping:
-            background = t.async_save and not stopping and step < t.steps  # the last one and a stop's: at once
+            # The last one and a stop's: at once; with a deadline, also the first, which measures save_s.
+            background = (t.async_save and not stopping and step < t.steps
+                          and (self.deadline is None or self.save_s > 0))
             self._save(step, algorithm_state or {}, save_files=save_files, background=background)
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
@@ -314,8 +327,7 @@ class Driver:
             self.background = None
             raise self._save_error(b.step, b.previous, e) from e
         self.background = None
-        self.save_s = time.monotonic() - b.started
-        log.info("checkpoint of step %d saved in the background in %.1f s", b.step, self.save_s)
+        log.info("checkpoint of step %d saved in the background in %.1f s", b.step, time.monotonic() - b.started)
 
     def _save_error(self, step: int, previous: Path | None, e: Exception) -> CheckpointError:
         last = previous or "none (no earlier checkpoint)"

@@ -63,15 +63,16 @@ class CheckpointError(RunError):
 
 def check_run_folder(root: str | Path, key: str = "trainer.output_dir") -> None:
     """A run may write into ``root`` (the config's ``key``): it does not exist, is an empty folder, or is a
-    run folder (its ``.lock``, its ``metrics.jsonl``, a complete checkpoint, or the ``ray_logs`` its Slurm
-    job keeps). ``OccupiedFolder`` otherwise, naming a few of the entries."""
+    run folder (its ``.lock``, its ``metrics.jsonl``, a complete checkpoint, or the ``ray_logs`` and the
+    code snapshot ``code/`` its Slurm job keeps). ``OccupiedFolder`` otherwise, naming a few of the entries."""
     root = Path(root)
     if root.is_symlink() and not root.exists() or root.exists() and not root.is_dir():
         raise OccupiedFolder(f"{key} {root} is not a folder; name a new or empty folder")
     if not root.exists():
         return
     names = sorted(p.name for p in root.iterdir())
-    if not names or {".lock", "metrics.jsonl", "ray_logs"} & set(names) or RunDir(root).steps():
+    if not names or {".lock", "metrics.jsonl", "ray_logs"} & set(names) or RunDir(root).steps() \
+            or any(root.glob("code/*/.megareason-code")):
         return
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     raise OccupiedFolder(f"{key} {root} is neither empty nor a run folder (it holds {shown}); a run writes "
