@@ -261,8 +261,9 @@ class RemoteEngines:
         """Push the weights ``stream()`` yields (a fresh pass of the actor's HF tensors) into every engine."""
         if self.sender is None:
             self.sender = self._trainer_engine(stream, shapes, bucket_bytes)
-            log.info("rollout: weights into %d separate engine(s) by %s (rollout.weight_transfer)",
-                     len(self.workers), type(self.sender).__name__)
+            tp = self.rollout.tensor_parallel_size
+            log.info("rollout: weights into %d separate engine(s) of %d rank(s) by %s (rollout.weight_transfer)",
+                     len(self.workers) // tp, tp, type(self.sender).__name__)
         self.pushes += 1
         return self.sender.send_weights(weight_version=str(self.pushes))
 
