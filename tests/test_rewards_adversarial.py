@@ -84,6 +84,10 @@ def test_math_equal_on_the_examples(gold, answer, paid):
         ("math", "The answer is $\\boxed{5}$.\n\nFinal Answer: 7", "7", False),
         ("math", "The answer is $\\boxed{5}$.\n\nFinal Answer: 7", "5", False),
         ("math", "The answer is $\\boxed{5}$.\n\nFinal Answer: $5$", "5", True),
+        # the same, the answer line on the box's line (after a sentence, a box or a formula)
+        ("math", "So $\\boxed{5}$. Final Answer: The final answer is 7. I hope it is correct.", "5", False),
+        ("math", "\\boxed{5} Final answer: 6", "5", False),
+        ("math", "So $\\boxed{5}$. Final Answer: The final answer is 5. I hope it is correct.", "5", True),
         ("math", r"Maybe $\boxed{5}$, or $\boxed{6}$, or $\boxed{7}$.", "7", False),
         ("math", r"So $\boxed{\frac{1}{2}}$, that is $\boxed{0.5}$.", r"\frac{1}{2}", True),
         ("math", "The answer is 13.\n\nFinal answer: $\\boxed{12}$", "12", True),  # prose commits to nothing

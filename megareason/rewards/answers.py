@@ -1,9 +1,10 @@
 """Where a response commits to an answer, and the policy for several of them (every rule family).
 
 A response **commits** to an answer with a box (``\\boxed{..}``/``\\fbox{..}``, or LaTeX's one-token
-form ``\\boxed 5``), an answer line (a line that starts with ``Answer:`` or ``Final answer:``, bold or
-not, as DAPO's prompts and the Minerva / lm-eval ``Final Answer: The final answer is X`` format ask),
-or, in GSM8K's format, a ``#### X`` line.  Prose ("so we get 13") commits to nothing.
+form ``\\boxed 5``), an answer line (a line, or a sentence after a sentence, a box or a formula on its
+line, that starts with ``Answer:`` or ``Final answer:``, bold or not, as DAPO's prompts and the Minerva /
+lm-eval ``Final Answer: The final answer is X`` format ask), or, in GSM8K's format, a ``#### X`` line.
+Prose ("so we get 13") commits to nothing.
 
 The policy, the same for ``math``, ``math_dapo``, ``gsm8k`` and ``arithmetic``:
 
@@ -31,8 +32,10 @@ from dataclasses import dataclass
 _BOX_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # LaTeX reads an unbraced argument as one token (``\boxed 5`` boxes 5; ``\boxed 12`` boxes only the 1).
 _BOX_TOKEN = re.compile(r"\\(?:boxed|fbox)\s+([^\s{}$\\])")
+# At a line's start, or after the end of a sentence, a box or a formula on its line ("\boxed{5}. Answer: 6").
 _ANSWER_LINE = re.compile(
-    r"^[ \t>#*_]*(?:the\s+)?(?:final\s+answer|answer)[ \t*_]*(?:is)?[ \t*_]*[:：][ \t*_]*(?P<rest>.*)$",
+    r"(?:^|(?<=[.!?}$])[ \t]+)[ \t>#*_]*(?:the\s+)?(?:final\s+answer|answer)[ \t*_]*(?:is)?[ \t*_]*[:：][ \t*_]*"
+    r"(?P<rest>.*)$",
     re.IGNORECASE | re.MULTILINE,
 )
 _MINERVA = re.compile(r"^the final answer is\s*", re.IGNORECASE)
