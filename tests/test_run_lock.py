@@ -111,7 +111,8 @@ def test_without_flock_a_holder_that_ends_normally_removes_its_file(tmp_path):
     (_holder(job=None), None, None),  # another host outside Slurm: cannot be checked
     (_holder(host=socket.gethostname(), pid=os.getpid(), job=None, started=1.0e9), None,
      f"pid {os.getpid()} on {socket.gethostname()} is another process now (started later)"),  # a reused PID
-])
+], ids=["earlier-restart", "same-restart", "running", "pending", "gone", "node-fail", "no-squeue", "other-host",
+        "reused-pid"])  # fixed ids: xdist's workers must collect the same names, and the last case holds a PID
 def test_a_stale_holder_is_taken_over_naming_why_and_a_live_one_refused(tmp_path, monkeypatch, capsys, holder,
                                                                         squeue, taken):
     _no_flock(monkeypatch)
