@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             rc = plan.run_cli(args)
             lead, bound = preemption.lead_for(args)
-            print("\n" + lead.line() + "\n" + bound.line())
+            print("\n" + bound.line() + "\n" + lead.line())  # the #SBATCH line last: what a script reads
             return rc
         if args.command == "node-check":
             return node_check.run_cli(args)

@@ -28,8 +28,8 @@
 #   6. stops: SIGUSR1 to this script (sbatch --signal=B:USR1@LEAD, before the time limit) is forwarded to
 #      the driver, which saves a checkpoint and exits with 75. A pre-emption's SIGTERM reaches the job steps
 #      (not this script): the driver does the same on it, and Ray, which ignores it, stays up for the
-#      checkpoint. On exit code 75 the job requeues itself (`scontrol requeue`) at once, before Ray's
-#      teardown, and the next run resumes from that checkpoint (trainer.resume_mode=auto). A missed deadline
+#      checkpoint. On exit code 75 the job tears Ray down (keeping its logs), requeues itself (`scontrol
+#      requeue`), and the next run resumes from that checkpoint (trainer.resume_mode=auto). A missed deadline
 #      still requeues: Slurm's SIGTERM at the time limit (JobState TIMEOUT) reaches this script, which
 #      requeues the job first thing (the next run resumes from the latest complete checkpoint; a save that
 #      KillWait's SIGKILL cut short leaves a .tmp folder, which the next start removes); a job cancelled by
@@ -196,8 +196,11 @@ _mr_requeue_job() {
     scontrol requeue "$SLURM_JOB_ID" && MR_REQUEUED=1
 }
 
-# Requeue, then exit with 75 (the EXIT trap tears Ray down after the requeue).
+# After the driver's checkpoint: Ray's teardown first (its steps keep Ray's logs in the run folder; a requeue's
+# SIGTERM to the steps would cut that short), then the requeue, then exit with 75. The time limit's SIGTERM
+# requeues first thing instead (_mr_requeue_on_term).
 _mr_requeue() {
+    _mr_teardown
     _mr_requeue_job "$1"
     exit "$MEGAREASON_EXIT_STOPPED"
 }
@@ -433,9 +436,8 @@ megareason_slurm_run() {
     _mr_driver_exited $?
 }
 
-# The driver exited with $1: on 75 (a checkpoint, then a stop) the job requeues first, since the teardown takes
-# minutes on a large job, past a pre-emption's grace time; on a failure, it requeues without the nodes that
-# failed, if any did; then the EXIT trap tears Ray down.
+# The driver exited with $1: on 75 (a checkpoint, then a stop) the job tears Ray down and requeues; on a
+# failure, it requeues without the nodes that failed, if any did; then the EXIT trap tears Ray down.
 _mr_driver_exited() {
     _mr_log "driver exited with $1"
     (( $1 == MEGAREASON_EXIT_STOPPED )) && _mr_requeue "the driver stopped after a checkpoint"

@@ -30,7 +30,7 @@ def _commands(text: str) -> list[list[str]]:
     return [shlex.split(c) for c in text.replace("\\\n", " ").splitlines() if c.strip()]
 
 
-class _RayStarted(Exception):
+class _RayStarted(BaseException):  # not an Exception: the CLI reports those once a run's log exists
     pass
 
 
