@@ -72,9 +72,49 @@ def _cluster_tests() -> frozenset[str]:
     return frozenset(found)
 
 
+@functools.cache
+def _module_fixture_tests() -> frozenset[str]:
+    """``file::function`` of every test that takes a fixture its own file declares ``scope="module"``: the
+    tests of one file that share such a fixture run in one process, so the fixture's work (multi-rank runs,
+    tens of seconds) is done once, not once per process."""
+    found = set()
+    for path in Path(__file__).parent.glob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        shared = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and any(
+            isinstance(d, ast.Call) and any(k.arg == "scope" and getattr(k.value, "value", None) == "module"
+                                            for k in d.keywords) for d in node.decorator_list)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and any(
+                    arg.arg in shared for arg in node.args.args):
+                found.add(f"tests/{path.name}::{node.name}")
+    return frozenset(found)
+
+
 def _work_unit(nodeid: str) -> str:
-    """What one xdist process runs as a whole: the Slurm tests together, every other test alone."""
-    return "slurm" if nodeid.split("[")[0].split("@")[0] in _cluster_tests() else nodeid
+    """What one xdist process runs as a whole: the Slurm tests together, the tests of a file that share a
+    module-scoped fixture together, every other test alone."""
+    test = nodeid.split("[")[0].split("@")[0]
+    if test in _cluster_tests():
+        return "slurm"
+    return test.split("::")[0] if test in _module_fixture_tests() else nodeid
+
+
+# The end-to-end files that take longest (the 50 slowest tests that pytest prints at the end of a run), longest
+# first. The scheduler hands out work in collection order, so these start first and the short unit tests fill
+# the last minutes on both processes, instead of one process running a 10-minute test alone at the end.
+_LONGEST_FIRST = ("test_faults.py", "test_nemo_run.py", "test_slurm.py", "test_async_rollouts.py",
+                  "test_train_e2e.py", "test_compare_methods.py", "test_sft.py", "test_tinyv_server.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """End-to-end tests (``slow``) first, the longest files among them first; the rest in file order."""
+    def rank(item) -> tuple[int, int]:
+        if item.get_closest_marker("slow") is None:
+            return (2, 0)
+        name = item.path.name
+        return (0, _LONGEST_FIRST.index(name)) if name in _LONGEST_FIRST else (1, 0)
+
+    items.sort(key=rank)  # stable: file order within each rank
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

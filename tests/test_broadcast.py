@@ -115,6 +115,8 @@ def _rank(inboxes, outbox, layout, bucket_bytes, die_at_update):
         try:
             update = engine.send_weights(weight_version="1")
         except Exception as e:
+            for box in inboxes:  # as the pool would: no more calls reach the engines
+                box.put(("stop", ()))
             return f"raised: {e}"
         return update
     tp, tp_rank = layout[rank]
@@ -125,7 +127,9 @@ def _rank(inboxes, outbox, layout, bucket_bytes, die_at_update):
     while True:
         try:
             method, args = box.get(timeout=30)
-        except queue.Empty:  # the sender stopped sending (it raised): this engine is left idle
+        except queue.Empty:
+            return "no call for 30 s"
+        if method == "stop":  # the sender raised: this engine is left idle
             return "idle"
         try:
             if method == "init":

@@ -14,6 +14,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import torch
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -67,6 +68,7 @@ def test_the_dockerfile_pins_its_base_by_digest_and_installs_the_lock_before_the
     assert len(base) == 1 and base[0].startswith("nvidia/cuda:13.0")
 
 
+@pytest.mark.slow  # the container's check script end to end: it imports the whole stack and plans (25-50 s)
 def test_check_sh_passes_what_this_cpu_environment_has_and_fails_the_rest_by_name(tmp_path):
     record = tmp_path / "torch.json"
     record.write_text(json.dumps({"version": torch.__version__, "git": torch.version.git_version,
