@@ -112,23 +112,23 @@ def test_moe_at_scale_logs_its_routers_and_dead_engine_driver_and_rank_stop_it_c
     def resuming(times: int):
         return lambda: driver_log.exists() and driver_log.read_text().count("resuming from") == times
 
-    # 1. A vLLM engine core killed while the run resumes.
+    # 1. A Megatron rank (a policy worker) killed as soon as it exists: the run's start-up stops at once.
+    proc, stderr, _ = _fault(args, lambda: True, "a policy worker", "ray::PolicyWork")
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
+    assert json.loads(step2.read_text())["step"] == 2
+
+    # 2. A vLLM engine core killed while the run resumes.
     proc, stderr, engine = _fault(args, resuming(1), "resume", "VLLM::EngineCor")
     assert proc.returncode == 1, stderr[-3000:]
     assert f"the vLLM engine core process (pid {engine})" in stderr, stderr[-3000:]
     assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
     assert json.loads(step2.read_text())["step"] == 2
 
-    # 2. The driver itself SIGKILLed while the run resumes: Ray's processes and agents, the policy workers,
+    # 3. The driver itself SIGKILLed while the run resumes: Ray's processes and agents, the policy workers,
     # their vLLM engine cores and workers, the reward workers are all gone within seconds.
     proc, _, _ = _fault(args, resuming(2), "resume", "")
     assert proc.returncode == -signal.SIGKILL
-    assert json.loads(step2.read_text())["step"] == 2
-
-    # 3. A Megatron rank (a policy worker) killed while the run resumes.
-    proc, stderr, _ = _fault(args, resuming(3), "resume", "ray::PolicyWork")
-    assert proc.returncode == 1, stderr[-3000:]
-    assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
     assert json.loads(step2.read_text())["step"] == 2
 
     # 4. Resumed from the step-2 checkpoint: each step once (the interrupted runs' partial rows dropped) and

@@ -608,7 +608,8 @@ def test_the_llama8b_async_recipe_plans_nemo_rl_runs_beside_their_measurements(c
     recipe = "configs/grpo_llama8b_async.yaml"
     plan = plan_config(recipe, [], PlanOptions(), "llama-3.1-8b")
     assert (plan.placement, plan.max_staleness, plan.nodes, plan.trainer_gpus, plan.engines, plan.vllm_tp) == (
-        "separate", 1, 1, 4, 4, 1)  # one node: the separate engines share the trainer's first node
+        "separate", 1, 2, 8, 8, 1)  # NeMo-RL's two-node layout: the trainer on one node, the engines on the other
+    assert plan.weight_transfer == "broadcast"
     assert all(sum(lines.values()) < 79.6 * GiB for lines in plan.memory.values())
     assert plan.step_seconds == plan.off_policy_seconds < plan.sync_seconds
     rows = compare(recipe, [], PlanOptions(), plan_config, "llama-3.1-8b")

@@ -46,9 +46,8 @@ _NEMO_RL_COLOCATED = ("rollout.placement=colocated", "rollout.num_engines=1", "t
                       "parallel.pipeline_model_parallel_size=2", "parallel.data_parallel_size=8",
                       "rollout.tensor_parallel_size=2", "rollout.gpu_memory_utilization=0.5",
                       "trainer.offload_optimizer=true")
-# The one-step-off run: training on one node (TP 4 x DP 2: the recipe's TP 4 in place of NeMo-RL's TP 1,
-# see docs/planner.md), its 8 engines on the other. Planned for the comparison only: megareason refuses
-# engines on another node than the trainer's first rank when the pool starts, so the recipe is one node.
+# The one-step-off run: the recipe's own layout, training on one node (TP 4 x DP 2: the recipe's TP 4 in place
+# of NeMo-RL's TP 1, see docs/planner.md), its 8 engines on the other, fed by broadcast.
 _NEMO_RL_ONE_STEP_OFF = ("parallel.data_parallel_size=2", "rollout.num_engines=8")
 PUBLISHED = {
     "grpo_llama8b_async": Published(
