@@ -7,7 +7,11 @@ validation, no checkpoints), each PROMPTS x GROUP samples of at most MAX_TOKENS 
 * ``separate``: the engine in a process of its own (``rollout.placement: separate``), still in turn
   (``trainer.max_staleness: 0``): what separating alone costs;
 * ``one-step-off``: the same separate engine generating batch k+1 while step k trains
-  (``trainer.max_staleness: 1``).
+  (``trainer.max_staleness: 1``);
+* ``separate-broadcast``, ``one-step-off-broadcast``: the two separate arms with the weights sent by the
+  collective broadcast (``rollout.weight_transfer: broadcast``, what engines on other nodes take) instead of the
+  trainer node's tmpfs: the ``sync`` column compares the two transfers, and one step off over in turn is
+  printed for each.
 
 For each: the median seconds per step over the steps after the first two (step 1 warms up; in the
 one-step-off arm, step 1 generates its batch in turn, as the on-policy arms do), and where the driver's
@@ -33,7 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"colocated": [], "separate": ["rollout.placement=separate"],
-        "one-step-off": ["rollout.placement=separate", "trainer.max_staleness=1"]}
+        "one-step-off": ["rollout.placement=separate", "trainer.max_staleness=1"],
+        "separate-broadcast": ["rollout.placement=separate", "rollout.weight_transfer=broadcast"],
+        "one-step-off-broadcast": ["rollout.placement=separate", "trainer.max_staleness=1",
+                                   "rollout.weight_transfer=broadcast"]}
 PHASES = ("generate", "generate_wait", "sync", "reward", "logprobs", "train", "engine_generate")
 
 
@@ -79,10 +86,16 @@ def main() -> None:
     base = results.get("colocated", next(iter(results.values())))["median"]["step"]
     print(f"\nGRPO on SmolLM2-135M-Instruct, {args.prompts} prompts x {args.group} samples, <= {args.max_tokens} "
           f"tokens, {args.steps} steps (median of steps 3..{args.steps}; seconds)")
-    print(f"{'arm':<14}{'step':>8}{'vs colocated':>14}" + "".join(f"{ph:>17}" for ph in PHASES))
+    print(f"{'arm':<24}{'step':>8}{'vs colocated':>14}" + "".join(f"{ph:>17}" for ph in PHASES))
     for arm, r in results.items():
         m = r["median"]
-        print(f"{arm:<14}{m['step']:>8.1f}{base / m['step']:>13.2f}x" + "".join(f"{m[ph]:>17.1f}" for ph in PHASES))
+        print(f"{arm:<24}{m['step']:>8.1f}{base / m['step']:>13.2f}x" + "".join(f"{m[ph]:>17.1f}" for ph in PHASES))
+    for off, in_turn, transfer in (("one-step-off", "separate", "tmpfs"),
+                                   ("one-step-off-broadcast", "separate-broadcast", "broadcast")):
+        if off in results and in_turn in results:
+            ratio = results[in_turn]["median"]["step"] / results[off]["median"]["step"]
+            results[off]["over_in_turn"] = ratio
+            print(f"one step off over in turn on the same layout, weights by {transfer}: {ratio:.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "arms": results},
