@@ -13,6 +13,10 @@ import pytest
 # Tests never download: every model is built here and every data set is a local file.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
+# Two test processes run multi-process end-to-end runs side by side on 2 cores: OpenMP's idle threads sleep
+# instead of spinning at each barrier (libgomp spins ~300,000 times by default), leaving the cores to the other
+# processes. It changes when a waiting thread wakes, never what any thread computes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from megareason.models.tiny import build_tiny_model
 

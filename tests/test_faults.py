@@ -65,16 +65,17 @@ def _named(proc: subprocess.Popen, prefix: str) -> list[int]:
                   if Path(f"/proc/{p}/comm").exists() and Path(f"/proc/{p}/comm").read_text().startswith(prefix))
 
 
-def _fault(args: list[str], ready, what: str, victim: str) -> tuple[subprocess.Popen, str, int]:
+def _fault(args: list[str], ready, what: str, victim: str, engines: bool = True) -> tuple[subprocess.Popen, str, int]:
     """Start the run, wait for ``ready()``, SIGKILL its first process named ``victim`` (the driver itself
     when ``victim`` is empty); the run's exit, its stderr and the victim's pid. Nothing the run started may
-    be left ``GONE_LIMIT_S`` after it exits (for the driver: launch/reaper.py's watcher cleans up after it)."""
+    be left ``GONE_LIMIT_S`` after it exits (for the driver: launch/reaper.py's watcher cleans up after it);
+    ``engines``: the vLLM engines are up when the victim dies."""
     proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         with _Phase(f"{victim or 'driver'}: start and resume"):
             _wait_for(proc, lambda: ready() and (not victim or _named(proc, victim)), what)
-        started = _started_by(proc)
+        started = _started_by(proc, engines)
         pid = _named(proc, victim)[0] if victim else proc.pid
         os.kill(pid, signal.SIGKILL)
         with _Phase(f"{victim or 'driver'}: stop after the SIGKILL"):
@@ -113,7 +114,7 @@ def test_moe_at_scale_logs_its_routers_and_dead_engine_driver_and_rank_stop_it_c
         return lambda: driver_log.exists() and driver_log.read_text().count("resuming from") == times
 
     # 1. A Megatron rank (a policy worker) killed as soon as it exists: the run's start-up stops at once.
-    proc, stderr, _ = _fault(args, lambda: True, "a policy worker", "ray::PolicyWork")
+    proc, stderr, _ = _fault(args, lambda: True, "a policy worker", "ray::PolicyWork", engines=False)
     assert proc.returncode == 1, stderr[-3000:]
     assert "error: actor rank" in stderr and "died during" in stderr, stderr[-3000:]
     assert json.loads(step2.read_text())["step"] == 2

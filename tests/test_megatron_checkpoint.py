@@ -19,36 +19,47 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def _save_at_tp2_pp2(model_dir: str, out: str, layout: tuple[int, int, int] = (2, 2, 1)):
+def _save_at_tp2_pp2(saves: list[tuple[str, str, tuple[int, int, int]]]):
+    """Each (HF model, checkpoint folder, TP x PP x EP layout) in turn, in one set of 4 ranks."""
+    import psutil
+
     from megareason.models.build import HFCheckpoint, build_gpt, load_hf_weights
     from megareason.models.checkpoint import save_checkpoint
     from megareason.models.parallel import init_parallel
 
-    tp, pp, ep = layout
-    init_parallel(tp, pp, ep=ep)
-    ckpt = HFCheckpoint(model_dir)
-    model = build_gpt(ckpt.arch)
-    load_hf_weights(model, ckpt)
-    save_checkpoint(out, model, ckpt.arch, model_dir)
-    save_checkpoint(out, model, ckpt.arch, model_dir)  # replacing an existing checkpoint is atomic too
-    import psutil
+    for model_dir, out, (tp, pp, ep) in saves:
+        init_parallel(tp, pp, ep=ep)
+        ckpt = HFCheckpoint(model_dir)
+        model = build_gpt(ckpt.arch)
+        load_hf_weights(model, ckpt)
+        save_checkpoint(out, model, ckpt.arch, model_dir)
+        save_checkpoint(out, model, ckpt.arch, model_dir)  # replacing an existing checkpoint is atomic too
+        # dist_checkpointing's writer Manager process is stopped after each save, not left to outlive us
+        # (multiprocessing's own resource tracker, if any, exits with its parent)
+        children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+        assert [c for c in children if "resource_tracker" not in c] == []
 
-    # dist_checkpointing's writer Manager process is stopped after each save, not left to outlive us
-    # (multiprocessing's own resource tracker, if any, exits with its parent)
-    children = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
-    assert [c for c in children if "resource_tracker" not in c] == []
+
+# Llama (GQA, no biases, tied embeddings over PP) is covered by Qwen3, which adds per-head q/k norms to it.
+LAYOUTS = {"tiny_qwen2": (2, 2, 1), "tiny_qwen3": (2, 2, 1), "tiny_qwen3_moe": (1, 2, 2), "tiny_mixtral": (1, 1, 4)}
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2_pp2(request, tmp_path_factory):
+    """Every family of LAYOUTS saved at its layout by one set of 4 ranks: family -> (HF model, its folder)."""
+    tmp = tmp_path_factory.mktemp("saved_at_tp2_pp2")
+    models = {family: request.getfixturevalue(family) for family in LAYOUTS}
+    run_workers(4, _save_at_tp2_pp2, [(str(models[f]), str(tmp / f / "ckpt"), layout) for f, layout in LAYOUTS.items()])
+    return {family: (models[family], tmp / family) for family in LAYOUTS}
 
 
 @pytest.mark.slow
-# Llama (GQA, no biases, tied embeddings over PP) is covered by Qwen3, which adds per-head q/k norms to it.
-@pytest.mark.parametrize("family, layout", [("tiny_qwen2", (2, 2, 1)), ("tiny_qwen3", (2, 2, 1)),
-                                            ("tiny_qwen3_moe", (1, 2, 2)), ("tiny_mixtral", (1, 1, 4))])
-def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, layout, request, tmp_path):
+@pytest.mark.parametrize("family", list(LAYOUTS))
+def test_hf_to_megatron_tp2_pp2_to_hf_is_byte_identical(family, saved_at_tp2_pp2, tmp_path):
     """Saved at TP x PP x EP (MoE: the experts spread over 2 or 4 expert-parallel ranks), exported at 1 x 1 x 1."""
-    model_dir = request.getfixturevalue(family)
-    ckpt = tmp_path / "ckpt"
-    run_workers(4, _save_at_tp2_pp2, str(model_dir), str(ckpt), layout)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary directories left
+    model_dir, folder = saved_at_tp2_pp2[family]
+    ckpt = folder / "ckpt"
+    assert sorted(p.name for p in folder.iterdir()) == ["ckpt"]  # no temporary directories left
     # megatron-to-hf loads the TP=2, PP=2 checkpoint at TP=1, PP=1.
     result = _cli("convert", "megatron-to-hf", str(ckpt), str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr

@@ -69,13 +69,14 @@ def _comm(pid: int) -> str:
         return str(pid)
 
 
-def _started_by(proc: subprocess.Popen) -> dict[int, tuple[int, str]]:
-    """The processes the driver started (pid -> (start time, name)): Ray's, the workers', vLLM's."""
+def _started_by(proc: subprocess.Popen, engines: bool = True) -> dict[int, tuple[int, str]]:
+    """The processes the driver started (pid -> (start time, name)): Ray's, the workers', vLLM's (``engines``:
+    its engines must be among them)."""
     from megareason.launch.reaper import descendants, process_table
 
     started = {pid: (start, _comm(pid)) for pid, start in descendants({proc.pid}, process_table()).items()}
     names = {name for _, name in started.values()}
-    assert any(n.startswith("VLLM") for n in names) and "raylet" in names, names
+    assert "raylet" in names and (not engines or any(n.startswith("VLLM") for n in names)), names
     return started
 
 

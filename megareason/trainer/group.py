@@ -196,19 +196,20 @@ class WorkerGroup:
         placement = rank_placement(self.world, gpus_per_worker > 0, *node_block(cfg))
         # num_cpus=0: on CPU the bundle's CPU is the rank's slot, shared by the colocated roles, and the
         # bundle still pins the actor to its node. On GPU the roles split the bundle's GPU.
+        self.failed = False  # a call failed on some rank (``call``)
         self.workers = [ray.remote(worker_cls).options(
             num_cpus=0, num_gpus=gpus_per_worker, scheduling_strategy=placement.strategy(rank),
         ).remote(settings, rank, self.world) for rank in range(self.world)]
-        nodes = ray.get([w.__ray_call__.remote(_node_of) for w in self.workers])
+        # A rank that dies while the group starts is reported as in ``call``: by rank, with its last error.
+        nodes = self._results([w.__ray_call__.remote(_node_of) for w in self.workers], "start")
         log.info("%s: ranks on %d Ray node(s): %s", name, len({node for _, node in nodes}),
                  ", ".join(f"rank {r} -> {ip} ({node[:12]})" for r, (ip, node) in enumerate(nodes)))
-        master = ray.get(self.workers[0].address.remote())
+        master = self._results([self.workers[0].address.remote()], "address")[0]
         log.info("%s: %d workers, rendezvous at %s:%d", name, self.world, *master)
-        ranks = ray.get([w.setup.remote(master, threads) for w in self.workers])
+        ranks = self._results([w.setup.remote(master, threads) for w in self.workers], "setup")
         self.first_of_replica = [i for i, (_, tp, pp) in enumerate(ranks) if tp == 0 and pp == 0]
         self.first_of_replica.sort(key=lambda i: ranks[i][0])
         self._engine_leaders: list[int] | None = None
-        self.failed = False  # a call failed on some rank (``call``)
 
     def call(self, method: str, *args) -> list:
         """Run ``method(*args)`` on every rank (every rank must take part: the methods run collectives);
@@ -217,8 +218,14 @@ class WorkerGroup:
 
         # One object-store copy of each large argument, shared by all ranks.
         refs = [ray.put(a) for a in args]
-        futures = [getattr(w, method).remote(*refs) for w in self.workers]
-        # Fail at the first rank that fails: its peers may wait on it in a collective forever.
+        return self._results([getattr(w, method).remote(*refs) for w in self.workers], method)
+
+    def _results(self, futures: list, method: str) -> list:
+        """The results of ``futures`` (one per rank, from rank 0) in rank order, failing at the first rank
+        that fails: its peers may wait on it in a collective forever. A rank that died is a ``WorkerDied``
+        naming the rank, ``method`` and the rank's last error."""
+        import ray
+
         pending = list(futures)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
