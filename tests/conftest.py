@@ -106,8 +106,10 @@ def _work_unit(nodeid: str) -> str:
 # The end-to-end files that take longest (the 50 slowest tests that pytest prints at the end of a run), longest
 # first. The scheduler hands out work in collection order, so these start first and the short unit tests fill
 # the last minutes on both processes, instead of one process running a 10-minute test alone at the end.
-_LONGEST_FIRST = ("test_faults.py", "test_nemo_run.py", "test_slurm.py", "test_async_rollouts.py",
-                  "test_train_e2e.py", "test_compare_methods.py", "test_sft.py", "test_tinyv_server.py")
+# The Slurm tests come after the first few: the installs they need (slurm-wlm, bubblewrap, NeMo-Run's venv) run
+# in the background meanwhile, instead of holding a test process idle.
+_LONGEST_FIRST = ("test_faults.py", "test_async_rollouts.py", "test_compare_methods.py", "test_nemo_run.py",
+                  "test_slurm.py", "test_train_e2e.py", "test_sft.py", "test_tinyv_server.py")
 
 
 def pytest_collection_modifyitems(config, items):
