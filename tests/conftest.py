@@ -104,21 +104,27 @@ def _work_unit(nodeid: str) -> str:
 
 
 # The end-to-end files that take longest (the 50 slowest tests that pytest prints at the end of a run), longest
-# first. The scheduler hands out work in collection order, so these start first and the short unit tests fill
-# the last minutes on both processes, instead of one process running a 10-minute test alone at the end.
-# The Slurm tests come after the first few: the installs they need (slurm-wlm, bubblewrap, NeMo-Run's venv) run
-# in the background meanwhile, instead of holding a test process idle.
+# first. The scheduler hands out work in queue order: the longest end-to-end test first, then every unit test
+# (the other process runs them while the first runs its end-to-end test: a multi-process run beside a unit test
+# oversubscribes 2 cores less than two such runs do), then the other end-to-end tests longest first, so the
+# last minutes hold short tests on both processes. The Slurm tests come after the unit tests: the installs they
+# need (slurm-wlm, bubblewrap, NeMo-Run's venv) run in the background meanwhile.
 _LONGEST_FIRST = ("test_faults.py", "test_async_rollouts.py", "test_compare_methods.py", "test_nemo_run.py",
                   "test_slurm.py", "test_train_e2e.py", "test_sft.py", "test_tinyv_server.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """End-to-end tests (``slow``) first, the longest files among them first; the rest in file order."""
+    """The first of ``_LONGEST_FIRST``, the unit tests, then the other end-to-end tests (``slow``, and every test
+    of the Slurm cluster's unit), the longest files first; file order within each rank."""
     def rank(item) -> tuple[int, int]:
-        if item.get_closest_marker("slow") is None:
-            return (2, 0)
         name = item.path.name
-        return (0, _LONGEST_FIRST.index(name)) if name in _LONGEST_FIRST else (1, 0)
+        slow = item.get_closest_marker("slow") is not None or _work_unit(item.nodeid) == "slurm"
+        if not slow:
+            return (1, 0)
+        if name in _LONGEST_FIRST:
+            i = _LONGEST_FIRST.index(name)
+            return (0, 0) if i == 0 else (2, i)
+        return (3, 0)
 
     items.sort(key=rank)  # stable: file order within each rank
 
