@@ -71,12 +71,13 @@ def golden(name: str) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def check_golden(name: str, metrics: dict[int, dict]) -> None:
+def check_golden(name: str, metrics: dict[int, dict], record: bool = True) -> None:
     """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` (``TOLERANCE`` and
     ``ACROSS_CPU_KINDS`` apart) up to the curve's ``HORIZON_ACROSS_CPU_KINDS``, and has its steps and metric
-    names after it; or record it."""
+    names after it; or, while recording, record it (``record=False``: a run that must give a curve another run
+    of the test records, compared with it whether recording or not)."""
     path = GOLDEN / f"{name}.jsonl"
-    if recording():
+    if recording() and record:
         GOLDEN.mkdir(exist_ok=True)
         path.write_text("".join(json.dumps(r) + "\n" for r in curve(metrics)))
         return

@@ -369,33 +369,81 @@ def test_lora_ppo_syncs_merged_weights_into_vllm_exports_and_resumes(tiny_qwen2,
     assert _hf_greedy(tiny_qwen2, prompts, 24) != vllm_greedy  # the adapters matter
 
 
-def test_colocated_tp2_engine_spans_two_replicas_and_takes_the_sync(tiny_qwen2, tmp_path):
+@pytest.mark.timeout(1800)
+def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes_to_the_uninterrupted_run(
+        tiny_qwen2, tmp_path):
     """rollout.tensor_parallel_size=2 on a trainer of 2 data-parallel ranks: one SPMD vLLM engine whose TP
     ranks live inside the two Ray workers (``rollout.colocated``), each rank loading the synced weights
-    in-process. The final validation ran greedy in that engine after the last sync: transformers on the
-    exported checkpoint agrees, and step 2's rollouts score as the trained actor scores them. The run trains
-    with GSPO (its paper's clip range and sequence-level aggregation), sequence-level MIS, DAPO's dynamic
-    sampling and overlong shaping, whose metrics it logs."""
-    out = tmp_path / "colocated"
-    _run(_args(tiny_qwen2, tmp_path, out, "parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2",
-               "trainer.steps=2", "trainer.save_every=0", "optim.lr=1e-2", "algorithm.policy_loss=gspo",
-               "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
-               "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0",
-               "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer=8"))
+    in-process; 2 optimizer steps a step (mini-batches), a checkpoint every step. The run trains with GSPO
+    (its paper's clip range and sequence-level aggregation), sequence-level MIS, DAPO's dynamic sampling and
+    overlong shaping, whose metrics it logs.
+
+    One run folder stopped by a SIGTERM to the driver in each phase, fired at that point by
+    ``tests/sigterm_at`` on the policy's rank 0, and resumed each time:
+
+    - during step 2's checkpoint write: the save completes, step 3's generation gives the step up;
+    - between two engine steps of step 3's generation (the SPMD engine's two ranks agree on the step);
+    - between pieces of step 3's log-prob pass, and of its first optimizer step (the step is dropped);
+    - during step 3's weight sync: it completes, and the last step's validation gives up at its first engine
+      step (the step is saved, its validation pending).
+
+    Each stopped run exits with EXIT_STOPPED (a Slurm job requeues on it) and its latest checkpoint is the one
+    the stop promises; the last run validates step 3 first and ends. The runs together give the uninterrupted
+    run's metrics, every one of every step (golden "stop_tp2"). That validation ran greedy in the engine after
+    the resume's sync, and transformers on the exported checkpoint agrees."""
+    from golden_curves import check_golden, recording
+
+    from megareason.trainer.driver import EXIT_STOPPED
+    from megareason.trainer.run_dir import RunDir
+
+    extra = ("parallel.data_parallel_size=2", "rollout.tensor_parallel_size=2", "algorithm.mini_batches=2",
+             "trainer.steps=3", "trainer.save_every=1", "trainer.keep_last=1", "optim.lr=1e-2",
+             # a rank's share of a mini-batch (4 samples of a prompt: ~70 + 4 x 24 tokens) in 2 micro-batches
+             "data.max_prompt_length=100", "rollout.max_model_len=128", "trainer.micro_batch_tokens=128",
+             "algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003", "algorithm.clip_ratio_high=0.0004",
+             "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.rollout_mis_cap=2.0",
+             "algorithm.dynamic_sampling=true", "algorithm.overlong_buffer=8")
+    if recording():  # the uninterrupted run, for tools/regen_golden.sh
+        straight = tmp_path / "straight"
+        _run(_args(tiny_qwen2, tmp_path, straight, *extra), timeout=900)
+        check_golden("stop_tp2", _metrics(straight))
+
+    out = tmp_path / "stopped"
+    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "sigterm_at"),
+                                                        os.environ.get("PYTHONPATH")])),
+            "MEGAREASON_TEST_SIGTERM_RUN": str(out)}
+    # (where the SIGTERM fires: phase and which pass of the run, the latest checkpoint after, the log's line)
+    dropped = "SIGTERM during step 3's {}: the step was dropped, the run resumes at step 3"
+    plan = [("save:2", 2, dropped.format("generation")),
+            ("generation:1", 2, dropped.format("generation")),
+            ("logprobs:1", 2, dropped.format("log-probs or first optimizer step")),
+            ("train:1", 2, dropped.format("log-probs or first optimizer step")),
+            # the resume's sync, then step 3's: it completes, and step 3's validation gives up
+            ("sync:2", 3, "SIGTERM during step 3's validation: saved; the next run validates it first")]
+    for at, latest, line in plan:
+        proc = subprocess.run(_args(tiny_qwen2, tmp_path, out, *extra), capture_output=True, text=True, timeout=900,
+                              env={**_env(), **hook, "MEGAREASON_TEST_SIGTERM_AT": at})
+        assert proc.returncode == EXIT_STOPPED, (at, proc.stdout[-3000:] + proc.stderr[-5000:])
+        assert line in proc.stderr, (at, proc.stderr[-5000:])
+        assert RunDir(out).steps() == [latest], at
+    _run(_args(tiny_qwen2, tmp_path, out, *extra), timeout=900)
     m = _metrics(out)
-    assert sorted(m) == [1, 2] and m[1]["actor/grad_norm"] > 0
+    check_golden("stop_tp2", m, record=False)  # the stopped runs together: the uninterrupted run's curve
+
+    assert sorted(m) == [1, 2, 3] and m[1]["actor/grad_norm"] > 0
     for key in ("actor/is_masked", "dapo/tries", "dapo/informative_groups", "dapo/overlong_penalty"):
-        assert key in m[1] and key in m[2], key
-    assert all(m[s]["actor/is_masked"] == 0 for s in (1, 2))  # fp32 against fp32: nothing dropped
+        assert all(key in m[s] for s in (1, 2, 3)), key
+    assert all(m[s]["actor/is_masked"] == 0 for s in (1, 2, 3))  # fp32 against fp32: nothing dropped
     assert m[2]["rollout/token_mult_prob_error"] < 1.001 and m[2]["rollout/max_abs_logp_diff"] < 1e-3
     export = tmp_path / "export"
     _run([sys.executable, "-m", "megareason.cli", "convert", "megatron-to-hf",
-          str(out / "checkpoints" / "step_00000002" / "actor"), str(export)], timeout=300)
+          str(out / "checkpoints" / "step_00000003" / "actor"), str(export)], timeout=300)
     # one engine (not one per data-parallel replica) took the whole model: the export's tensor bytes
     with open(export / "model.safetensors", "rb") as f:
         header = 8 + int.from_bytes(f.read(8), "little")
     assert m[1]["sync/bytes"] == (export / "model.safetensors").stat().st_size - header
-    rows = [json.loads(line) for line in (out / "rollouts" / "val_step_00000002.jsonl").read_text().splitlines()]
+    # the last run's validation, greedy in the engine after the resume's sync: transformers agrees
+    rows = [json.loads(line) for line in (out / "rollouts" / "val_step_00000003.jsonl").read_text().splitlines()]
     prompts = [r["prompt_token_ids"] for r in rows]
     vllm_greedy = [r["response_token_ids"] for r in rows]
     assert _hf_greedy(export, prompts, 24) == vllm_greedy

@@ -10,5 +10,6 @@ MEGAREASON_WRITE_GOLDEN=1 .venv/bin/python -m pytest -q -p no:cacheprovider \
   "tests/test_sft.py::test_sft_with_lora_matches_transformers_stops_on_sigterm_and_resumes_to_the_golden_curve" \
   "tests/test_compare_methods.py::test_the_recipe_first_steps_on_the_tiny_model" \
   "tests/test_nemo_run.py::test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_the_golden_curve" \
+  "tests/test_train_e2e.py::test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes_to_the_uninterrupted_run" \
   "tests/test_async_rollouts.py" "$@"
 git status --short tests/golden
