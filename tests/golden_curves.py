@@ -71,11 +71,11 @@ def golden(name: str) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def check_golden(name: str, metrics: dict[int, dict], record: bool = True) -> None:
+def check_golden(name: str, metrics: dict[int, dict], record: bool = True, tolerance: dict | None = None) -> None:
     """Assert that ``metrics`` (step -> row) equals ``tests/golden/<name>.jsonl`` (``TOLERANCE`` and
     ``ACROSS_CPU_KINDS`` apart) up to the curve's ``HORIZON_ACROSS_CPU_KINDS``, and has its steps and metric
     names after it; or, while recording, record it (``record=False``: a run that must give a curve another run
-    of the test records, compared with it whether recording or not)."""
+    of the test records, compared with it whether recording or not; ``tolerance``: more, for such a run)."""
     path = GOLDEN / f"{name}.jsonl"
     if recording() and record:
         GOLDEN.mkdir(exist_ok=True)
@@ -88,7 +88,7 @@ def check_golden(name: str, metrics: dict[int, dict], record: bool = True) -> No
         assert set(curve({0: metrics[step]})[0]) == set(curve({0: want[step]})[0]), f"{path.name} step {step}: " \
             f"other metrics"
     _check({s: metrics[s] for s in metrics if s <= horizon}, {s: want[s] for s in want if s <= horizon}, path.name,
-           {**TOLERANCE, **ACROSS_CPU_KINDS})
+           {**TOLERANCE, **ACROSS_CPU_KINDS, **(tolerance or {})})
 
 
 def check_same(metrics: dict[int, dict], reference: dict[int, dict], what: str) -> None:

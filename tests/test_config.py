@@ -166,6 +166,34 @@ def test_a_separate_pool_must_fit_beside_the_trainer():
     assert _engine_cores([0, 1, 2, 3, 4, 5], 0, 2) == [4, 5]
 
 
+def test_broadcast_engines_go_on_nodes_without_the_trainers_ranks_when_the_cluster_has_several():
+    """NeMo-RL's split of a non-colocated job: training nodes and generation nodes (Ray's label selector on the
+    engines' bundles); one node, or the tmpfs transfer (the trainer's node only), selects nothing."""
+    from megareason.trainer.pool import engine_nodes
+
+    def node(name: str, gpus: int, alive: bool = True) -> dict:
+        return {"NodeID": name, "Alive": alive, "Resources": {"CPU": 128.0, "GPU": float(gpus)}}
+
+    gpu = {"GPU": 1, "CPU": 1}
+    cfg = load_config("grpo_llama8b_async")  # 8 engines of TP 1 by broadcast, the trainer on 8 GPUs
+    two = [node("a", 8), node("b", 8), node("gone", 8, alive=False)]
+    assert engine_nodes(cfg, gpu, frozenset({"a"}), two) == {"ray.io/node-id": "!in(a)"}
+    assert engine_nodes(cfg, gpu, frozenset({"a"}), two[:1]) == {}  # one node: beside the trainer
+    shm = load_config("grpo_llama8b_async", ["rollout.weight_transfer=shm"])
+    assert engine_nodes(shm, gpu, frozenset({"a"}), two) == {}
+    tp2 = load_config("grpo_llama8b_async", ["rollout.num_engines=4", "rollout.tensor_parallel_size=2"])
+    assert engine_nodes(tp2, gpu, frozenset({"a"}), two) == {"ray.io/node-id": "!in(a)"}  # 4 x 2 on b's 8
+    with pytest.raises(ConfigError, match=r"rollout.num_engines=8 engines of rollout.tensor_parallel_size=1 GPUs "
+                                          r"each go on the nodes without the trainer's ranks, which hold 6"):
+        engine_nodes(cfg, gpu, frozenset({"a"}), [node("a", 8), node("b", 6)])
+    # a trainer across both nodes leaves none (the dead node counts for nothing)
+    with pytest.raises(ConfigError, match="which hold 0"):
+        engine_nodes(cfg, gpu, frozenset({"a", "b"}), two)
+    cpu = load_config("grpo_smollm2_cpu", ["rollout.placement=separate", "rollout.num_engines=2",
+                                           "rollout.tensor_parallel_size=2", "rollout.weight_transfer=broadcast"])
+    assert engine_nodes(cpu, {"CPU": 1}, frozenset({"b"}), [node("a", 0), node("b", 0)]) == {"ray.io/node-id": "!in(b)"}
+
+
 def test_a_replaced_key_is_refused_naming_the_keys_that_replace_it(tmp_path: Path):
     message = (r"'algorithm.kl_kind' is not a key: set algorithm.kl_reward_kind \(the KL subtracted from the "
                r"reward, kl_in_reward\) and algorithm.kl_loss_kind \(the KL loss term\) instead")

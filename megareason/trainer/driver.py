@@ -143,6 +143,7 @@ class Driver:
         self.cfg, self.run, self.roles, self.num_prompts, self.desc = cfg, run, roles, num_prompts, desc
         self.validate, self.stop = validate, stop
         self.resumed_from: Path | None = None  # the checkpoint ``start`` resumed from
+        self.resume_syncs: list = []  # the weight pushes of the resume (``start``)
         self.stop_reason = ""  # why a run stops without a signal (a deadline)
         self.background: BackgroundSave | None = None  # trainer.async_save: the checkpoint being written
 
@@ -162,7 +163,9 @@ class Driver:
             log.info("resuming from %s (step %d)", latest, self.state.step)
             for role in self.roles:
                 role.load(str(latest / role.name))
-            self.roles[0].sync_weights()  # the policy's engines start from the HF weights
+            # the policy's engines start from the checkpoint's weights; one step off-policy reports this push in
+            # the first step, where the uninterrupted run pushed the same weights (``OneStepOff``)
+            self.resume_syncs = list(self.roles[0].sync_weights() or [])
         self.run.root.mkdir(parents=True, exist_ok=True)
         atomic_write(self.run.root / "config.json", json.dumps(asdict(self.cfg), indent=2) + "\n")
         self.sampler = PromptSampler(self.num_prompts, t.seed, self.state.sampler.epoch, self.state.sampler.position)

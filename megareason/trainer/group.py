@@ -60,8 +60,11 @@ def ray_session(address: str, num_cpus: int | None = None) -> Iterator[None]:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
         # address="local": always a new private cluster, never one a `ray start` left on this machine.
+        # No idle workers started ahead: none would match this job's runtime environment (its env_vars), so
+        # each would cost a Python start-up for nothing (slurm/ray_cluster.sh turns them off on a cluster too).
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus or os.cpu_count(),
-                 include_dashboard=False, runtime_env=env, log_to_driver=True, configure_logging=False)
+                 include_dashboard=False, runtime_env=env, log_to_driver=True, configure_logging=False,
+                 _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False})
     try:
         yield
     finally:
@@ -202,6 +205,7 @@ class WorkerGroup:
         ).remote(settings, rank, self.world) for rank in range(self.world)]
         # A rank that dies while the group starts is reported as in ``call``: by rank, with its last error.
         nodes = self._results([w.__ray_call__.remote(_node_of) for w in self.workers], "start")
+        self.nodes = [node for _, node in nodes]  # each rank's Ray node id
         log.info("%s: ranks on %d Ray node(s): %s", name, len({node for _, node in nodes}),
                  ", ".join(f"rank {r} -> {ip} ({node[:12]})" for r, (ip, node) in enumerate(nodes)))
         master = self._results([self.workers[0].address.remote()], "address")[0]

@@ -174,12 +174,14 @@ def start_workers(cfg: Config, with_critic: bool) -> list[WorkerGroup]:
     return [groups[name] for _, _, name in roles]
 
 
-def start_rollouts(cfg: Config) -> RolloutPool | None:
-    """rollout.placement: separate: the rollout engines' pool (``trainer.pool``); colocated: None (the
-    policy's ranks hold the engines)."""
+def start_rollouts(cfg: Config, groups: list[WorkerGroup]) -> RolloutPool | None:
+    """rollout.placement: separate: the rollout engines' pool (``trainer.pool``), away from the nodes of
+    ``groups`` (the trainer's) on a cluster of several nodes; colocated: None (the policy's ranks hold the
+    engines)."""
     if cfg.rollout.placement != "separate":
         return None
-    return RolloutPool(cfg, on_gpu=torch.cuda.is_available(), trainer_cores=_world(cfg))
+    return RolloutPool(cfg, on_gpu=torch.cuda.is_available(), trainer_cores=_world(cfg),
+                       trainer_nodes=frozenset(node for g in groups for node in g.nodes))
 
 
 def _world(cfg: Config) -> int:

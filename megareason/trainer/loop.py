@@ -63,7 +63,7 @@ def train(cfg: Config) -> Path:
     with scoring_pool(cfg.reward, scorer) as pool, ray_session(cfg.trainer.ray_address), stop_signals() as stop:
         groups, engines = start_workers(cfg, with_critic=cfg.algorithm.name == "ppo"), None
         try:
-            engines = start_rollouts(cfg)
+            engines = start_rollouts(cfg, groups)
             score_fn = partial(score, scorer=scorer, pool=pool, tinyv=cfg.reward.tinyv,
                                max_error_rate=cfg.reward.max_error_rate)
             _train_loop(cfg, run, groups, prompts, val_prompts, score_fn, tokenizer, stop, engines)
@@ -89,7 +89,8 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
     rollout = rollout_step(cfg, actors, score_fn, tokenizer, state.extra,
                            more=partial(_next_prompts, prompts, driver.sampler, t.prompts_per_step))
     if t.max_staleness:
-        rollout = OneStepOff(cfg, rollout, actors, prompts, driver.sampler.peek, state.step, driver.resumed_from)
+        rollout = OneStepOff(cfg, rollout, actors, prompts, driver.sampler.peek, state.step, driver.resumed_from,
+                             driver.resume_syncs)
 
     for step, indices in driver.steps():
         timer: dict[str, float] = {}

@@ -23,7 +23,7 @@ regenerating would change the run. Resumed, the losses are those of the run that
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -67,15 +67,18 @@ class OneStepOff(RolloutVariant):
     pushes_weights = True  # before each batch is launched, while the engines are idle
 
     def __init__(self, cfg: Config, policy: SingleTurn, actors: PolicyHandle, prompts: list[TokenizedPrompt],
-                 upcoming: Callable[[int], list[int]], start_step: int, resumed_from: Path | None):
+                 upcoming: Callable[[int], list[int]], start_step: int, resumed_from: Path | None,
+                 resume_syncs: Sequence = ()):
         if actors.pool is None:
             raise ValueError("one step off-policy rollouts need a separate rollout pool")
         self.cfg, self.policy, self.actors, self.prompts, self.upcoming = cfg, policy, actors, prompts, upcoming
         # The driver pushed the weights of the step resumed from into the engines (or they hold the
-        # initial ones): both sides are at that version.
+        # initial ones): both sides are at that version. The uninterrupted run pushed them in the next step,
+        # before its batch (``_push``): that step reports the resume's push (``resume_syncs``), so a resumed
+        # run's metrics are the uninterrupted run's.
         self.version = self.engine_version = start_step
         self.next: Batch | None = None
-        self.syncs: list = []
+        self.syncs: list = list(resume_syncs)
         if resumed_from is not None and (resumed_from / INFLIGHT).is_file():
             self.next = load_inflight(resumed_from / INFLIGHT)
             log.info("resuming with the batch of step %d saved in flight (generated with the weights of step %d)",

@@ -1,9 +1,11 @@
 """Rollout engines on resources of their own (``rollout.placement: separate``).
 
-``RolloutPool`` (driver side) starts ``rollout.num_engines`` Ray actors, ``RolloutWorker``, in a placement
-group beside the trainer's: each holds a whole ``VLLMEngine`` of one device (on CPU, one core of its own):
-``validate_training`` refuses ``rollout.tensor_parallel_size`` > 1 here, since vLLM would start its Ray
-executor in this placement group, which refuses bundles of more than one GPU (vllm/v1/executor/ray_utils.py).
+``RolloutPool`` (driver side) starts ``rollout.num_engines`` engines of ``rollout.tensor_parallel_size`` Ray
+actors each (``RolloutWorker``, one per vLLM rank, one device each; on CPU, a core of its own), each engine in a
+placement group of its own on one node, beside the trainer's. At TP 1 an actor holds a whole ``VLLMEngine``; at
+TP > 1 the engine's actors run vLLM's ``external_launcher`` executor over a group of their own (vLLM's Ray
+executor would refuse the one-GPU bundles: vllm/v1/executor/ray_utils.py). On a cluster of several nodes whose
+weights go by the broadcast, the engines go on nodes without the trainer's ranks (``engine_nodes``).
 The engines never sleep: they generate while the trainer trains (``trainer.max_staleness``), so
 ``generate_async`` returns at once with a ``PendingGeneration``.
 
@@ -146,7 +148,8 @@ class PendingGeneration:
 class RolloutPool:
     """``rollout.num_engines`` ``RolloutWorker`` actors in a placement group of their own (module docstring)."""
 
-    def __init__(self, cfg: Config, on_gpu: bool, trainer_cores: int):
+    def __init__(self, cfg: Config, on_gpu: bool, trainer_cores: int, trainer_nodes: frozenset[str] = frozenset()):
+        """``trainer_nodes``: the Ray node ids of the trainer's ranks (``engine_nodes``)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -159,8 +162,11 @@ class RolloutPool:
         # vLLM's Ray executor refuses bundles of several GPUs (vllm/v1/executor/ray_utils.py), and an engine's
         # tensor-parallel all-reduce belongs inside a node.
         bundle = {"GPU": 1, "CPU": 1} if on_gpu else {"CPU": 1}
-        self.pgs = [placement_ready(placement_group([bundle] * self.tp, strategy="STRICT_PACK"),
-                                    f"rollout engine {e}: {self.tp} bundle(s) of {bundle} on one node")
+        away = engine_nodes(cfg, bundle, trainer_nodes, ray.nodes())
+        where = f"{self.tp} bundle(s) of {bundle} on one node" + (" without the trainer's ranks" if away else "")
+        self.pgs = [placement_ready(placement_group([bundle] * self.tp, strategy="STRICT_PACK",
+                                                    bundle_label_selector=[away] * self.tp if away else None),
+                                    f"rollout engine {e}: {where}")
                     for e in range(self.n)]
         cores = sorted(os.sched_getaffinity(0))
         per = max(1, (len(cores) - trainer_cores) // (self.n * self.tp))
@@ -175,7 +181,10 @@ class RolloutPool:
             self._get([w.setup.remote(m) for ranks, m in zip(self.engines, masters, strict=True) for w in ranks],
                       "start")
         self.dtype = self._get([w.dtype.remote() for w in self.workers], "start")[0]
-        log.info("rollout: %d separate engine(s) of %d x %s", self.n, self.tp, bundle)
+        nodes = self._get([w.node.remote() for w in self.workers], "start")
+        log.info("rollout: %d separate engine(s) of %d x %s on %d Ray node(s) (%s), %s", self.n, self.tp, bundle,
+                 len(set(nodes)), ", ".join(sorted({n[:12] for n in nodes})),
+                 "none of them the trainer's" if not set(nodes) & trainer_nodes else "beside the trainer's ranks")
 
     def generate_async(self, prompts_token_ids: list[list[int]], sampling: Sampling) -> PendingGeneration:
         """Split the prompts over the engines in order (prompt i is sampled with seed + i, whichever engine
@@ -210,17 +219,23 @@ class RolloutPool:
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, GenerationStopped):
                 raise e.cause from None
-            raise
+            # A rank whose peer died fails in the engine's next collective: name the dead one instead.
+            if len(futures) != len(self.workers) or all(_alive(w) for w in self.workers):
+                raise
+            error = e
         except ray.exceptions.RayActorError as e:
-            self.failed = True
-            i = next((k for k, f in enumerate(futures) if _died(f)), 0)
-            if len(futures) == len(self.workers):  # one call per rank: name the engine and its rank
-                i = next((k for k, w in enumerate(self.workers) if not _alive(w)), i)
-            engine = f"rollout engine {i // self.tp}" + (f" (vLLM rank {i % self.tp})" if self.tp > 1 else "")
-            cause = last_worker_error("rollout", i)
-            raise WorkerDied(f"{engine} died during {what}(): {first_line(e)}"
-                             f"{f'; its last error: {cause}' if cause else ''} (its log: logs/rollout_rank{i}.log "
-                             "in the run folder)") from None
+            error = e
+        self.failed = True
+        i = next((k for k, f in enumerate(futures) if _died(f)), 0)
+        if len(futures) == len(self.workers):  # one call per rank: name the engine and its rank
+            i = next((k for k, w in enumerate(self.workers) if not _alive(w)), i)
+        engine = f"rollout engine {i // self.tp}" + (f" (vLLM rank {i % self.tp})" if self.tp > 1 else "")
+        cause = last_worker_error("rollout", i)
+        how = (first_line(error) if isinstance(error, ray.exceptions.RayActorError)
+               else f"its process is gone (a peer then failed: {first_line(error)})")
+        raise WorkerDied(f"{engine} died during {what}(): {how}"
+                         f"{f'; its last error: {cause}' if cause else ''} (its log: logs/rollout_rank{i}.log "
+                         "in the run folder)") from None
 
     def shutdown(self) -> None:
         import ray
@@ -233,6 +248,27 @@ class RolloutPool:
             ray.kill(w)
         for pg in self.pgs:
             ray.util.remove_placement_group(pg)
+
+
+def engine_nodes(cfg: Config, bundle: dict[str, int], trainer_nodes: frozenset[str], nodes: list[dict]) -> dict:
+    """Ray's label selector for the engines' bundles: on a cluster of several nodes whose weights go by the
+    collective broadcast, nodes without the trainer's ranks (``{"ray.io/node-id": "!in(...)"}``), as NeMo-RL
+    splits its nodes between training and generation when generation is not colocated; else none (one node,
+    or the tmpfs transfer, which needs the trainer's node). ``nodes``: ``ray.nodes()``. Raises ``ConfigError``
+    when those nodes cannot hold ``rollout.num_engines`` whole engines."""
+    r = cfg.rollout
+    alive = [n for n in nodes if n.get("Alive")]
+    if r.weight_transfer != "broadcast" or len(alive) < 2 or not trainer_nodes:
+        return {}
+    kind = "GPU" if "GPU" in bundle else "CPU"
+    free = [n for n in alive if n["NodeID"] not in trainer_nodes]
+    fit = sum(int(n.get("Resources", {}).get(kind, 0)) // r.tensor_parallel_size for n in free)
+    if fit < r.num_engines:
+        raise ConfigError(f"rollout.placement: separate on {len(alive)} Ray nodes: rollout.num_engines="
+                          f"{r.num_engines} engines of rollout.tensor_parallel_size={r.tensor_parallel_size} {kind}s "
+                          f"each go on the nodes without the trainer's ranks, which hold {fit}: give the job more "
+                          "nodes, or fewer engines")
+    return {"ray.io/node-id": f"!in({', '.join(sorted(trainer_nodes))})"}
 
 
 class RemoteEngines:
