@@ -72,7 +72,7 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_on_two_node
     hold = tmp_path / "hold_generation"
     env = {**_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's loopback nodes (below)
            "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "hold_generation"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "hooks"),
                                                        os.environ.get("PYTHONPATH")]))}
     with _two_nodes(monkeypatch, env) as address:
         cmd = _args(tiny_qwen2, tmp_path, off, *args, *nodes, f"trainer.ray_address={address}")

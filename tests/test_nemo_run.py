@@ -97,7 +97,7 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
     a checkpoint after the step, a requeue; during step 2's generation in the requeued run, SIGTERM alone to
     every process of every job step at once (what a pre-emption sends: the driver, the reward workers,
     `ray start`, the GCS, the raylets, the actors, vLLM), while that generation is held from ending
-    (tests/hold_generation: a large model's long generation): the engines give the step up, step 1's
+    (tests/hooks/hold_generation.py: a large model's long generation): the engines give the step up, step 1's
     checkpoint holds the state, and the job requeues within a bounded time, not after the generation. The
     three runs together give the uninterrupted run's metrics, every one of every step (golden "slurm_raro").
     Every job step runs in a sandbox with enroot's defaults (slurm_cluster.sandboxed: the root, the Python
@@ -116,7 +116,7 @@ def test_slurm_job_on_two_nodes_requeues_on_usr1_then_on_sigterm_and_resumes_to_
         folder.mkdir()
     hold = control / "hold_generation"
     env = slurm_cluster.sandboxed({**slurm.env, "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
-                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "hold_generation"),
+                                   "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests" / "hooks"),
                                                                                slurm.env.get("PYTHONPATH")]))},
                                   sandbox, out, slurm.ray_tmp, control)
     proc = _launch("--executor", "slurm", "--nodes", "2", "--gpus-per-node", "0", "--cpus-per-task", "1",

@@ -379,7 +379,7 @@ def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes
     overlong shaping, whose metrics it logs.
 
     One run folder stopped by a SIGTERM to the driver in each phase, fired at that point by
-    ``tests/sigterm_at`` on the policy's rank 0, and resumed each time:
+    ``tests/hooks/sigterm_at.py`` on the policy's rank 0, and resumed each time:
 
     - during step 2's checkpoint write: the save completes, step 3's generation gives the step up;
     - between two engine steps of step 3's generation (the SPMD engine's two ranks agree on the step);
@@ -409,7 +409,7 @@ def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes
         check_golden("stop_tp2", _metrics(straight))
 
     out = tmp_path / "stopped"
-    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "sigterm_at"),
+    hook = {"PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "hooks"),
                                                         os.environ.get("PYTHONPATH")])),
             "MEGAREASON_TEST_SIGTERM_RUN": str(out)}
     # (where the SIGTERM fires: phase and which pass of the run, the latest checkpoint after, the log's line)
