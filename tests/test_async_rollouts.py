@@ -7,11 +7,13 @@ sample, so losses and gradients are nonzero and comparing runs means something.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,9 +71,10 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_on_two_node
         check_golden("async_off", _metrics(single))
     off = tmp_path / "off"
     nodes = ("rollout.num_engines=2", "rollout.tensor_parallel_size=2", "rollout.weight_transfer=broadcast")
-    hold = tmp_path / "hold_generation"
+    hold, received = tmp_path / "hold_generation", tmp_path / "received"
+    received.mkdir()
     env = {**_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's loopback nodes (below)
-           "MEGAREASON_TEST_HOLD_GENERATION": str(hold),
+           "MEGAREASON_TEST_HOLD_GENERATION": str(hold), "MEGAREASON_TEST_RECORD_WEIGHTS": str(received),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent / "hooks"),
                                                        os.environ.get("PYTHONPATH")]))}
     with _two_nodes(monkeypatch, env) as address:
@@ -104,12 +107,25 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_on_two_node
         assert re.search(r"rollout engine \d \(vLLM rank \d\) died during \w+\(\)", err), err[-5000:]
         assert "2 separate engine(s) of 2 x {'CPU': 1} on 1 Ray node(s)" in err and "none of them the trainer's" in err
         assert RunDir(off).steps() == [1]  # step 2's checkpoint waited for batch 3
+        killed_run = received / "killed"
+        killed_run.mkdir()
+        for f in received.glob("*.json"):
+            f.rename(killed_run / f.name)
 
         # The resume on the same layout: step 2 trains on the saved batch, step 3 on the one generated with
         # step 1's weights, which reached the TP 2 engines on the other node by the broadcast.
         proc = _run(cmd, env=env)
         assert "saved in flight" in proc.stderr
     assert "by BroadcastTrainerWeightTransferEngine" in (off / "logs" / "policy_rank0.log").read_text()
+    # What each of the 4 vLLM ranks (2 engines x TP 2) received in each weight update equals, bit for bit, the
+    # trainer's checkpoint exported to HF: the killed run's one update (step 1's weights, for batch 3), the
+    # resume's first (step 1's again: batch 3 is generated anew) and, if any, its next (step 2's).
+    exported = {step: _exported(off, step, tmp_path) for step in (1, 2)}
+    assert _updates(killed_run) == {1: 4} and all(r == exported[1] for r in _records(killed_run, 1))
+    updates = _updates(received)
+    assert updates.get(1) == 4 and set(updates) <= {1, 2} and all(n == 4 for n in updates.values()), updates
+    for n in updates:
+        assert all(r == exported[n] for r in _records(received, n)), n
     m = _metrics(off)
     assert sorted(m) == [1, 2, 3]
     assert [m[s]["rollout/staleness"] for s in (1, 2, 3)] == [0, 1, 1]
@@ -144,6 +160,30 @@ def test_separate_engines_on_policy_equal_colocated_and_one_step_off_on_two_node
     assert not (off / "checkpoints" / "step_00000003" / "rollout_inflight.pt").exists()  # the last step: none
 
 
+def _exported(run: Path, step: int, tmp: Path) -> dict[str, list]:
+    """{HF name: digest} of step ``step``'s policy checkpoint exported to HF (``megareason convert``)."""
+    from hooks.weight_digest import digest
+    from safetensors.torch import load_file
+
+    out = tmp / f"export_{step}"
+    _run([sys.executable, "-m", "megareason.cli", "convert", "megatron-to-hf",
+          str(run / "checkpoints" / f"step_{step:08d}" / "actor"), str(out)], timeout=300)
+    return {name: digest(t) for name, t in load_file(out / "model.safetensors").items()}
+
+
+def _updates(folder: Path) -> dict[int, int]:
+    """Weight update n -> how many vLLM ranks recorded it (``tests/hooks/record_weights.py``)."""
+    counts: dict[int, int] = {}
+    for f in folder.glob("*-*.json"):
+        n = int(f.stem.split("-")[1])
+        counts[n] = counts.get(n, 0) + 1
+    return counts
+
+
+def _records(folder: Path, n: int) -> list[dict[str, list]]:
+    return [json.loads(f.read_text()) for f in sorted(folder.glob(f"*-{n}.json"))]
+
+
 @contextmanager
 def _two_nodes(monkeypatch, env: dict[str, str]):
     """A Ray cluster of two nodes on loopback (4 logical CPUs each), its address; stopped on exit. Its
@@ -151,7 +191,7 @@ def _two_nodes(monkeypatch, env: dict[str, str]):
     import ray._private.ray_constants as ray_constants
     from ray.cluster_utils import Cluster
 
-    for name in ("MEGAREASON_TEST_HOLD_GENERATION", "PYTHONPATH"):
+    for name in ("MEGAREASON_TEST_HOLD_GENERATION", "MEGAREASON_TEST_RECORD_WEIGHTS", "PYTHONPATH"):
         monkeypatch.setenv(name, env[name])
 
     # Ray resolves a loopback address to the machine's own IP (services.resolve_ip_for_localhost) unless
