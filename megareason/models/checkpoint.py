@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
 import shutil
 import uuid
 from contextlib import contextmanager
@@ -104,6 +105,7 @@ def save_checkpoint(path: str | Path, model, arch: ModelArch, hf_dir: str | Path
             _async_saves().schedule_async_request(request)
             _PENDING.append(tmp)
             return path
+        _in_process_results()
         dist_checkpointing.save(state, str(tmp), sharded_strategy=_save_strategy())
         commit()
     except BaseException:
@@ -228,6 +230,19 @@ def _occupied(path: Path) -> str | None:
     except OccupiedFolder as e:
         return str(e)
     return None
+
+
+def _in_process_results() -> None:
+    """dist_checkpointing's file writer reports what it wrote through a module-level queue, which it creates
+    as a spawned multiprocessing Manager's (``filesystem_async._get_write_results_queue``): a Python process
+    started for each save here (it is stopped after each, below), about a second of start-up and another
+    of shutdown. A synchronous save puts its results and reads them back in this process
+    (``AsyncRequest.execute_sync``: its writer processes report to it through a queue of their own), so a
+    plain queue serves it. An asynchronous save (its writer forked) keeps megatron-core's Manager."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _stop_writer_manager()
+    filesystem_async._results_queue = queue.Queue()
 
 
 def _stop_writer_manager() -> None:
