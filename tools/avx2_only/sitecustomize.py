@@ -14,6 +14,16 @@ import os
 import sys
 
 if os.environ.get("ATEN_CPU_CAPABILITY") == "avx2":
+    # torch inductor's on-disk cache does not tell kernels compiled for AVX-512 from AVX2 ones: a kernel an
+    # unrestricted process compiled (vLLM's vocab-parallel embedding mask) and a restricted one then loaded gave
+    # garbage indices. An AVX2-only machine never sees AVX-512 kernels: its own cache folder.
+    import getpass
+    import tempfile
+
+    _cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                        f"torchinductor_{getpass.getuser()}")
+    if not _cache.endswith("-avx2"):  # the processes this one starts inherit it
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _cache + "-avx2"
 
     class _AVX2Only(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
