@@ -214,22 +214,23 @@ class RolloutPool:
         from megareason.trainer.group import WorkerDied
         from megareason.trainer.run_dir import first_line
 
-        every_rank = len(futures) == len(self.workers)  # one call per rank: the dead one can be named
+        def dead() -> list[int]:  # one call per rank: the dead one can be named
+            return [k for k, w in enumerate(self.workers) if not _alive(w)] if len(futures) == len(self.workers) else []
+
         try:
             return ray.get(futures)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, GenerationStopped):
                 raise e.cause from None
             # A rank whose peer died fails in the engine's next collective: name the dead one instead.
-            dead = [k for k, w in enumerate(self.workers) if not _alive(w)] if every_rank else []
-            if not dead:
+            gone = dead()
+            if not gone:
                 raise
             error = e
         except ray.exceptions.RayActorError as e:
-            error = e
-            dead = [k for k, w in enumerate(self.workers) if not _alive(w)] if every_rank else []
+            error, gone = e, dead()
         self.failed = True
-        i = dead[0] if dead else next((k for k, f in enumerate(futures) if _died(f)), 0)
+        i = gone[0] if gone else next((k for k, f in enumerate(futures) if _died(f)), 0)
         engine = f"rollout engine {i // self.tp}" + (f" (vLLM rank {i % self.tp})" if self.tp > 1 else "")
         cause = last_worker_error("rollout", i)
         how = (first_line(error) if isinstance(error, ray.exceptions.RayActorError)
