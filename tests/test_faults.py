@@ -127,7 +127,7 @@ def test_moe_at_scale_logs_its_routers_and_dead_engine_driver_and_rank_stop_it_c
     assert json.loads(step2.read_text())["step"] == 2
 
     # 3. The driver itself SIGKILLed while the run resumes: Ray's processes and agents, the policy workers,
-    # their vLLM engine cores and workers, the reward workers are all gone within seconds.
+    # their vLLM engine cores, the reward workers are all gone within seconds.
     proc, _, _ = _fault(args, resuming(2), "resume", "")
     assert proc.returncode == -signal.SIGKILL
     assert json.loads(step2.read_text())["step"] == 2
