@@ -4,12 +4,37 @@ kinds, and what it still refuses."""
 from __future__ import annotations
 
 import copy
+import json
 
+import golden_curves
 import pytest
 from golden_curves import HORIZON_ACROSS_CPU_KINDS, check_golden, golden
 
 
-def test_ppo_is_compared_exactly_up_to_its_horizon_and_by_its_metric_names_after_it():
+def test_on_the_recording_cpu_kind_every_step_counts(monkeypatch):
+    monkeypatch.setattr(golden_curves, "recorded_here", lambda: True)
+    want = golden("ppo")
+    check_golden("ppo", copy.deepcopy(want))
+    later = copy.deepcopy(want)
+    later[max(want)]["val/reward"] += 0.003  # past the horizon, which applies only across CPU kinds
+    with pytest.raises(AssertionError, match=f"ppo.jsonl step {max(want)}: .*val/reward"):
+        check_golden("ppo", later)
+
+
+def test_the_cpu_kind_is_the_model_and_pytorchs_vector_width(monkeypatch, tmp_path):
+    monkeypatch.setattr(golden_curves, "CPU_KIND", tmp_path / "cpu_kind.json")
+    assert not golden_curves.recorded_here()  # nothing recorded: compared as across kinds
+    kind = golden_curves.cpu_kind()
+    assert kind["capability"] in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "SVE256")
+    golden_curves.CPU_KIND.write_text(json.dumps(kind))
+    assert golden_curves.recorded_here()
+    golden_curves.CPU_KIND.write_text(json.dumps({**kind, "capability": "AVX2" if kind["capability"] != "AVX2"
+                                                  else "AVX512"}))
+    assert not golden_curves.recorded_here()
+
+
+def test_ppo_is_compared_exactly_up_to_its_horizon_and_by_its_metric_names_after_it(monkeypatch):
+    monkeypatch.setattr(golden_curves, "recorded_here", lambda: False)  # another CPU kind
     want = golden("ppo")
     horizon = HORIZON_ACROSS_CPU_KINDS["ppo"]
     assert horizon < max(want)
