@@ -369,6 +369,34 @@ def test_lora_ppo_syncs_merged_weights_into_vllm_exports_and_resumes(tiny_qwen2,
     assert _hf_greedy(tiny_qwen2, prompts, 24) != vllm_greedy  # the adapters matter
 
 
+def _assert_stopped_within_the_bound(at: str, fired: str, stderr: str) -> None:
+    """The bound ``megareason plan`` prints for a SIGTERM (the longest piece that cannot stop, then the
+    checkpoint), counted in pieces rather than seconds: after the signal the run finished at most the piece in
+    progress. ``fired``: where the hook sent the SIGTERM (``tests/hooks/sigterm_at.py``); the driver's last line
+    says where the stop took effect and how long after the signal the run exited, its checkpoint committed.
+
+    - between pieces of a log-prob or training pass: the pass gave up before the next piece;
+    - between engine steps: the engine's ranks gave up at their next agreement, fewer than
+      ``STOP_AGREE_STEPS`` engine steps later;
+    - during a save or a sync (pieces that cannot stop): they completed and the generation after them gave up
+      at its first engine step."""
+    from megareason.rollout.colocated import STOP_AGREE_STEPS
+
+    where = [w.split(" ", 1)[1] for w in fired.splitlines() if w.split(" ", 1)[0] == at][-1]
+    last = [line for line in stderr.splitlines() if "run again to resume" in line][-1]
+    assert re.search(r"; \d+\.\d s after the signal; run again to resume", last), (at, last)
+    gave_up = re.search(r"stopped after (\d+) (engine steps|of \d+ micro-batches): the run is stopping", last)
+    assert gave_up is not None, (at, last)
+    after = int(gave_up.group(1))
+    if where.startswith("engine step "):
+        assert gave_up.group(2) == "engine steps"
+        assert int(where.split()[-1]) <= after < int(where.split()[-1]) + STOP_AGREE_STEPS, (at, where, after)
+    elif where.endswith("micro-batches"):
+        assert f"stopped after {where}: the run is stopping" in last, (at, where, last)
+    else:
+        assert where in ("save", "sync") and gave_up.group(0).startswith("stopped after 0 engine steps"), (at, where)
+
+
 @pytest.mark.timeout(1800)
 def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes_to_the_uninterrupted_run(
         tiny_qwen2, tmp_path):
@@ -387,10 +415,12 @@ def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes
     - during step 3's weight sync: it completes, and the last step's validation gives up at its first engine
       step (the step is saved, its validation pending).
 
-    Each stopped run exits with EXIT_STOPPED (a Slurm job requeues on it) and its latest checkpoint is the one
-    the stop promises; the last run validates step 3 first and ends. The runs together give the uninterrupted
-    run's metrics, every one of every step (golden "stop_tp2"). That validation ran greedy in the engine after
-    the resume's sync, and transformers on the exported checkpoint agrees."""
+    Each stopped run exits with EXIT_STOPPED (a Slurm job requeues on it), its latest checkpoint is the one
+    the stop promises, and it ran at most the piece in progress after the signal (the bound ``megareason plan``
+    prints, in pieces: ``_assert_stopped_within_the_bound``); the last run validates step 3 first and ends.
+    The runs together give the uninterrupted run's metrics, every one of every step (golden "stop_tp2"). That
+    validation ran greedy in the engine after the resume's sync, and transformers on the exported checkpoint
+    agrees."""
     from golden_curves import check_golden, recording
 
     from megareason.trainer.driver import EXIT_STOPPED
@@ -426,6 +456,7 @@ def test_colocated_tp2_engine_takes_the_sync_and_a_sigterm_in_each_phase_resumes
         assert proc.returncode == EXIT_STOPPED, (at, proc.stdout[-3000:] + proc.stderr[-5000:])
         assert line in proc.stderr, (at, proc.stderr[-5000:])
         assert RunDir(out).steps() == [latest], at
+        _assert_stopped_within_the_bound(at, (tmp_path / "stopped.fired").read_text(), proc.stderr)
     _run(_args(tiny_qwen2, tmp_path, out, *extra), timeout=900)
     m = _metrics(out)
     check_golden("stop_tp2", m, record=False)  # the stopped runs together: the uninterrupted run's curve

@@ -59,11 +59,13 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first signal
         self.on_term: Callable[[], None] | None = None
 
     def __call__(self, signum: int, frame) -> None:
         # Nothing else here: a handler runs between two bytecodes of the main thread (no logging locks).
-        self.signal = self.signal or signum
+        if self.signal is None:
+            self.signal, self.at = signum, time.monotonic()
         if signum == signal.SIGTERM:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if self.on_term is not None:
@@ -218,9 +220,9 @@ class Driver:
         its metrics pending in ``trainer_state.json`` (the next run validates it first), and the run exits."""
         try:
             metrics.update(self.validate(step))
-        except GenerationStopped:  # the update is done: saved, its row waits for the next run's validation
+        except GenerationStopped as e:  # the update is done: saved, its row waits for the next run's validation
             self._save(step, algorithm_state or {}, pending_metrics=metrics)
-            self._exit(f" during step {step}'s validation: saved; the next run validates it first")
+            self._exit(f" during step {step}'s validation: saved; the next run validates it first ({e})")
 
     def finish_step(self, step: int, metrics: dict[str, float], algorithm_state: dict | None = None,
                     save_files: Callable[[Path], None] | None = None) -> None:
@@ -248,14 +250,16 @@ class Driver:
         if stopping and step < t.steps:
             self._exit(f": stopped after step {step} with a checkpoint")
 
-    def drop_step(self, step: int, phase: str = "generation") -> None:
+    def drop_step(self, step: int, phase: str = "generation", cause: str = "") -> None:
         """A SIGTERM stopped ``step``'s generation (``GenerationStopped``), or a log-prob pass or its first
         training pass before any optimizer step (``UpdateStopped``): nothing of the step is kept. The state
         after step - 1 is saved unless a checkpoint holds it already, then the run exits with
-        ``EXIT_STOPPED``; the next run does ``step`` again, as the uninterrupted run did it."""
+        ``EXIT_STOPPED``; the next run does ``step`` again, as the uninterrupted run did it. ``cause``: the
+        stop's own words (where the pass or generation gave up), for the log."""
         if step - 1 > self.saved_step:
             self._save(step - 1, self.done_extra, self.before_step)
-        self._exit(f" during step {step}'s {phase}: the step was dropped, the run resumes at step {step}")
+        self._exit(f" during step {step}'s {phase}: the step was dropped, the run resumes at step {step}"
+                   f"{f' ({cause})' if cause else ''}")
 
     def close(self) -> None:
         self._commit_background(blocking=True)
@@ -359,7 +363,9 @@ class Driver:
     def _exit(self, what: str) -> None:
         self._commit_background(blocking=True)
         why = signal.Signals(self.stop.signal).name if self._stopping() else self.stop_reason
-        log.warning("%s%s; run again to resume (exit code %d)", why, what, EXIT_STOPPED)
+        # From the signal to here: what a site's grace time must cover (``megareason plan`` prints its bound).
+        after = f"; {time.monotonic() - self.stop.at:.1f} s after the signal" if self._stopping() else ""
+        log.warning("%s%s%s; run again to resume (exit code %d)", why, what, after, EXIT_STOPPED)
         self.tracker.close()
         raise SystemExit(EXIT_STOPPED)
 

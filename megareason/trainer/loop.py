@@ -97,16 +97,16 @@ def _train_loop(cfg: Config, run: RunDir, groups: list[WorkerGroup], prompts: li
         # 1. generate and score (one step off: wait for this step's batch, push the weights, launch the next)
         try:
             rows = rollout(step, [prompts[i] for i in indices], timer)
-        except GenerationStopped:  # a SIGTERM: the step's samples are dropped, the state before it saved
-            driver.drop_step(step)
+        except GenerationStopped as e:  # a SIGTERM: the step's samples are dropped, the state before it saved
+            driver.drop_step(step, cause=str(e))
         # 2. the engines asleep: log-probs, advantages, the updates; 3. the weight sync wakes the engines
         exp, update, parts = rows.exp, UpdateStats(), mini_batch_rows(cfg, rows)
         if min(map(len, parts)) >= cfg.parallel.data_parallel_size and exp.mask_BT.any():
             try:
                 exp, update = _update(cfg, step, actors, critic, rows, parts, on_policy, timer,
                                       sync=not rollout.pushes_weights)
-            except UpdateStopped:  # a SIGTERM before the step's first optimizer step: the model is unchanged
-                driver.drop_step(step, "log-probs or first optimizer step")
+            except UpdateStopped as e:  # a SIGTERM before the step's first optimizer step: the model is unchanged
+                driver.drop_step(step, "log-probs or first optimizer step", cause=str(e))
         else:  # every row masked (RARO's critic, DAPO's filters): nothing to learn from this step
             log.warning("step %d: only %d trainable rows; the update is skipped", step, len(exp))
         update.sync = update.sync or rows.sync  # one step off: the variant's push before this step's batch

@@ -35,8 +35,12 @@ def _reach(phase: str) -> bool:
     return phase == PHASE and seen[phase] == NTH and _rank0() and not fired
 
 
-def _fire() -> None:
+def _fire(where: str) -> None:
+    """SIGTERM to the driver; ``where`` (e.g. "engine step 1", "1 of 2 micro-batches") goes to the file
+    ``<run folder>.fired`` beside the run folder, for the test to compare with where the stop took effect."""
     fired.append(1)
+    with open(RUN.rstrip(os.sep) + ".fired", "a") as f:
+        f.write(f"{AT} {where}\n")
     with open(os.path.join(RUN, ".lock")) as f:
         pid = int(f.read().split()[1])  # "pid N on HOST, since ..."
     os.kill(pid, signal.SIGTERM)
@@ -61,7 +65,7 @@ def _patch(module) -> None:
         def stop_now(self, steps):
             if getattr(self, "_test_due", False) and steps >= 1:
                 self._test_due = False
-                _fire()
+                _fire(f"engine step {steps}")
                 self._polled = float("-inf")  # look at the stop file at the next agreement
             return look(self, steps)
 
@@ -74,7 +78,7 @@ def _patch(module) -> None:
             if stop is not None and done > 0 and not getattr(checked, "counted", None) == id(stop):
                 checked.counted = id(stop)  # one count per pass, at its second piece
                 if _reach("logprobs" if "log-prob" in what else "train"):
-                    _fire()
+                    _fire(f"{done} of {n} micro-batches")
             return check(stop, what, done, n)
 
         module._check = checked
@@ -84,7 +88,7 @@ def _patch(module) -> None:
         @functools.wraps(sync)  # the driver calls a worker's method by its name
         def synced(self):
             if _reach("sync"):
-                _fire()
+                _fire("sync")
             return sync(self)
 
         module.PolicyWorker.sync_weights = synced
@@ -94,7 +98,7 @@ def _patch(module) -> None:
         @functools.wraps(save)
         def saved(self, *args, **kwargs):
             if _reach("save"):
-                _fire()
+                _fire("save")
             return save(self, *args, **kwargs)
 
         module._Trainable.save = saved
