@@ -91,9 +91,10 @@ exit 0
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "41"}
 
 
-def _job_script(body: str, env: dict[str, str], tmp_path) -> str:
+def _job_script(body: str, env: dict[str, str], tmp_path, ray_stops: str = "") -> str:
     """``body`` after sourcing slurm/ray_cluster.sh, with one stand-in Ray step and the script's TERM and EXIT
-    traps; its exit code and its log lines, with the stand-in scontrol's calls interleaved in order."""
+    traps; its exit code and its log lines, with the stand-in scontrol's calls interleaved in order.
+    ``ray_stops``: a command the Ray step runs once it sees the stop file, before it ends."""
     import os
 
     repo = Path(__file__).resolve().parents[1]
@@ -122,6 +123,22 @@ def test_after_a_checkpoint_the_job_tears_ray_down_then_requeues(tmp_path):
     assert lines[4] == "scontrol requeue 41" and lines.count("scontrol requeue 41") == 1, out
     out = _job_script("_mr_driver_exited 1", _fake_scontrol(tmp_path, "RUNNING"), tmp_path)
     assert out.splitlines() == ["exit 1", "megareason-slurm: driver exited with 1", "megareason-slurm: Ray stopped"]
+
+
+def test_a_time_limit_during_the_teardown_after_a_checkpoint_still_requeues_at_once(tmp_path):
+    """The driver exited 75 and Ray's teardown is slow (its step ends only once the job is requeued, or after
+    20 s); the time limit comes during it (JobState=TIMEOUT, SIGTERM to the script): the trap requeues at once,
+    before Ray has stopped, and only once. A requeue after the teardown alone could be cut off by the SIGKILL
+    that follows KillWait."""
+    calls = tmp_path / "calls"
+    linger = f"for _ in $(seq 200); do grep -q 'scontrol requeue' {calls} && break; sleep 0.1; done"
+    body = (f"(while [[ ! -e {tmp_path}/job/ray.stop ]]; do sleep 0.1; done; kill -TERM $$) &\n"
+            "_mr_driver_exited 75")
+    out = _job_script(body, _fake_scontrol(tmp_path, "TIMEOUT"), tmp_path, ray_stops=linger)
+    lines = [line for line in out.splitlines() if not line.startswith("scontrol show")]
+    assert lines[0] == "exit 75" and lines.count("scontrol requeue 41") == 1, out
+    assert out.index("requeueing job 41 (SIGTERM at the time limit (JobState=TIMEOUT))") < out.index("Ray stopped")
+    assert out.index("scontrol requeue 41") < out.index("Ray stopped"), out
 
 
 @pytest.mark.parametrize(("state", "requeued"), [("TIMEOUT", True), ("CANCELLED", False), ("RUNNING", False)])
