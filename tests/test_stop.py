@@ -241,9 +241,9 @@ def test_a_pass_in_pieces_equals_one_schedule_call_and_every_rank_stops_at_the_s
         # Rank 1's third check: both ranks stop before the third piece, after the first two pieces' micro-batches.
         for r in ranks:
             done = sum(len(range(r["n"])[r["n"] * i // k: r["n"] * (i + 1) // k]) for i in range(2))
-            assert r["stopped"] == [f"a training pass stopped after {done} of {r['n']} micro-batches: the run is "
-                                    "stopping", f"a log-prob pass stopped after {done} of {r['n']} micro-batches: "
-                                    "the run is stopping"], (layout, r)
+            want = [f"{what} stopped before piece 3 of {k} ({done} of {r['n']} micro-batches done): the run is "
+                    "stopping" for what in ("a training pass", "a log-prob pass")]
+            assert r["stopped"] == want, (layout, r)
     assert sorted(r[(1, 1)]["n"] for r in per_rank) == [3, 5]
 
 
@@ -325,7 +325,8 @@ class _Actors:
 
         self.calls.append("logprobs")
         if self.stop_in == "logprobs":
-            raise UpdateStopped("a log-prob pass stopped after 1 of 2 micro-batches: the run is stopping")
+            raise UpdateStopped("a log-prob pass stopped before piece 5 of 8 (1 of 2 micro-batches done): the run "
+                                "is stopping")
         return exp.rollout_logp_BT, exp.rollout_logp_BT
 
     def train(self, exp, lr, on_policy, stoppable=False):
@@ -333,7 +334,8 @@ class _Actors:
 
         self.calls.append(f"train stoppable={stoppable}")
         if self.stop_in == "train" and stoppable:
-            raise UpdateStopped("a training pass stopped after 1 of 2 micro-batches: the run is stopping")
+            raise UpdateStopped("a training pass stopped before piece 5 of 8 (1 of 2 micro-batches done): the run "
+                                "is stopping")
         return None  # the stats are not read here
 
     def sync_weights(self):
@@ -432,7 +434,8 @@ def _phase_stub():
 
         def _stopped(self, what: str) -> None:
             if self.stop_path is not None and os.path.exists(self.stop_path):
-                raise UpdateStopped(f"{what} stopped after 1 of 2 micro-batches: the run is stopping")
+                raise UpdateStopped(f"{what} stopped before piece 5 of 8 (1 of 2 micro-batches done): the run is "
+                                    "stopping")
 
         def logprobs(self, exp):
             self._reach("logprobs")

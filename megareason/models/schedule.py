@@ -61,9 +61,13 @@ class PassStopped(RuntimeError):
     """A pass given up between two pieces because ``stop`` said so; the optimizer was not stepped."""
 
 
-def _check(stop: StopCheck | None, what: str, done: int, n: int) -> None:
+def _check(stop: StopCheck | None, what: str, parts: list[slice], i: int, n: int) -> None:
+    """Before piece ``i`` of ``parts`` (of ``n`` micro-batches): the piece is the same on every rank, the
+    micro-batches done before it may differ (the data-parallel replicas' shares)."""
     if stop is not None and stop():
-        raise PassStopped(f"{what} stopped after {done} of {n} micro-batches: the run is stopping")
+        done = parts[i].indices(n)[0]
+        raise PassStopped(f"{what} stopped before piece {i + 1} of {len(parts)} ({done} of {n} micro-batches "
+                          "done): the run is stopping")
 
 
 @dataclass
@@ -278,8 +282,8 @@ def forward_outputs(model, micro_batches: Sequence[Any], head: Head, num_outputs
     parts = pieces(len(micro_batches), ps.get_pipeline_model_parallel_world_size()) if stop else [slice(None)]
     store = []
     try:
-        for part in parts:
-            _check(stop, "a log-prob pass", part.indices(len(micro_batches))[0], len(micro_batches))
+        for i, part in enumerate(parts):
+            _check(stop, "a log-prob pass", parts, i, len(micro_batches))
             if not micro_batches[part]:
                 continue
             store += get_forward_backward_func()(
@@ -340,8 +344,8 @@ def forward_backward(ddp_model, micro_batches: Sequence[Any], head: Head, loss_f
         config.finalize_model_grads_func = None
     store, counts = [], []
     try:
-        for part in parts:
-            _check(stop, "a training pass", part.indices(len(micro_batches))[0], len(micro_batches))
+        for i, part in enumerate(parts):
+            _check(stop, "a training pass", parts, i, len(micro_batches))
             if not micro_batches[part]:
                 continue
             store += get_forward_backward_func()(

@@ -182,8 +182,8 @@ class Driver:
         if due is not None:
             try:
                 validated = self.validate(due) if self.validate is not None else {}
-            except GenerationStopped:
-                self._exit(f" during step {due}'s validation: stopped")
+            except GenerationStopped as e:  # the checkpoint holds the step: nothing to save
+                self._exit(f" during step {due}'s validation: stopped; the next run validates it first ({e})")
             self.tracker.log(due, {**(pending or {}), **validated})
         self.last_save = time.monotonic()  # trainer.save_every_minutes counts from here
         self.save_s = 0.0  # the last checkpoint's seconds (deadline_near)

@@ -2,8 +2,8 @@
 (tests/test_train_e2e.py).
 
 ``MEGAREASON_TEST_SIGTERM_AT=PHASE:N`` names the phase and which of this run's passes through it: the Nth
-``generation`` (a sampled generate, between two engine steps), ``logprobs`` (a log-prob pass, before its second
-piece), ``train`` (a stoppable training pass, before its second piece), ``sync`` (a weight sync, the resume's
+``generation`` (a sampled generate, between two engine steps), ``logprobs`` (a log-prob pass, before its first piece
+after a micro-batch), ``train`` (a stoppable training pass, likewise), ``sync`` (a weight sync, the resume's
 included), ``validation`` (a greedy generate, between two engine steps) or ``save`` (a role's checkpoint
 write). There, the policy's rank 0 sends SIGTERM to the driver (its PID is in the run folder's ``.lock``,
 ``MEGAREASON_TEST_SIGTERM_RUN``) and waits for the driver's stop file before it goes on, so the stop reaches the
@@ -36,7 +36,7 @@ def _reach(phase: str) -> bool:
 
 
 def _fire(where: str) -> None:
-    """SIGTERM to the driver; ``where`` (e.g. "engine step 1", "1 of 2 micro-batches") goes to the file
+    """SIGTERM to the driver; ``where`` (e.g. "engine step 1", "piece 3 of 8") goes to the file
     ``<run folder>.fired`` beside the run folder, for the test to compare with where the stop took effect."""
     fired.append(1)
     with open(RUN.rstrip(os.sep) + ".fired", "a") as f:
@@ -74,12 +74,13 @@ def _patch(module) -> None:
         check = module._check
 
         @functools.wraps(check)
-        def checked(stop, what, done, n):
+        def checked(stop, what, parts, i, n):
+            done = parts[i].indices(n)[0]
             if stop is not None and done > 0 and not getattr(checked, "counted", None) == id(stop):
-                checked.counted = id(stop)  # one count per pass, at its second piece
+                checked.counted = id(stop)  # one count per pass, before its first piece after a micro-batch
                 if _reach("logprobs" if "log-prob" in what else "train"):
-                    _fire(f"{done} of {n} micro-batches")
-            return check(stop, what, done, n)
+                    _fire(f"piece {i + 1} of {len(parts)}")
+            return check(stop, what, parts, i, n)
 
         module._check = checked
     elif name == "megareason.trainer.workers":
