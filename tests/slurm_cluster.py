@@ -3,7 +3,8 @@
 Partition ``debug`` (the default): n1 and n2, one CPU each, so Ray (one CPU per node) must place two
 data-parallel ranks on both nodes. Partition ``big``: n1 and n3, which declares a DGX H100 node's 224 logical
 CPUs (2 sockets x 56 cores x 2 threads; ``SlurmdParameters=config_overrides`` lets slurmd take the declared
-shape over this machine's), for a job whose Ray node must not start a worker per CPU.
+shape over this machine's), for a job whose Ray node must not start a worker per CPU. Partition ``all``: the
+three, for a job that loses a node (``kill_node``) and is requeued onto the others.
 Slurm comes from Debian's ``slurm-wlm`` (installed when missing; the tests run as root), with ``auth/none``
 (no munge), ports and state in a private directory, every daemon bound to loopback and stopped by PID.
 One cluster serves every test of a session (``conftest.py``'s ``slurm`` fixture).
@@ -62,6 +63,7 @@ NodeName=n3 NodeHostname=localhost NodeAddr=127.0.0.1 Port={n3_port} RealMemory=
   Sockets=2 CoresPerSocket=56 ThreadsPerCore=2
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 PartitionName=big Nodes=n1,n3 MaxTime=INFINITE State=UP
+PartitionName=all Nodes=n[1-3] MaxTime=INFINITE State=UP
 """
 
 
@@ -232,6 +234,56 @@ def start(base_dir: Path) -> Cluster:
     return cluster
 
 
+def _environ(proc_dir: Path) -> list[bytes]:
+    try:
+        return (proc_dir / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def kill_node(cluster: Cluster, node: str) -> list[int]:
+    """What a crash of ``node`` does to a job: its slurmd, every task it started (this cluster's
+    ``SLURM_CONF`` and ``SLURMD_NODENAME=node`` in their environment, and their children, which inherit it)
+    and the slurmstepd above each die at once, by SIGKILL. The PIDs killed besides slurmd."""
+    marks = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_CONF={cluster.env['SLURM_CONF']}".encode()}
+    tasks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and marks <= set(_environ(p))]
+    stepds = set()
+    for pid in tasks:
+        while True:
+            try:
+                pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                break
+            if not cmdline(Path("/proc") / str(pid)).startswith("slurmstepd"):
+                break
+            stepds.add(pid)
+    daemon = cluster.daemons[1 + NODES.index(node)]
+    daemon.kill()
+    daemon.wait()
+    for pid in (*stepds, *tasks):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return sorted({*stepds, *tasks})
+
+
+def restart_node(cluster: Cluster, node: str, timeout: float = 180) -> None:
+    """``node``'s slurmd started again after ``kill_node`` and the node back in service (idle)."""
+    i = 1 + NODES.index(node)
+    if cluster.daemons[i].poll() is None:
+        return
+    with open(cluster.dir / "log" / f"{node}.stdout", "a") as out:
+        cluster.daemons[i] = subprocess.Popen(["slurmd", "-D", "-N", node], env=cluster.env, stdout=out,
+                                              stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    while cluster.run("sinfo", "-h", "-n", node, "-o", "%T").stdout.strip() != "idle":
+        if time.time() > deadline:
+            raise RuntimeError(f"{node} did not come back: " + cluster.run("sinfo", "-N").stdout)
+        cluster.run("scontrol", "update", f"NodeName={node}", "State=RESUME")  # DOWN: back in service
+        time.sleep(2)
+
+
 def _stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -245,7 +297,7 @@ def _stop_process(proc: subprocess.Popen, timeout: float = 20) -> None:
 def stop(cluster: Cluster) -> None:
     """Cancel what is left in the queue, then stop the daemons by PID."""
     if cluster.daemons and cluster.daemons[0].poll() is None:
-        for partition in ("debug", "big"):
+        for partition in ("debug", "big", "all"):
             cluster.run("scancel", f"--partition={partition}")
         deadline = time.time() + 90
         while cluster.run("squeue", "-h").stdout.strip() and time.time() < deadline:

@@ -576,6 +576,59 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
     slurm_cluster.assert_cleaned_up(slurm)
 
 
+_LOSES_A_NODE = """#!/bin/bash
+# The job script's failure path on two nodes: a step on each (as Ray's), a node that dies, then what the job
+# script does when the driver fails (_mr_driver_exited 1), with its own traps.
+source "$MR_TEST_REPO/slurm/ray_cluster.sh"
+MR_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\\n' ' ')
+echo "restart ${SLURM_RESTART_COUNT:-0} on ${MR_NODES% }" >> "$MR_TEST_OUT/runs"
+(( ${SLURM_RESTART_COUNT:-0} > 0 )) && exit 0
+MR_JOBDIR=$MR_TEST_OUT/job-$SLURM_JOB_ID MR_SIGNALS=0 MR_STOP_REQUESTED=0 MR_DRIVER= MR_REQUEUED=0
+MR_DRIVER_PIDFILE=$MR_JOBDIR/driver.pid
+mkdir -p "$MR_JOBDIR"
+trap '_mr_on_signal USR1' USR1
+trap '_mr_on_signal TERM' TERM
+trap '_mr_teardown' EXIT
+srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c \\
+    'touch "$0/up.$SLURMD_NODENAME"; while [[ ! -e $0/ray.stop ]]; do sleep 0.2; done' "$MR_JOBDIR" &
+MR_RAY_STEPS=($!)
+while [[ ! -e $MR_TEST_OUT/killed ]]; do sleep 0.2; done
+_mr_driver_exited 1
+"""
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_mid_job_ends_in_a_requeue_without_it_on_the_loopback_cluster(slurm, tmp_path, request):
+    """A job of two nodes in partition ``all`` (n1, n2, n3) starts on n1 and n2, with a step on each; n2 dies
+    (its slurmd, its slurmstepd and tasks killed: ``kill_node``) and the driver fails. The job script finds n2
+    down (the real scontrol and a probe step that cannot start there), holds the requeued job, adds n2 to its
+    ExcNodeList and releases it; Slurm runs it again on n1 and n3."""
+    script = tmp_path / "loses_a_node.sbatch"
+    script.write_text(_LOSES_A_NODE)
+    log = tmp_path / "job.out"
+    env = {**slurm.env, "MR_TEST_REPO": str(REPO), "MR_TEST_OUT": str(tmp_path), "MEGAREASON_NODE_PROBE_S": "20"}
+    proc = subprocess.run(["sbatch", "--parsable", "--partition=all", "--nodes=2", "--ntasks-per-node=1",
+                           "--cpus-per-task=1", "--time=30", "--open-mode=append", f"--output={log}", str(script)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    job = proc.stdout.strip()
+    assert proc.returncode == 0 and job.isdigit(), proc.stderr
+    request.addfinalizer(lambda: slurm.cancel(job))
+    request.addfinalizer(lambda: slurm_cluster.restart_node(slurm, "n2"))
+    deadline = time.time() + 120
+    while not all((tmp_path / f"job-{job}" / f"up.{n}").exists() for n in ("n1", "n2")):
+        assert time.time() < deadline, (read_log(log), slurm.job_state(job))
+        time.sleep(0.5)
+    assert slurm_cluster.kill_node(slurm, "n2")  # at least n2's task and its slurmstepd
+    (tmp_path / "killed").touch()
+    state = slurm.wait_for_job(job, timeout=400)
+    text = read_log(log)
+    assert (tmp_path / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
+    assert (state["JobState"], state["Restarts"], state["ExcNodeList"]) == ("COMPLETED", "1", "n2"), (state, text)
+    assert (f"node(s) n2 down or not answering: requeueing job {job} without them (ExcNodeList=n2); the next run "
+            "resumes from the latest checkpoint") in text, text
+    assert "could not be excluded" not in text, text
+
+
 def test_sbatch_accepts_the_70b_recipes_and_the_site_checks_directives(slurm):
     for script in ("slurm/raro_70b.sbatch", "slurm/site_check.sbatch"):
         proc = subprocess.run(["sbatch", "--test-only", *slurm_cluster.SBATCH_ON_TWO_NODES, script],
