@@ -602,7 +602,8 @@ def test_a_node_that_dies_mid_job_ends_in_a_requeue_without_it_on_the_loopback_c
     """A job of two nodes in partition ``all`` (n1, n2, n3) starts on n1 and n2, with a step on each; n2 dies
     (its slurmd, its slurmstepd and tasks killed: ``kill_node``) and the driver fails. The job script finds n2
     down (the real scontrol and a probe step that cannot start there), holds the requeued job, adds n2 to its
-    ExcNodeList and releases it; Slurm runs it again on n1 and n3."""
+    ExcNodeList and releases it; Slurm runs it again on n1 and n3 once n2 is DOWN (set by the test at once,
+    instead of after SlurmdTimeout)."""
     script = tmp_path / "loses_a_node.sbatch"
     script.write_text(_LOSES_A_NODE)
     log = tmp_path / "job.out"
@@ -620,6 +621,10 @@ def test_a_node_that_dies_mid_job_ends_in_a_requeue_without_it_on_the_loopback_c
         time.sleep(0.5)
     assert slurm_cluster.kill_node(slurm, "n2")  # at least n2's task and its slurmstepd
     (tmp_path / "killed").touch()
+    slurm_cluster.wait_for_text(log, f"requeueing job {job} without them", 120)
+    # What Slurm does SlurmdTimeout (60 s here) after the node's last answer, at once: the requeued job
+    # restarts only once the dead node is DOWN (it waits for the job's completion there until then).
+    slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=killed by the test")
     state = slurm.wait_for_job(job, timeout=400)
     text = read_log(log)
     assert (tmp_path / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
