@@ -145,6 +145,15 @@ _mr_wait() {
 # checkpoint and stop, with SIGUSR1 (it may have had a SIGTERM of its own already; a second one kills it).
 _mr_on_signal() {
     MR_SIGNALS=$((MR_SIGNALS + 1)) MR_STOP_REQUESTED=1
+    if [[ -n ${MR_AWAITING_NODE_FAILURE:-} ]]; then
+        _mr_log "SIG$1: Slurm requeued the job after the failure of node(s) $MR_AWAITING_NODE_FAILURE" \
+                "($(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'Restarts=\S+' | head -1))"
+        exit "$MEGAREASON_EXIT_STOPPED"  # the EXIT trap tears down what is left of Ray
+    fi
+    if [[ $1 == TERM ]] && (( ${MR_REQUEUED:-0} )); then
+        _mr_log "SIGTERM: the job's own requeue ends its steps"
+        return
+    fi
     [[ $1 == TERM ]] && _mr_requeue_on_term
     if [[ -z $MR_DRIVER ]]; then
         _mr_log "SIG$1 before the driver started: requeueing once Ray is up"
@@ -445,44 +454,95 @@ _mr_driver_exited() {
     exit "$1"
 }
 
-# The job's nodes (MR_NODES) that are down or do not answer, comma-separated: Slurm's node state (DOWN, FAIL,
-# DRAIN, or a trailing * for a node whose slurmd stopped answering, which Slurm marks only after SlurmdTimeout),
-# or a one-task step on it that does not run `true` within MEGAREASON_NODE_PROBE_S (default 60) seconds.
+# The job's nodes (MR_NODES) that failed, one "node why" line each: Slurm's node state (DOWN, FAIL, DRAIN, or a
+# trailing * for a node whose slurmd stopped answering, which Slurm marks only after SlurmdTimeout), or "no
+# answer": a one-task step on it does not run `true` within MEGAREASON_NODE_PROBE_S (default 60) seconds.
 _mr_failed_nodes() {
     local node
     for node in $MR_NODES; do
         (
             state=$(scontrol show node "$node" 2>/dev/null | grep -oP 'State=\K\S+' | head -1)
-            if [[ -z $state || $state =~ DOWN|FAIL|DRAIN || $state == *'*' ]] ||
-                ! timeout "${MEGAREASON_NODE_PROBE_S:-60}" srun --overlap --nodes=1 --ntasks=1 -w "$node" true \
+            if [[ -z $state || $state =~ DOWN|FAIL|DRAIN || $state == *'*' ]]; then
+                echo "$node ${state:-unknown}"
+            elif ! timeout "${MEGAREASON_NODE_PROBE_S:-60}" srun --overlap --nodes=1 --ntasks=1 -w "$node" true \
                     >/dev/null 2>&1; then
-                echo "$node"
+                echo "$node no-answer"
             fi
         ) &
-    done | sort | paste -sd, -
+    done | sort
     wait
 }
 
-# After a failure (the driver's, or a Ray step's): when nodes of the job failed (a dead node, a GPU whose
-# failure took its node step down), requeue the job with them added to its excluded nodes, and the requeued run
-# resumes from the latest checkpoint on other nodes. The job is held while its ExcNodeList changes (Slurm
-# changes it only on a pending job), then released. Without a failed node the failure stands (exit 1).
+# After a failure (the driver's, or a Ray step's): when nodes of the job failed, requeue the job without them,
+# and the requeued run resumes from the latest checkpoint on other nodes. Without a failed node the failure
+# stands (exit 1).
+#  - A node that does not answer (dead, or its slurmd gone): Slurm marks it DOWN SlurmdTimeout after its last
+#    answer and then requeues the job itself (a requeueable batch job, `--requeue`), on nodes without it. The
+#    script waits for that, up to SlurmdTimeout and a ping interval (SlurmdTimeout/3) more: a requeue of its
+#    own would race Slurm's (a node set DOWN while the job is held and being requeued can leave it held
+#    for good, or refuse the change of its excluded nodes).
+#  - A node that answers but is down for Slurm (DRAIN after a failed health check, e.g. a GPU's XID error), or
+#    a dead node Slurm did not mark in time: the job is held, the node added to its ExcNodeList (Slurm changes
+#    it on a pending job only), and released; the release is checked.
 _mr_requeue_without_failed_nodes() {
-    local failed excluded
-    failed=$(_mr_failed_nodes)
-    [[ -n $failed ]] || return 0
+    local failed lines unreachable
+    lines=$(_mr_failed_nodes)
+    [[ -n $lines ]] || return 0
     (( MR_REQUEUED )) && exit "$MEGAREASON_EXIT_STOPPED"
+    failed=$(awk '{print $1}' <<<"$lines" | paste -sd, -)
+    unreachable=$(awk '$2 == "no-answer" || $2 ~ /DOWN|\*/ {print $1}' <<<"$lines" | paste -sd, -)
+    MR_REQUEUED=1  # the requeued run needs the job folder's record of the code
+    _mr_log "node(s) $failed down or not answering ($(paste -sd, - <<<"$lines" | sed 's/,/, /g')):" \
+            "requeueing job $SLURM_JOB_ID without them; the next run resumes from the latest checkpoint"
+    [[ -n $unreachable ]] && _mr_await_slurms_requeue "$unreachable"
+    _mr_requeue_excluding "$failed"
+    exit "$MEGAREASON_EXIT_STOPPED"
+}
+
+# Wait for Slurm to mark the nodes $1 DOWN and requeue the job (its SIGTERM then ends this script: see
+# _mr_on_signal). Returns when it did not within SlurmdTimeout + SlurmdTimeout/3 + 30 s.
+_mr_await_slurms_requeue() {
+    local timeout_s requeue wait_s t
+    timeout_s=$(scontrol show config 2>/dev/null | grep -oP '^SlurmdTimeout\s*=\s*\K\d+' | head -1)
+    requeue=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP '\bRequeue=\K\d' | head -1)
+    [[ ${timeout_s:-0} -gt 0 && $requeue == 1 ]] || return 0
+    wait_s=$((timeout_s + timeout_s / 3 + 30))
+    _mr_log "node(s) $1 do not answer: Slurm marks them DOWN after SlurmdTimeout ($timeout_s s) and requeues" \
+            "the job without them; waiting up to $wait_s s for that"
+    MR_AWAITING_NODE_FAILURE=$1
+    for ((t = 0; t < wait_s; t += 2)); do sleep 2; done
+    MR_AWAITING_NODE_FAILURE=
+    _mr_log "warning: Slurm did not requeue the job within $wait_s s: requeueing it without node(s) $1 itself"
+}
+
+# Requeue the job held, add the nodes $1 to its ExcNodeList, release it; the release checked (a job left held
+# would never run again).
+_mr_requeue_excluding() {
+    local excluded state
     excluded=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'ExcNodeList=\K\S+' | head -1)
     [[ $excluded == "(null)" ]] && excluded=
-    _mr_log "node(s) $failed down or not answering: requeueing job $SLURM_JOB_ID without them" \
-            "(ExcNodeList=${excluded:+$excluded,}$failed); the next run resumes from the latest checkpoint"
-    if scontrol requeuehold "$SLURM_JOB_ID"; then
-        MR_REQUEUED=1
-        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$failed" ||
-            _mr_log "warning: the failed node(s) could not be excluded; the requeued job may land on them again"
-        scontrol release "$SLURM_JOB_ID"
+    excluded=${excluded:+$excluded,}$1
+    scontrol requeuehold "$SLURM_JOB_ID" || return 0
+    # The requeue's SIGTERM reaches this script's children too (a scontrol in flight): each change is read
+    # back and tried again.
+    for _ in 1 2 3 4 5; do
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$excluded" 2>/dev/null
+        state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'ExcNodeList=\K\S+' | head -1)
+        [[ $state == "$excluded" ]] && break
+        sleep 1
+    done
+    if [[ $state == "$excluded" ]]; then
+        _mr_log "job $SLURM_JOB_ID requeued held, its ExcNodeList set to $excluded"
+    else
+        _mr_log "warning: the failed node(s) could not be excluded; the requeued job may land on them again"
     fi
-    exit "$MEGAREASON_EXIT_STOPPED"
+    for _ in 1 2 3 4 5; do
+        scontrol release "$SLURM_JOB_ID" 2>/dev/null
+        state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -oP 'Reason=\K\S+' | head -1)
+        [[ $state != *held* && $state != *Held* ]] && { _mr_log "job $SLURM_JOB_ID released"; return 0; }
+        sleep 1
+    done
+    _mr_log "error: job $SLURM_JOB_ID is still held (Reason=$state): release it with scontrol release $SLURM_JOB_ID"
 }
 
 if [[ ${BASH_SOURCE[0]} == "$0" && ${1:-} == node ]]; then

@@ -577,7 +577,7 @@ def test_a_224_cpu_node_starts_ray_with_the_port_settings_and_a_requeue_runs_the
 
 
 _LOSES_A_NODE = """#!/bin/bash
-# The job script's failure path on two nodes: a step on each (as Ray's), a node that dies, then what the job
+# The job script's failure path on two nodes: a step on each (as Ray's), a node that fails, then what the job
 # script does when the driver fails (_mr_driver_exited 1), with its own traps.
 source "$MR_TEST_REPO/slurm/ray_cluster.sh"
 MR_NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\\n' ' ')
@@ -592,46 +592,74 @@ trap '_mr_teardown' EXIT
 srun --nodes=2 --ntasks=2 --ntasks-per-node=1 bash -c \\
     'touch "$0/up.$SLURMD_NODENAME"; while [[ ! -e $0/ray.stop ]]; do sleep 0.2; done' "$MR_JOBDIR" &
 MR_RAY_STEPS=($!)
-while [[ ! -e $MR_TEST_OUT/killed ]]; do sleep 0.2; done
+while [[ ! -e $MR_TEST_OUT/failed ]]; do sleep 0.2; done
 _mr_driver_exited 1
 """
 
 
-@pytest.mark.slow
-def test_a_node_that_dies_mid_job_ends_in_a_requeue_without_it_on_the_loopback_cluster(slurm, tmp_path, request):
-    """A job of two nodes in partition ``all`` (n1, n2, n3) starts on n1 and n2, with a step on each; n2 dies
-    (its slurmd, its slurmstepd and tasks killed: ``kill_node``) and the driver fails. The job script finds n2
-    down (the real scontrol and a probe step that cannot start there), holds the requeued job, adds n2 to its
-    ExcNodeList and releases it; Slurm runs it again on n1 and n3 once n2 is DOWN (set by the test at once,
-    instead of after SlurmdTimeout)."""
-    script = tmp_path / "loses_a_node.sbatch"
+def _job_that_loses_n2(slurm, out: Path, request) -> tuple[str, Path]:
+    """Submit the job above to partition ``all`` (n1, n2, n3) on two nodes; once its step runs on n1 and n2,
+    the job's id and log."""
+    out.mkdir()
+    script = out / "loses_a_node.sbatch"
     script.write_text(_LOSES_A_NODE)
-    log = tmp_path / "job.out"
-    env = {**slurm.env, "MR_TEST_REPO": str(REPO), "MR_TEST_OUT": str(tmp_path), "MEGAREASON_NODE_PROBE_S": "20"}
+    log = out / "job.out"
+    env = {**slurm.env, "MR_TEST_REPO": str(REPO), "MR_TEST_OUT": str(out), "MEGAREASON_NODE_PROBE_S": "20"}
     proc = subprocess.run(["sbatch", "--parsable", "--partition=all", "--nodes=2", "--ntasks-per-node=1",
-                           "--cpus-per-task=1", "--time=30", "--open-mode=append", f"--output={log}", str(script)],
-                          env=env, capture_output=True, text=True, timeout=60)
+                           "--cpus-per-task=1", "--time=30", "--requeue", "--open-mode=append", f"--output={log}",
+                           str(script)], env=env, capture_output=True, text=True, timeout=60)
     job = proc.stdout.strip()
     assert proc.returncode == 0 and job.isdigit(), proc.stderr
     request.addfinalizer(lambda: slurm.cancel(job))
-    request.addfinalizer(lambda: slurm_cluster.restart_node(slurm, "n2"))
     deadline = time.time() + 120
-    while not all((tmp_path / f"job-{job}" / f"up.{n}").exists() for n in ("n1", "n2")):
+    while not all((out / f"job-{job}" / f"up.{n}").exists() for n in ("n1", "n2")):
         assert time.time() < deadline, (read_log(log), slurm.job_state(job))
         time.sleep(0.5)
-    assert slurm_cluster.kill_node(slurm, "n2")  # at least n2's task and its slurmstepd
-    (tmp_path / "killed").touch()
-    slurm_cluster.wait_for_text(log, f"requeueing job {job} without them", 120)
-    # What Slurm does SlurmdTimeout (60 s here) after the node's last answer, at once: the requeued job
-    # restarts only once the dead node is DOWN (it waits for the job's completion there until then).
-    slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=killed by the test")
-    state = slurm.wait_for_job(job, timeout=400)
+    return job, log
+
+
+@pytest.mark.slow
+def test_a_node_that_fails_mid_job_ends_in_a_requeue_without_it_on_the_loopback_cluster(slurm, tmp_path, request):
+    """Two jobs of two nodes in partition ``all`` (n1, n2, n3) start on n1 and n2, with a step on each, and
+    their driver fails after n2 did.
+    1. n2 drained (what a health check does after a GPU's XID error; its slurmd still answers): the job script
+       finds n2 DRAIN, requeues the job held, adds n2 to its ExcNodeList and releases it; it runs again on n1 and
+       n3.
+    2. n2 dead (its slurmd, its slurmstepd and tasks killed: ``kill_node``): the job script finds that n2 does
+       not answer (the real scontrol and a probe step that cannot start there) and waits for Slurm, which marks
+       n2 DOWN (set by the test at once instead of SlurmdTimeout later) and requeues the job itself; its
+       SIGTERM ends the script, and the job runs again on n1 and n3."""
+    request.addfinalizer(lambda: slurm_cluster.restart_node(slurm, "n2"))
+    request.addfinalizer(lambda: slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME"))
+    out = tmp_path / "drained"
+    job, log = _job_that_loses_n2(slurm, out, request)
+    slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=XID 79 (the test)")
+    (out / "failed").touch()
+    state = slurm.wait_for_job(job, timeout=300)
     text = read_log(log)
-    assert (tmp_path / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
+    assert (out / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
     assert (state["JobState"], state["Restarts"], state["ExcNodeList"]) == ("COMPLETED", "1", "n2"), (state, text)
-    assert (f"node(s) n2 down or not answering: requeueing job {job} without them (ExcNodeList=n2); the next run "
+    assert re.search(rf"node\(s\) n2 down or not answering \(n2 \S*DRAIN\S*\): requeueing job {job} without them; "
+                     "the next run resumes from the latest checkpoint", text), text
+    assert f"job {job} requeued held, its ExcNodeList set to n2" in text and f"job {job} released" in text, text
+    assert "waiting up to" not in text and "could not be excluded" not in text, text
+    slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME")
+
+    out = tmp_path / "dead"
+    job, log = _job_that_loses_n2(slurm, out, request)
+    assert slurm_cluster.kill_node(slurm, "n2")  # at least n2's task and its slurmstepd
+    (out / "failed").touch()
+    slurm_cluster.wait_for_text(log, "SlurmdTimeout (60 s) and requeues the job without them; waiting up to 110 s", 120)
+    # What Slurm does SlurmdTimeout (60 s here) after the node's last answer, at once.
+    slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=killed by the test")
+    state = slurm.wait_for_job(job, timeout=300)
+    text = read_log(log)
+    assert (out / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
+    assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), (state, text)
+    assert (f"node(s) n2 down or not answering (n2 no-answer): requeueing job {job} without them; the next run "
             "resumes from the latest checkpoint") in text, text
-    assert "could not be excluded" not in text, text
+    assert "SIGTERM: Slurm requeued the job after the failure of node(s) n2 (Restarts=1)" in text, text
+    assert "requeued held" not in text and "did not requeue" not in text, text
 
 
 def test_sbatch_accepts_the_70b_recipes_and_the_site_checks_directives(slurm):

@@ -278,16 +278,25 @@ def test_a_sigterm_is_followed_by_a_checkpoint_within_the_longest_piece_that_can
 
 def test_a_failed_node_ends_in_a_requeue_that_excludes_it(tmp_path):
     """The driver fails (exit 1) because node n2 died (Slurm already marks it not responding: IDLE*) and n3's
-    slurmd no longer runs steps (the probe step fails): the job is held, its ExcNodeList gets both (after the
-    user's own n9), released, and exits 75 before Ray's teardown. With every node healthy the failure stands."""
+    slurmd no longer runs steps (the probe step fails). On a cluster where Slurm never marks a node DOWN
+    (SlurmdTimeout=0) the script requeues the job itself: held, its ExcNodeList gets both (after the user's
+    own n9, each change read back), released, and it exits 75 before Ray's teardown. With every node healthy
+    the failure stands. (Where Slurm marks dead nodes DOWN the script waits for Slurm's own requeue:
+    ``tests/test_slurm.py``, on a real cluster.)"""
     env = _fake_scontrol(tmp_path, "RUNNING")
     bin_dir = tmp_path / "bin"
+    (tmp_path / "exc").write_text("n9")
+    (tmp_path / "reason").write_text("None")
     (bin_dir / "scontrol").write_text(f"""#!/bin/bash
 echo "scontrol $*" >> {tmp_path}/calls
 case "$1 $2" in
   "show node") [[ $3 == n2 && -e {tmp_path}/dead ]] && echo "NodeName=n2 State=IDLE*" ||
                echo "NodeName=$3 State=ALLOCATED" ;;
-  "show job") echo "JobId=41 JobState=RUNNING ExcNodeList=n9" ;;
+  "show job") echo "JobId=41 JobState=RUNNING Reason=$(<{tmp_path}/reason) Requeue=1 ExcNodeList=$(<{tmp_path}/exc)" ;;
+  "show config") echo "SlurmdTimeout           = 0 sec" ;;
+  "update JobId=41") echo "${{3#ExcNodeList=}}" > {tmp_path}/exc ;;
+  "requeuehold 41") echo job_requeued_in_held_state > {tmp_path}/reason ;;
+  "release 41") echo None > {tmp_path}/reason ;;
 esac
 exit 0
 """)
@@ -304,10 +313,11 @@ exit 0
     out = _job_script("_mr_driver_exited 1", env, tmp_path)
     lines = [line for line in out.splitlines() if not line.startswith("scontrol show")]
     assert lines == ["exit 75", "megareason-slurm: driver exited with 1",
-                     "megareason-slurm: node(s) n2,n3 down or not answering: requeueing job 41 without them "
-                     "(ExcNodeList=n9,n2,n3); the next run resumes from the latest checkpoint",
-                     "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=n9,n2,n3", "scontrol release 41",
-                     "megareason-slurm: Ray stopped"], out
+                     "megareason-slurm: node(s) n2,n3 down or not answering (n2 IDLE*, n3 no-answer): requeueing job "
+                     "41 without them; the next run resumes from the latest checkpoint",
+                     "scontrol requeuehold 41", "scontrol update JobId=41 ExcNodeList=n9,n2,n3",
+                     "megareason-slurm: job 41 requeued held, its ExcNodeList set to n9,n2,n3",
+                     "scontrol release 41", "megareason-slurm: job 41 released", "megareason-slurm: Ray stopped"], out
 
 
 class _Actors:
