@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megareason.config.schema import Config, DataConfig
+from megareason.config.schema import Config, DataConfig, RolloutConfig
 from megareason.envs.retrieval_qa import SYSTEM_PROMPT, RetrievalQASettings
 from megareason.models.build import ComputeSettings
 from megareason.models.hub import resolve_model_path
@@ -23,10 +23,22 @@ from megareason.rollout.records import EngineSettings, Sampling
 def engine_settings(cfg: Config) -> EngineSettings:
     """The vLLM engine of ``model.path`` with the ``rollout.*`` engine settings. vLLM gets local folders: a
     Hub id is read from the Hugging Face cache, where the command's checks fetched it before any engine."""
-    r = cfg.rollout
+    return _engine(cfg.rollout, str(resolve_model_path(cfg.model.path, download=False)),
+                   str(resolve_model_path(cfg.model.tokenizer, download=False)) if cfg.model.tokenizer else "")
+
+
+def one_engine_settings(model: str, max_model_len: int, rollout: RolloutConfig | None = None) -> EngineSettings:
+    """One engine of one rank on ``model`` (an HF folder, a known model name or a Hub id) with ``rollout``'s
+    engine settings (the schema's defaults if None) at ``max_model_len``: what the tools that score a
+    checkpoint outside a run start."""
+    r = replace(rollout or RolloutConfig(), max_model_len=max_model_len, tensor_parallel_size=1)
+    return _engine(r, str(resolve_model_path(model)), "")
+
+
+def _engine(r: RolloutConfig, model_path: str, tokenizer: str) -> EngineSettings:
     return EngineSettings(
-        model_path=str(resolve_model_path(cfg.model.path, download=False)),
-        tokenizer=str(resolve_model_path(cfg.model.tokenizer, download=False)) if cfg.model.tokenizer else "",
+        model_path=model_path,
+        tokenizer=tokenizer,
         dtype=r.dtype,
         max_model_len=r.max_model_len,
         kv_cache_gib=r.kv_cache_gib,

@@ -543,6 +543,33 @@ def test_forced_format_inputs_and_decoding_with_a_stub_engine():
     assert list(ms.measure_rows(ms.forced_rows(rows, continuations))["forced"]) == [0, 0]
 
 
+def test_the_scoring_tools_start_a_complete_engine_of_the_run_settings(tiny_qwen2, monkeypatch):
+    """tools/forced_format.py and tools/critic_discrimination.py start their vLLM engine from the settings a
+    run's engine has (every field of ``EngineSettings``: a field the tools left out made both fail before any
+    engine started): one rank, the given context, the schema's model runner; the critic also the run's
+    ``rollout`` settings. The engine is stubbed: what it is given is the test."""
+    from megareason.config.load import load_config
+    from megareason.config.schema import RolloutConfig
+    from megareason.rollout import engine as engine_module
+
+    started = []
+
+    class Engine:
+        def __init__(self, settings):
+            started.append(settings)
+            self.tokenizer = None
+
+    monkeypatch.setattr(engine_module, "VLLMEngine", Engine)
+    _load("forced_format").vllm_generate(str(tiny_qwen2), 384)
+    cfg = load_config("compare_smollm2_cpu", ["rollout.seed=5"])
+    _load("critic_discrimination").vllm_critic(str(tiny_qwen2), cfg)
+    ff, critic = started
+    assert (ff.model_path, ff.max_model_len, ff.tensor_parallel_size) == (str(tiny_qwen2), 384, 1)
+    assert ff.model_runner == RolloutConfig().model_runner and ff.dtype == RolloutConfig().dtype
+    assert (critic.model_path, critic.max_model_len, critic.seed) == (str(tiny_qwen2), cfg.rollout.max_model_len, 5)
+    assert critic.model_runner == cfg.rollout.model_runner and critic.tensor_parallel_size == 1
+
+
 def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, TOOL.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

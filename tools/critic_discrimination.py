@@ -86,16 +86,13 @@ def measure(rows: list[dict], cfg, generate: Callable[[list[list[dict]]], list[s
 
 def vllm_critic(model: str, cfg):
     """A greedy critic on ``model`` through the project's engine, with the run's verdict constraint."""
-    from megareason.models.hub import resolve_model_path
     from megareason.raro.critic import verdict_regex
     from megareason.raro.prompts import render
     from megareason.rollout.engine import VLLMEngine
-    from megareason.rollout.records import EngineSettings, Sampling
+    from megareason.rollout.records import Sampling
+    from megareason.settings import one_engine_settings
 
-    engine = VLLMEngine(EngineSettings(model_path=str(resolve_model_path(model)), dtype="float32",
-                                       max_model_len=cfg.rollout.max_model_len, kv_cache_gib=1.0,
-                                       gpu_memory_utilization=0.5, tensor_parallel_size=1, enforce_eager=None,
-                                       seed=0, tokenizer="", extra={}))
+    engine = VLLMEngine(one_engine_settings(model, cfg.rollout.max_model_len, cfg.rollout))
     sampling = Sampling(n=1, temperature=0.0, max_tokens=cfg.raro.critic_max_tokens,
                         regex=verdict_regex(cfg.raro.constrain_verdict_chars))
 

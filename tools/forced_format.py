@@ -44,15 +44,11 @@ def decode(generate: Callable[[Sequence[list[int]]], list[str]], inputs: list[li
 def vllm_generate(model: str, max_model_len: int):
     """(tokenizer's encode, generate) of a greedy vLLM engine on ``model``, at most ``FORCED_TOKENS`` tokens,
     stopping at the box's ``}``."""
-    from megareason.models.hub import resolve_model_path
     from megareason.rollout.engine import VLLMEngine
-    from megareason.rollout.records import EngineSettings, Sampling
+    from megareason.rollout.records import Sampling
+    from megareason.settings import one_engine_settings
 
-    path = resolve_model_path(model)
-    engine = VLLMEngine(EngineSettings(model_path=str(path), dtype="float32", max_model_len=max_model_len,
-                                       kv_cache_gib=float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)),
-                                       gpu_memory_utilization=0.5, tensor_parallel_size=1, enforce_eager=None,
-                                       seed=0, tokenizer="", extra={}))
+    engine = VLLMEngine(one_engine_settings(model, max_model_len))
     sampling = Sampling(n=1, temperature=0.0, max_tokens=FORCED_TOKENS, stop=("}",))
 
     def encode(text: str) -> list[int]:
