@@ -597,9 +597,10 @@ _mr_driver_exited 1
 """
 
 
-def _job_that_loses_n2(slurm, out: Path, request) -> tuple[str, Path]:
-    """Submit the job above to partition ``all`` (n1, n2, n3) on two nodes; once its step runs on n1 and n2,
-    the job's id and log."""
+def _job_on_two_nodes(slurm, out: Path, request) -> tuple[str, Path, str, str]:
+    """Submit the job above to partition ``all`` (n1, n2, n3) on two nodes; once its step runs on both, the
+    job's id, its log, the node that fails (the second of the two: the first runs the job script) and the
+    spare one. Which two Slurm picks depends on which were free first."""
     out.mkdir()
     script = out / "loses_a_node.sbatch"
     script.write_text(_LOSES_A_NODE)
@@ -612,53 +613,60 @@ def _job_that_loses_n2(slurm, out: Path, request) -> tuple[str, Path]:
     assert proc.returncode == 0 and job.isdigit(), proc.stderr
     request.addfinalizer(lambda: slurm.cancel(job))
     deadline = time.time() + 120
-    while not all((out / f"job-{job}" / f"up.{n}").exists() for n in ("n1", "n2")):
-        assert time.time() < deadline, (read_log(log), slurm.job_state(job))
+    while True:
+        runs = (out / "runs").read_text().split() if (out / "runs").exists() else []
+        nodes = runs[3:5]
+        if len(nodes) == 2 and all((out / f"job-{job}" / f"up.{n}").exists() for n in nodes):
+            return job, log, nodes[1], ({"n1", "n2", "n3"} - set(nodes)).pop()
+        assert time.time() < deadline, (read_log(log), runs, slurm.job_state(job))
         time.sleep(0.5)
-    return job, log
 
 
 @pytest.mark.slow
 def test_a_node_that_fails_mid_job_ends_in_a_requeue_without_it_on_the_loopback_cluster(slurm, tmp_path, request):
-    """Two jobs of two nodes in partition ``all`` (n1, n2, n3) start on n1 and n2, with a step on each, and
-    their driver fails after n2 did.
-    1. n2 drained (what a health check does after a GPU's XID error; its slurmd still answers): the job script
-       finds n2 DRAIN, requeues the job held, adds n2 to its ExcNodeList and releases it; it runs again on n1 and
-       n3.
-    2. n2 dead (its slurmd, its slurmstepd and tasks killed: ``kill_node``): the job script finds that n2 does
-       not answer (the real scontrol and a probe step that cannot start there) and waits for Slurm, which marks
-       n2 DOWN (set by the test at once instead of SlurmdTimeout later) and requeues the job itself; its
-       SIGTERM ends the script, and the job runs again on n1 and n3."""
-    request.addfinalizer(lambda: slurm_cluster.restart_node(slurm, "n2"))
-    request.addfinalizer(lambda: slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME"))
+    """Two jobs of two nodes in partition ``all`` (n1, n2, n3) start with a step on each of their nodes, and
+    their driver fails after the second node did.
+    1. That node drained (what a health check does after a GPU's XID error; its slurmd still answers): the job
+       script finds it DRAIN, requeues the job held, adds the node to its ExcNodeList and releases it; it runs
+       again on the first node and the spare one.
+    2. That node dead (its slurmd, its slurmstepd and tasks killed: ``kill_node``): the job script finds that
+       it does not answer (the real scontrol and a probe step that cannot start there) and waits for Slurm,
+       which marks it DOWN (set by the test at once instead of SlurmdTimeout later) and requeues the job
+       itself; its SIGTERM ends the script, and the job runs again on the first node and the spare one."""
+    for node in slurm_cluster.NODES:
+        request.addfinalizer(lambda node=node: slurm_cluster.restart_node(slurm, node))
+        request.addfinalizer(lambda node=node: slurm.run("scontrol", "update", f"NodeName={node}", "State=RESUME"))
     out = tmp_path / "drained"
-    job, log = _job_that_loses_n2(slurm, out, request)
-    slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=XID 79 (the test)")
+    job, log, bad, spare = _job_on_two_nodes(slurm, out, request)
+    slurm.run("scontrol", "update", f"NodeName={bad}", "State=DRAIN", "Reason=XID 79 (the test)")
     (out / "failed").touch()
     state = slurm.wait_for_job(job, timeout=300)
     text = read_log(log)
-    assert (out / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
-    assert (state["JobState"], state["Restarts"], state["ExcNodeList"]) == ("COMPLETED", "1", "n2"), (state, text)
-    assert re.search(rf"node\(s\) n2 down or not answering \(n2 \S*DRAIN\S*\): requeueing job {job} without them; "
-                     "the next run resumes from the latest checkpoint", text), text
-    assert f"job {job} requeued held, its ExcNodeList set to n2" in text and f"job {job} released" in text, text
+    first, again = (out / "runs").read_text().splitlines()
+    assert first.startswith("restart 0 on ") and first.endswith(bad), text
+    assert again == "restart 1 on " + " ".join(sorted({first.split()[3], spare})), (first, again, text)
+    assert (state["JobState"], state["Restarts"], state["ExcNodeList"]) == ("COMPLETED", "1", bad), (state, text)
+    assert re.search(rf"node\(s\) {bad} down or not answering \({bad} \S*DRAIN\S*\): requeueing job {job} without "
+                     "them; the next run resumes from the latest checkpoint", text), text
+    assert f"job {job} requeued held, its ExcNodeList set to {bad}" in text and f"job {job} released" in text, text
     assert "waiting up to" not in text and "could not be excluded" not in text, text
-    slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME")
+    slurm.run("scontrol", "update", f"NodeName={bad}", "State=RESUME")
 
     out = tmp_path / "dead"
-    job, log = _job_that_loses_n2(slurm, out, request)
-    assert slurm_cluster.kill_node(slurm, "n2")  # at least n2's task and its slurmstepd
+    job, log, bad, spare = _job_on_two_nodes(slurm, out, request)
+    assert slurm_cluster.kill_node(slurm, bad)  # at least its task and its slurmstepd
     (out / "failed").touch()
     slurm_cluster.wait_for_text(log, "SlurmdTimeout (60 s) and requeues the job without them; waiting up to 110 s", 120)
     # What Slurm does SlurmdTimeout (60 s here) after the node's last answer, at once.
-    slurm.run("scontrol", "update", "NodeName=n2", "State=DOWN", "Reason=killed by the test")
+    slurm.run("scontrol", "update", f"NodeName={bad}", "State=DOWN", "Reason=killed by the test")
     state = slurm.wait_for_job(job, timeout=300)
     text = read_log(log)
-    assert (out / "runs").read_text().splitlines() == ["restart 0 on n1 n2", "restart 1 on n1 n3"], text
+    first, again = (out / "runs").read_text().splitlines()
+    assert again == "restart 1 on " + " ".join(sorted({first.split()[3], spare})), (first, again, text)
     assert (state["JobState"], state["Restarts"]) == ("COMPLETED", "1"), (state, text)
-    assert (f"node(s) n2 down or not answering (n2 no-answer): requeueing job {job} without them; the next run "
-            "resumes from the latest checkpoint") in text, text
-    assert "SIGTERM: Slurm requeued the job after the failure of node(s) n2 (Restarts=1)" in text, text
+    assert (f"node(s) {bad} down or not answering ({bad} no-answer): requeueing job {job} without them; the next "
+            "run resumes from the latest checkpoint") in text, text
+    assert f"SIGTERM: Slurm requeued the job after the failure of node(s) {bad} (Restarts=1)" in text, text
     assert "requeued held" not in text and "did not requeue" not in text, text
 
 
